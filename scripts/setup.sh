@@ -5,7 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -c "import torch, lightning, lightning_bytescale; print('torch', torch.__version__, 'lightning', lightning.__version__)"
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"
