@@ -6,11 +6,22 @@ A plan lists, for every rank, an ordered list of micro-batches.  A micro-batch i
 its zigzag share of the same sequences, see :mod:`.zigzag`).  Ring items carry an ``item`` id
 that is unique in the plan; members run their shared items in increasing ``item`` order, so a
 global order of items exists and point-to-point rings cannot deadlock.
+
+:meth:`Plan.validate` checks the four promises (coverage, capacity, ring membership, order),
+:meth:`Plan.digest` hashes the canonical JSON form so ranks can compare plans cheaply,
+:meth:`Plan.stats` summarises estimated load, and :meth:`Plan.to_json_dict` /
+:meth:`Plan.from_json_dict` give the documented file schema (docs/planner.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from lightning_bytescale.planner.errors import PlanError, PlanValidationError
+from lightning_bytescale.planner.zigzag import member_ranges
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,7 @@ class MicroBatch:
     item: int | None = None  # ring item id (global order key); None for local work
     offload_ratio: float = 0.0
     est_time: float = 0.0
+    exposed_time: float = 0.0  # ring transfer time not hidden behind attention (seconds, in est_time)
 
     @property
     def is_local(self) -> bool:
@@ -58,3 +70,335 @@ class Plan:
     lengths: tuple[int, ...]
     ranks: list[list[MicroBatch]]
     options: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> Plan:
+        """Check the plan's four promises; raise :class:`PlanValidationError` naming the fault.
+
+        1. every real token of every sequence is assigned exactly once (local micro-batches hold
+           whole sequences, ring members hold exactly their zigzag share);
+        2. every micro-batch fits the capacity: its slots (padding included), times the offload
+           resident fraction when it offloads, are at most ``capacity``;
+        3. every ring item appears on all of its members, once each, with the same ring, the same
+           sequences in the same order and the same offload ratio, and nowhere else;
+        4. every rank runs its ring items in strictly increasing ``item`` order, so sorting items
+           by id is a global order consistent with every rank (no P2P deadlock).
+
+        Returns the plan, so ``plan = make_plan(...).validate()`` reads naturally.
+        """
+        from lightning_bytescale.planner.cost_model import OffloadConfig, resident_tokens
+
+        world, cap, lengths = self.world_size, self.capacity, self.lengths
+        if len(self.ranks) != world:
+            raise PlanValidationError(f"plan lists {len(self.ranks)} ranks but world_size is {world}")
+        for i, s in enumerate(lengths):
+            if not isinstance(s, int) or s < 1:
+                raise PlanValidationError(f"sequence {i} has invalid length {s!r}")
+        off_opt = self.options.get("offload")
+        offload = OffloadConfig.from_json_dict(off_opt) if off_opt else None
+        covered: list[list[tuple[int, int]]] = [[] for _ in lengths]
+        items: dict[int, tuple[tuple[int, ...], tuple[int, ...], float, set[int]]] = {}
+        nseq = len(lengths)
+        for r, mbs in enumerate(self.ranks):
+            last = -1
+            for m, mb in enumerate(mbs):
+                where = f"rank {r} micro-batch {m}"
+                if not mb.pieces:
+                    raise PlanValidationError(f"{where} has no pieces")
+                if not 0.0 <= mb.offload_ratio <= 1.0:
+                    raise PlanValidationError(f"{where} has offload ratio {mb.offload_ratio} outside [0, 1]")
+                if mb.offload_ratio > 0 and offload is None:
+                    raise PlanValidationError(
+                        f"{where} offloads (ratio {mb.offload_ratio}) but the plan has no offload options"
+                    )
+                seqs = tuple(p.seq for p in mb.pieces)
+                if len(set(seqs)) != len(seqs):
+                    raise PlanValidationError(f"{where} lists a sequence twice: {seqs}")
+                for q in seqs:
+                    if not 0 <= q < nseq:
+                        raise PlanValidationError(f"{where} names sequence {q}, outside the batch of {nseq}")
+                if mb.ring is None:
+                    if mb.item is not None:
+                        raise PlanValidationError(f"{where} is local but carries ring item id {mb.item}")
+                    slots = 0
+                    for p in mb.pieces:
+                        s = lengths[p.seq]
+                        if tuple(tuple(x) for x in p.ranges) != ((0, s),):
+                            raise PlanValidationError(
+                                f"{where}: local piece of sequence {p.seq} must be the whole sequence "
+                                f"[(0, {s})], got {list(p.ranges)}"
+                            )
+                        covered[p.seq].append((0, s))
+                        slots += s
+                else:
+                    ring = tuple(mb.ring)
+                    n = len(ring)
+                    if n < 2:
+                        raise PlanValidationError(f"{where}: a single-rank ring must be a local micro-batch")
+                    if len(set(ring)) != n or any(not 0 <= x < world for x in ring):
+                        raise PlanValidationError(f"{where}: ring {ring} has repeated or out-of-range ranks")
+                    if r not in ring:
+                        raise PlanValidationError(f"{where}: rank {r} is not in its ring {ring}")
+                    if not isinstance(mb.item, int) or mb.item < 0:
+                        raise PlanValidationError(
+                            f"{where}: ring micro-batch needs an item id >= 0, got {mb.item}"
+                        )
+                    if mb.item <= last:
+                        raise PlanValidationError(
+                            f"{where}: ring item {mb.item} follows item {last}; members must run shared "
+                            "items in increasing item order"
+                        )
+                    last = mb.item
+                    member = ring.index(r)
+                    slots = 0
+                    for p in mb.pieces:
+                        s = lengths[p.seq]
+                        want = member_ranges(s, n, member)
+                        got = [tuple(x) for x in p.ranges]
+                        if got != want:
+                            raise PlanValidationError(
+                                f"{where}: sequence {p.seq} (length {s}) should hold zigzag share {want} of "
+                                f"member {member}/{n}, got {got}"
+                            )
+                        covered[p.seq].extend(want)
+                        slots += 2 * (-(-s // (2 * n)))
+                    seen = items.get(mb.item)
+                    if seen is None:
+                        items[mb.item] = (ring, seqs, mb.offload_ratio, {r})
+                    else:
+                        if seen[0] != ring or seen[1] != seqs or seen[2] != mb.offload_ratio:
+                            raise PlanValidationError(
+                                f"{where}: ring item {mb.item} differs between members (ring {seen[0]} vs "
+                                f"{ring}, sequences {seen[1]} vs {seqs}, offload {seen[2]} vs {mb.offload_ratio})"
+                            )
+                        if r in seen[3]:
+                            raise PlanValidationError(
+                                f"{where}: ring item {mb.item} appears twice on rank {r}"
+                            )
+                        seen[3].add(r)
+                resident = resident_tokens(slots, mb.offload_ratio, offload)
+                if resident > cap * (1 + 1e-12):
+                    raise PlanValidationError(
+                        f"{where} holds {slots} slots ({resident:.1f} resident at offload "
+                        f"{mb.offload_ratio}) above the capacity {cap}"
+                    )
+        for item, (ring, _, _, members) in items.items():
+            if members != set(ring):
+                missing = sorted(set(ring) - members)
+                raise PlanValidationError(
+                    f"ring item {item} on ring {ring} is missing from member rank(s) {missing}"
+                )
+        for q, ranges in enumerate(covered):
+            s = lengths[q]
+            ranges.sort()
+            pos = 0
+            for a, b in ranges:
+                if a != pos:
+                    what = "assigned twice" if a < pos else "never assigned"
+                    lo, hi = (a, pos) if a < pos else (pos, a)
+                    raise PlanValidationError(f"sequence {q} (length {s}): tokens [{lo}, {hi}) {what}")
+                pos = b
+            if pos != s:
+                raise PlanValidationError(f"sequence {q} (length {s}): tokens [{pos}, {s}) never assigned")
+        return self
+
+    # ------------------------------------------------------------------ identity
+    def _canonical(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "capacity": self.capacity,
+            "planner": self.planner,
+            "lengths": list(self.lengths),
+            "options": self.options,
+            "ranks": [[_mb_to_dict(mb) for mb in mbs] for mbs in self.ranks],
+        }
+
+    def digest(self) -> str:
+        """Stable sha256 (hex) of the canonical JSON form: same plan, same digest, any process."""
+        text = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    # ------------------------------------------------------------------ statistics
+    def rank_times(self) -> list[float]:
+        """Estimated busy seconds per rank (a 1F1B pipeline when ``pipeline_degree`` > 1)."""
+        p = int(self.options.get("pipeline_degree", 1) or 1)
+        out = []
+        for mbs in self.ranks:
+            ts = [mb.est_time for mb in mbs]
+            if p <= 1 or not ts:
+                out.append(float(sum(ts)))
+            else:
+                out.append(sum(ts) / p + (p - 1) * max(ts) / p)
+        return out
+
+    def finish_times(self) -> list[float]:
+        """Per-rank finish time when every ring item starts only once all its members are ready."""
+        clock = [0.0] * self.world_size
+        pos = [0] * self.world_size
+        ring_mbs: dict[int, list[tuple[int, MicroBatch]]] = {}
+        for r, mbs in enumerate(self.ranks):
+            for mb in mbs:
+                if mb.ring is not None:
+                    ring_mbs.setdefault(mb.item, []).append((r, mb))
+
+        def run_locals(r: int) -> None:
+            mbs = self.ranks[r]
+            while pos[r] < len(mbs) and mbs[pos[r]].ring is None:
+                clock[r] += mbs[pos[r]].est_time
+                pos[r] += 1
+
+        for item in sorted(ring_mbs):
+            members = ring_mbs[item]
+            for r, _ in members:
+                run_locals(r)
+                if self.ranks[r][pos[r]].item != item:
+                    raise PlanValidationError(
+                        f"rank {r} does not run ring item {item} in increasing item order"
+                    )
+            start = max(clock[r] for r, _ in members)
+            for r, mb in members:
+                clock[r] = start + mb.est_time
+                pos[r] += 1
+        for r in range(self.world_size):
+            run_locals(r)
+        return clock
+
+    def stats(self) -> dict:
+        """Summary numbers (all JSON-ready).
+
+        ``rank_time`` per rank and its max/mean (``max_over_mean``, the imbalance) and
+        ``bubble_fraction = 1 - mean/max``; ``makespan`` with ring members waiting for each other;
+        ``ring_bytes`` sent per step (cost model in the options); ``exposed_ring_time`` summed over
+        ranks and its per-rank max; ``cp_degree_histogram`` (ring size -> number of sequences);
+        micro-batch counts; offload use.
+        """
+        times = self.rank_times()
+        mx = max(times) if times else 0.0
+        mean = sum(times) / len(times) if times else 0.0
+        counts = [len(m) for m in self.ranks]
+        hist: dict[int, int] = {}
+        ring_bytes = 0.0
+        exposed = [0.0] * self.world_size
+        offloaded: set[int] = set()
+        kvb = float((self.options.get("cost_model") or {}).get("kv_bytes_per_token_per_layer", 0.0) or 0.0)
+        layers = int((self.options.get("cost_model") or {}).get("num_layers", 1) or 1)
+        passes = float((self.options.get("cost_model") or {}).get("comm_passes", 3.0))
+        seen_items: set[int] = set()
+        local_seqs: set[int] = set()
+        for r, mbs in enumerate(self.ranks):
+            for mb in mbs:
+                exposed[r] += mb.exposed_time
+                if mb.offload_ratio > 0:
+                    offloaded.update(p.seq for p in mb.pieces)
+                if mb.ring is None:
+                    local_seqs.update(p.seq for p in mb.pieces)
+                    continue
+                if mb.item in seen_items:
+                    continue
+                seen_items.add(mb.item)
+                n = len(mb.ring)
+                slots = 0
+                for p in mb.pieces:
+                    slots += 2 * (-(-self.lengths[p.seq] // (2 * n)))
+                    hist[n] = hist.get(n, 0) + 1
+                ring_bytes += passes * layers * n * (n - 1) * slots * kvb
+        if local_seqs:
+            hist[1] = hist.get(1, 0) + len(local_seqs)
+        finish = self.finish_times() if int(self.options.get("pipeline_degree", 1) or 1) <= 1 else times
+        return {
+            "rank_time": times,
+            "max_time": mx,
+            "mean_time": mean,
+            "max_over_mean": (mx / mean) if mean > 0 else 1.0,
+            "bubble_fraction": (1.0 - mean / mx) if mx > 0 else 0.0,
+            "makespan": max(finish) if finish else 0.0,
+            "ring_bytes": ring_bytes,
+            "exposed_ring_time": sum(exposed),
+            "max_rank_exposed_ring_time": max(exposed) if exposed else 0.0,
+            "cp_degree_histogram": {str(k): hist[k] for k in sorted(hist)},
+            "micro_batches": sum(counts),
+            "micro_batch_counts": counts,
+            "min_micro_batches": min(counts) if counts else 0,
+            "max_micro_batches": max(counts) if counts else 0,
+            "ring_items": len(seen_items),
+            "offloaded_sequences": len(offloaded),
+            "num_sequences": len(self.lengths),
+            "num_tokens": sum(self.lengths),
+        }
+
+    # ------------------------------------------------------------------ files
+    def to_json_dict(self, *, with_stats: bool = True) -> dict:
+        """The documented plan schema (docs/planner.md)."""
+        out = {
+            "world_size": self.world_size,
+            "capacity": self.capacity,
+            "planner": self.planner,
+            "digest": self.digest(),
+            "lengths": list(self.lengths),
+            "options": self.options,
+            "ranks": [
+                {"rank": r, "micro_batches": [_mb_to_dict(mb) for mb in mbs]}
+                for r, mbs in enumerate(self.ranks)
+            ],
+        }
+        if with_stats:
+            out["stats"] = self.stats()
+        return out
+
+    @classmethod
+    def from_json_dict(cls, data: dict, *, check_digest: bool = True) -> Plan:
+        """Rebuild a plan written by :meth:`to_json_dict`; the digest must match when present."""
+        try:
+            ranks_in = sorted(data["ranks"], key=lambda e: e["rank"])
+            if [e["rank"] for e in ranks_in] != list(range(len(ranks_in))):
+                raise PlanError("plan file ranks must be numbered 0..world_size-1 without gaps")
+            ranks = [[_mb_from_dict(m) for m in e["micro_batches"]] for e in ranks_in]
+            plan = cls(
+                world_size=int(data["world_size"]),
+                capacity=int(data["capacity"]),
+                planner=str(data["planner"]),
+                lengths=tuple(int(x) for x in data["lengths"]),
+                ranks=ranks,
+                options=dict(data.get("options") or {}),
+            )
+        except (KeyError, TypeError) as err:
+            raise PlanError(
+                f"malformed plan dict ({err!r}); expected the schema of Plan.to_json_dict"
+            ) from err
+        if check_digest and "digest" in data and data["digest"] != plan.digest():
+            raise PlanError(
+                f"plan digest {data['digest']} does not match its contents ({plan.digest()}); the file was "
+                "edited or written by another version"
+            )
+        return plan
+
+
+def _mb_to_dict(mb: MicroBatch) -> dict:
+    return {
+        "ring": None if mb.ring is None else list(mb.ring),
+        "item": mb.item,
+        "offload_ratio": mb.offload_ratio,
+        "est_time": mb.est_time,
+        "exposed_time": mb.exposed_time,
+        "pieces": [{"seq": p.seq, "ranges": [list(x) for x in p.ranges]} for p in mb.pieces],
+    }
+
+
+def _mb_from_dict(d: dict) -> MicroBatch:
+    ring = d.get("ring")
+    return MicroBatch(
+        pieces=[Piece(int(p["seq"]), tuple((int(a), int(b)) for a, b in p["ranges"])) for p in d["pieces"]],
+        ring=None if ring is None else tuple(int(x) for x in ring),
+        item=None if d.get("item") is None else int(d["item"]),
+        offload_ratio=float(d.get("offload_ratio", 0.0)),
+        est_time=float(d.get("est_time", 0.0)),
+        exposed_time=float(d.get("exposed_time", 0.0)),
+    )
+
+
+def plans_equal(a: Plan, b: Plan) -> bool:
+    """Same contents (ignores object identity)."""
+    return a.digest() == b.digest()
+
+
+__all__: Sequence[str] = ("MicroBatch", "Piece", "Plan", "PlanError", "PlanValidationError", "plans_equal")

@@ -1,0 +1,25 @@
+"""Packed causal attention: local variable-length attention and zigzag ring attention.
+
+A model calls :func:`attention`; the engine sets the micro-batch's layout with
+:func:`attention_context`.  Local micro-batches run varlen attention with no communication;
+sharded ones run zigzag ring attention over P2P on the global process group.
+"""
+
+from lightning_bytescale.attention.api import AttentionShapeError, attention
+from lightning_bytescale.attention.comm import comm_stats, reset_comm_stats
+from lightning_bytescale.attention.context import attention_context, current_layout
+from lightning_bytescale.attention.layout import AttentionLayout
+from lightning_bytescale.attention.ring import RingLayoutError, ring_attention, set_overlap
+
+__all__ = [
+    "AttentionLayout",
+    "AttentionShapeError",
+    "RingLayoutError",
+    "attention",
+    "attention_context",
+    "comm_stats",
+    "current_layout",
+    "reset_comm_stats",
+    "ring_attention",
+    "set_overlap",
+]

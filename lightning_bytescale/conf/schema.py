@@ -1,0 +1,195 @@
+"""Structured-config schemas for the Hydra groups under ``conf/``.
+
+Each group's YAML files start with ``defaults: [base_<group>, _self_]``, which attaches the
+dataclass below as the schema: an unknown key or a value of the wrong type then fails when the
+config is composed (with the key's full path in the message), before any process starts.
+The primary config ``pretrain.yaml`` attaches `PretrainConfig` the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from omegaconf import MISSING
+
+# OmegaConf reads these annotations at runtime: keep them to the types it knows (int, float,
+# bool, str, Enum, list/dict of those, ``X | None``, Any).  Closed choices are Enums, so that a
+# typo fails at compose time listing the valid values; the recipe hands plain strings to the
+# targets (``enum_to_str``).
+
+
+class Planner(str, Enum):
+    static = "static"
+    naive = "naive"
+    balance = "balance"
+
+
+class StartMethod(str, Enum):
+    popen = "popen"
+    spawn = "spawn"
+    fork = "fork"
+
+
+class LongDocumentPolicy(str, Enum):
+    split = "split"
+    truncate = "truncate"
+    drop = "drop"
+    error = "error"
+
+
+class EmptySamplePolicy(str, Enum):
+    drop = "drop"
+    error = "error"
+
+
+class BudgetMode(str, Enum):
+    window = "window"
+    strict = "strict"
+
+
+@dataclass
+class StrategyConfig:
+    """`lightning_bytescale.strategy.ByteScaleStrategy` options."""
+
+    _target_: str = "lightning_bytescale.strategy.ByteScaleStrategy"
+    planner: Planner = Planner.balance
+    capacity: int = 2048  # token capacity C per rank and micro-batch
+    cp_size: int | None = None  # ring size of the static planner (None: as needed)
+    offload: bool = False  # let long sequences offload activations to need fewer ranks
+    slack: float = 0.05  # balance scheduler slack (delta)
+    zero1: bool = False  # shard optimizer state over all ranks (ZeroRedundancyOptimizer)
+    timeout: float = 300.0  # seconds before a collective or P2P wait fails
+    seed: int = "${seed}"  # type: ignore[assignment]  # planning seed, the same on every rank
+    check_finite: bool = True  # stop on a non-finite loss/gradient, naming the micro-batch
+    start_method: StartMethod = StartMethod.popen  # multirun forces spawn
+
+
+@dataclass
+class DataConfig:
+    """`lightning_bytescale.data.datamodule.ByteScaleDataModule` options (docs/data.md)."""
+
+    _target_: str = "lightning_bytescale.data.datamodule.ByteScaleDataModule"
+    source: Any = None  # None: Python's stdlib sources; a path/glob, "github", "byted", "hf:<name>"
+    tokenizer: str | None = "byte"  # "byte": UTF-8 bytes (vocab 257); a path: a tokenizers JSON file
+    cache_dir: str | None = None  # token stores; None: $BYTESCALE_DATA_CACHE or ~/.cache/...
+    rebuild: bool = False
+    tokens_per_step: int = 16384  # the global batch's token budget
+    context_length: int | None = 4096  # longest sample (None: world_size * capacity)
+    long_document_policy: LongDocumentPolicy = LongDocumentPolicy.split
+    empty_sample_policy: EmptySamplePolicy = EmptySamplePolicy.drop
+    min_tokens: int = 2
+    budget_mode: BudgetMode = BudgetMode.window
+    seed: int = "${seed}"  # type: ignore[assignment]
+    shuffle: bool = True
+    drop_last: bool = False
+    val_fraction: float = 0.0
+    num_workers: int = 1  # loader workers that plan and pack the next steps (0: inline)
+    prefetch_factor: int | None = None
+    validate_plans: bool = True
+
+
+@dataclass
+class ModelConfig:
+    """`lightning_bytescale.recipes_module.PretrainModule` options."""
+
+    _target_: str = "lightning_bytescale.recipes_module.PretrainModule"
+    preset: str = "tiny"  # a LlamaConfig preset: tiny, small, 125m, 1b, 7b, 13b, 70b
+    vocab: int | None = None  # None: the data module's tokenizer vocabulary
+    overrides: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields, e.g. {layers: 4}
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    """`lightning.pytorch.Trainer` arguments the recipes use (others: add them here)."""
+
+    _target_: str = "lightning.pytorch.Trainer"
+    accelerator: str = "cpu"
+    devices: Any = 2
+    num_nodes: int = 1
+    precision: Any = "32-true"
+    max_steps: int = -1
+    max_epochs: int | None = None
+    max_time: str | None = None  # "DD:HH:MM:SS"
+    gradient_clip_val: float | None = 1.0
+    log_every_n_steps: int = 1
+    limit_train_batches: Any | None = None
+    limit_val_batches: Any | None = 0
+    num_sanity_val_steps: int = 0
+    val_check_interval: Any | None = None
+    enable_checkpointing: bool = True
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = True
+    use_distributed_sampler: bool = False
+    accumulate_grad_batches: int = 1
+    deterministic: Any | None = None
+    default_root_dir: str | None = "${run_dir}"
+
+
+@dataclass
+class WandbLoggerConfig:
+    """`lightning.pytorch.loggers.WandbLogger`; ``offline: null`` = offline unless an API key is set."""
+
+    _target_: str = "lightning.pytorch.loggers.WandbLogger"
+    project: str = "lightning-bytescale"
+    name: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    entity: str | None = None
+    offline: bool | None = None
+    save_dir: str = "${run_dir}"
+    log_model: bool = False
+    job_type: str = "pretrain"
+
+
+@dataclass
+class CSVLoggerConfig:
+    _target_: str = "lightning.pytorch.loggers.CSVLogger"
+    save_dir: str = "${run_dir}"
+    name: str = "csv"
+    version: Any | None = None
+    flush_logs_every_n_steps: int = 10
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    _target_: str = "lightning.pytorch.loggers.TensorBoardLogger"
+    save_dir: str = "${run_dir}"
+    name: str = "tensorboard"
+    version: Any | None = None
+
+
+@dataclass
+class TelemetryConfig:
+    """`lightning_bytescale.telemetry.TelemetryCallback` options."""
+
+    _target_: str = "lightning_bytescale.telemetry.TelemetryCallback"
+    peak_tflops: float | None = None  # per device; None: a table of GPUs, a nominal CPU core
+    charts_every_n_steps: int = 50
+    per_rank_limit: int = 64
+    prog_bar: bool = True
+
+
+@dataclass
+class PretrainConfig:
+    """The primary config: one group per component plus run-level keys."""
+
+    strategy: Any = MISSING
+    data: Any = MISSING
+    model: Any = MISSING
+    trainer: Any = MISSING
+    logger: Any = None  # null: no logger
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    name: str = "pretrain"  # run name (W&B run name, output folder)
+    seed: int = 1234
+    run_dir: str = "${hydra:runtime.output_dir}"
+    ckpt_path: str | None = None  # resume from this checkpoint, e.g. <run_dir>/checkpoints/last.ckpt
+    checkpoint_every_n_steps: int | None = None  # None: a checkpoint at the end of training only
+    float32_matmul_precision: str | None = None  # "high" on recent GPUs
+    print_config: bool = False

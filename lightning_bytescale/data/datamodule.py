@@ -1,0 +1,339 @@
+"""`ByteScaleDataModule`: documents in, one packed `StepBatch` per rank per step out.
+
+Flow: a source (text files, JSONL, synthetic ``github``/``byted``, Hugging Face) is tokenized
+once into a memory-mapped token store (``prepare_data``, local rank 0 of each node); every rank
+opens the store, applies the empty-sample and long-document policies to the length index,
+cuts the token-budgeted global batches, and loads only its own share of each step's plan
+(``setup`` and the dataloaders).  See ``docs/data.md``.
+
+Planner options come from the strategy when it offers ``planner_options()`` (so the loader
+plans exactly what the strategy runs), else from this module's arguments.  The rank and world
+size come from the trainer, or from ``rank=`` / ``world_size=`` for standalone use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+
+from lightning_bytescale.data.errors import DataError
+from lightning_bytescale.data.loader import StepDataset, StepLoader
+from lightning_bytescale.data.policy import Samples, make_samples
+from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
+from lightning_bytescale.data.sources import Source, make_source
+from lightning_bytescale.data.store import META_FILE, TokenStore, write_store
+from lightning_bytescale.data.tokenizer import Tokenizer, load_tokenizer
+
+PLANNER_KEYS = ("planner", "capacity", "cp_size", "offload", "slack", "cost_model")
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("BYTESCALE_DATA_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "lightning_bytescale" / "data"
+
+
+class ByteScaleDataModule(pl.LightningDataModule):
+    """Token store, token-budgeted global batches and per-rank step loaders.
+
+    Args:
+        source: where documents come from: ``None`` (Python's stdlib ``*.py`` files), a folder
+            or glob of text files, a ``.jsonl`` path or glob, ``"github"`` / ``"byted"``
+            (synthetic), ``"hf:<name>"``, a dict ``{"kind": ..., **options}`` or a source object.
+        tokenizer: ``None`` / ``"byte"`` (bytes + an end-of-document token, vocabulary 257) or
+            the path of a ``tokenizers`` JSON file.
+        cache_dir: folder for token stores (default ``$BYTESCALE_DATA_CACHE`` or
+            ``~/.cache/lightning_bytescale/data``); one sub-folder per source and tokenizer.
+        rebuild: rebuild the token store in ``prepare_data`` even if one exists.
+        context_length: the longest sample; longer documents follow ``long_document_policy``.
+            ``None``: the pool, ``world_size * capacity``.  It is capped at the pool in any case.
+        long_document_policy: ``split`` (default) | ``truncate`` | ``drop`` | ``error``.
+        empty_sample_policy: ``drop`` (default) | ``error``, for documents below ``min_tokens``.
+        min_tokens: the shortest usable sample (default 2: one token has nothing to predict).
+        tokens_per_step: the global batch's token budget.
+        budget_mode: ``window`` (default, equal steps per epoch) | ``strict`` (never above budget).
+        seed: shuffling and planning seed (identical on every rank).
+        shuffle: shuffle samples every epoch.
+        drop_last: drop each epoch's final, partly filled step.
+        planner, capacity, cp_size, offload, slack, cost_model: planner options, used when the
+            strategy has no ``planner_options()``; ``None`` leaves the planner's default.
+        planner_options: extra keyword arguments for ``make_plan``.
+        val_fraction: fraction of documents held out for validation (0: no validation loader).
+        num_workers: loader worker processes that plan and pack the next steps (0: inline).
+        prefetch_factor: steps each worker prepares ahead (default 2).
+        rank, world_size: this process's rank and the world size, for use without a trainer.
+        validate_plans: run ``Plan.validate()`` on every plan.
+    """
+
+    def __init__(
+        self,
+        source: str | dict | Source | None = None,
+        tokenizer: str | Path | Tokenizer | None = None,
+        cache_dir: str | Path | None = None,
+        rebuild: bool = False,
+        context_length: int | None = None,
+        long_document_policy: str = "split",
+        empty_sample_policy: str = "drop",
+        min_tokens: int = 2,
+        tokens_per_step: int = 32768,
+        budget_mode: str = "window",
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        planner: str | None = "balance",
+        capacity: int | None = 4096,
+        cp_size: int | None = None,
+        offload: Any = None,
+        slack: float | None = None,
+        cost_model: Any = None,
+        planner_options: dict | None = None,
+        val_fraction: float = 0.0,
+        num_workers: int = 1,
+        prefetch_factor: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        validate_plans: bool = True,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
+        if tokens_per_step < 1:
+            raise DataError(f"tokens_per_step={tokens_per_step} must be positive")
+        if num_workers < 0:
+            raise DataError(f"num_workers={num_workers} must be >= 0")
+        self.source = make_source(source)
+        self._tokenizer_spec = tokenizer
+        self._tokenizer: Tokenizer | None = None
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.rebuild = rebuild
+        self.context_length = context_length
+        self.long_document_policy = long_document_policy
+        self.empty_sample_policy = empty_sample_policy
+        self.min_tokens = min_tokens
+        self.tokens_per_step = tokens_per_step
+        self.budget_mode = budget_mode
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self._own_planner_options = dict(
+            planner=planner, capacity=capacity, cp_size=cp_size, offload=offload, slack=slack,
+            cost_model=cost_model, **(planner_options or {}),
+        )  # fmt: skip
+        self.val_fraction = val_fraction
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self._rank, self._world_size = rank, world_size
+        self.validate_plans = validate_plans
+        self.store: TokenStore | None = None
+        self.train_samples: Samples | None = None
+        self.val_samples: Samples | None = None
+        self.max_length: int | None = None
+        self._train_loader: StepLoader | None = None
+        self._pending_state: dict | None = None
+        self._store_dir: Path | None = None
+
+    # ----------------------------------------------------------------------------------- parts
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self._tokenizer_spec)
+        return self._tokenizer
+
+    @property
+    def store_dir(self) -> Path:
+        """``cache_dir/store-<hash of the source and tokenizer fingerprints>`` (computed once)."""
+        if self._store_dir is None:
+            key = f"{self.source.fingerprint}|{self.tokenizer.fingerprint}"
+            self._store_dir = self.cache_dir / f"store-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        return self._store_dir
+
+    @property
+    def rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        trainer = self._trainer_or_none()
+        return int(trainer.global_rank) if trainer is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        if self._world_size is not None:
+            return self._world_size
+        trainer = self._trainer_or_none()
+        return int(trainer.world_size) if trainer is not None else 1
+
+    def _trainer_or_none(self):
+        return getattr(self, "trainer", None)
+
+    def _strategy_options(self) -> dict | None:
+        trainer = self._trainer_or_none()
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        fn = getattr(strategy, "planner_options", None)
+        return dict(fn()) if callable(fn) else None
+
+    def planner_options(self) -> dict:
+        """The ``make_plan`` options (without the seed): the strategy's ``planner_options()``
+        if it has one, else this module's arguments.  ``None`` values are left out."""
+        opts = self._strategy_options()
+        if opts is None:
+            opts = dict(self._own_planner_options)
+        opts.pop("seed", None)
+        return {k: v for k, v in opts.items() if v is not None}
+
+    def plan_seed(self) -> int:
+        """The base of every step's planning seed: the strategy's ``seed`` if it gives one."""
+        opts = self._strategy_options() or {}
+        return int(opts["seed"]) if opts.get("seed") is not None else int(self.seed)
+
+    def pool_tokens(self, want: int | None = None) -> int | None:
+        """The longest sequence (at most ``want``) the planner can place (None: no capacity).
+
+        ``want`` defaults to ``world_size * capacity``.  Lengths above one rank's capacity are
+        checked with the planner itself, so ``static``'s CP degree and offload are taken into
+        account; the longest length the planner accepts is returned.
+        """
+        opts = self.planner_options()
+        cap = opts.get("capacity")
+        if cap is None:
+            return None
+        cap = int(cap)
+        if cap < 2:
+            raise DataError(f"capacity={cap} must be at least 2 tokens per rank")
+        if want is None:
+            want = self.world_size * cap
+        if want <= cap:
+            return want
+
+        from lightning_bytescale.planner import PlanError, make_plan
+
+        def fits(n: int) -> bool:
+            try:
+                make_plan((n,), world_size=self.world_size, **{**opts, "seed": 0})
+            except PlanError:
+                return False
+            return True
+
+        if fits(want):
+            return want
+        lo, hi = cap, want  # lo fits, hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    # ------------------------------------------------------------------------------- lifecycle
+    def prepare_data(self) -> None:
+        """Build the token store once (no state is set here)."""
+        directory = self.store_dir
+        if self.rebuild and directory.exists():
+            shutil.rmtree(directory)
+        if (directory / META_FILE).exists():
+            return
+        tok = self.tokenizer
+        write_store(
+            directory,
+            self.source.iter_documents(tok.vocab_size),
+            tok.encode_batch,
+            tok.vocab_size,
+            meta={"source": self.source.fingerprint, "tokenizer": tok.fingerprint},
+        )
+
+    def setup(self, stage: str | None = None) -> None:
+        self.store = TokenStore.open(self.store_dir)
+        pool = self.pool_tokens(self.context_length)
+        max_len = self.context_length if self.context_length is not None else pool
+        if max_len is None:
+            raise DataError("set context_length (or capacity, so the pool bounds the context)")
+        if pool is not None and max_len > pool:
+            warnings.warn(
+                f"context_length {max_len} is more than the pool can hold (world_size "
+                f"{self.world_size} x capacity {self.planner_options().get('capacity')}"
+                f"{', with offload' if self.planner_options().get('offload') else ''}: {pool} tokens); "
+                f"samples are limited to {pool} tokens and longer documents follow "
+                f"long_document_policy={self.long_document_policy!r}",
+                stacklevel=2,
+            )
+            max_len = pool
+        self.max_length = int(max_len)
+        train_docs, val_docs = self._split_documents()
+        self.train_samples = self._samples(train_docs, "the training data")
+        longest = int(self.train_samples.length.max())
+        if self.tokens_per_step < longest:
+            raise DataError(
+                f"tokens_per_step={self.tokens_per_step} is smaller than the longest sample ({longest} "
+                f"tokens); raise tokens_per_step to at least the context length ({self.max_length})"
+            )
+        self.val_samples = self._samples(val_docs, "the validation split") if val_docs is not None else None
+
+    def _split_documents(self) -> tuple[np.ndarray, np.ndarray | None]:
+        n = self.store.num_docs
+        if self.val_fraction <= 0:
+            return np.arange(n), None
+        perm = np.random.default_rng([self.seed, 7]).permutation(n)
+        k = max(1, round(n * self.val_fraction))
+        if k >= n:
+            raise DataError(f"val_fraction={self.val_fraction} leaves no training documents of {n}")
+        return np.sort(perm[k:]), np.sort(perm[:k])
+
+    def _samples(self, docs: np.ndarray, where: str) -> Samples:
+        s = make_samples(
+            self.store.lengths[docs],
+            self.max_length,
+            self.long_document_policy,
+            self.empty_sample_policy,
+            self.min_tokens,
+            where=f"{where} ({self.store.directory})",
+        )
+        s.doc = docs[s.doc]  # positions in the subset -> document ids in the store
+        return s
+
+    # ----------------------------------------------------------------------------- dataloaders
+    def _loader(self, samples: Samples | None, shuffle: bool, split: str) -> StepLoader:
+        if self.store is None or samples is None:
+            raise DataError("call setup() before asking for a dataloader")
+        batching = GlobalBatching(
+            samples.length, self.tokens_per_step, self.seed, shuffle, self.budget_mode, self.drop_last
+        )
+        dataset = StepDataset(
+            self.store, samples, batching, self.rank, self.world_size,
+            self.planner_options(), self.plan_seed(), self.validate_plans, split,
+        )  # fmt: skip
+        sampler = TokenBudgetBatchSampler(batching, self.world_size, self.rank)
+        return StepLoader(
+            dataset, sampler, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor
+        )
+
+    def train_dataloader(self) -> StepLoader:
+        loader = self._loader(self.train_samples, self.shuffle, "train")
+        if self._pending_state:
+            loader.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self._train_loader = loader
+        return loader
+
+    def val_dataloader(self) -> StepLoader | list:
+        """Global batches of the held-out documents, in order, planned like training."""
+        if self.val_samples is None:
+            return []
+        loader = self._loader(self.val_samples, shuffle=False, split="val")
+        loader.restart_each_iter = True
+        return loader
+
+    # ---------------------------------------------------------------------------------- resume
+    def state_dict(self) -> dict:
+        """The training position (also saved by Lightning's fit loop through the loader)."""
+        return {"train": self._train_loader.state_dict()} if self._train_loader is not None else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        train = state_dict.get("train")
+        if not train:
+            return
+        if self._train_loader is not None:
+            self._train_loader.load_state_dict(train)
+        else:
+            self._pending_state = train

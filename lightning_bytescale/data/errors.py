@@ -1,0 +1,30 @@
+"""Errors the data pipeline raises, each naming the cause and the fix.
+
+All are ``ValueError`` subclasses so callers that catch bad input generically still work.
+"""
+
+from __future__ import annotations
+
+
+class DataError(ValueError):
+    """Bad data or a bad data configuration."""
+
+
+class CorruptIndexError(DataError):
+    """The token store's files are missing, truncated or inconsistent."""
+
+
+class EmptySampleError(DataError):
+    """A document has too few tokens and the empty-sample policy is ``"error"``."""
+
+
+class LongDocumentError(DataError):
+    """A document is longer than the context length and the long-document policy is ``"error"``."""
+
+
+class EmptyDatasetError(DataError):
+    """No sample is left to train on."""
+
+
+class ResumeMismatchError(DataError):
+    """A saved loader position does not belong to this dataset or batching configuration."""

@@ -1,0 +1,154 @@
+"""The per-rank step loader: one :class:`StepBatch` per step, the same number on every rank.
+
+Every rank walks the same global batches (:mod:`.sampler`), plans each one with the same
+planner options and seed (so every rank computes the same plan and digest, without a central
+server), and packs only its own micro-batches with
+:func:`lightning_bytescale.engine.packing.build_step`.  Planning and packing run in the
+loader's worker processes (``num_workers >= 1``), so the next step's plan and tensors are
+ready while the current step trains; ``num_workers=0`` does the same work inline.
+
+The loader is a torchdata :class:`StatefulDataLoader` (``batch_size=None``: the sampler's keys
+go straight to the dataset), so Lightning saves and restores it with the fit loop.  Its state
+is the *consumed* position (epoch, next step) of the sampler, not torchdata's worker
+snapshot: a position is valid for any number of workers and any world size, and the same
+global batches follow after a resume (re-planned for the new world size).  Steps that workers
+prepared ahead but that were not yet handed out are not counted.  (Lightning's fit loop does
+not fetch ahead of training for loaders with a length, so the consumed position is the
+trained position.)
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightning_bytescale.data.errors import DataError
+from lightning_bytescale.data.policy import Samples
+from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
+from lightning_bytescale.data.store import TokenStore
+from lightning_bytescale.engine.batch import StepBatch
+
+
+def plan_seed(seed: int, epoch: int, step: int) -> int:
+    """The planner's seed for one step: the same on every rank, different per step."""
+    return int(np.random.SeedSequence([seed, epoch, step]).generate_state(1)[0])
+
+
+def _make_plan(lengths: tuple[int, ...], world_size: int, seed: int, options: dict):
+    from lightning_bytescale.planner import make_plan
+
+    params = inspect.signature(make_plan).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(k for k in options if k not in params)
+        if unknown:
+            raise DataError(
+                f"planner options {unknown} are not accepted by make_plan; accepted: "
+                f"{sorted(k for k in params if k not in ('lengths', 'world_size', 'seed'))}"
+            )
+    return make_plan(lengths, world_size=world_size, seed=seed, **options)
+
+
+@dataclass
+class StepDataset(Dataset):
+    """Map-style: ``(epoch, step)`` -> this rank's :class:`StepBatch` of that global batch."""
+
+    store: TokenStore
+    samples: Samples
+    batching: GlobalBatching
+    rank: int
+    world_size: int
+    plan_options: dict = field(default_factory=dict)  # make_plan keyword arguments
+    seed: int = 0
+    validate_plans: bool = True
+    split: str = "train"  # tagged into every batch's stats
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise DataError(f"rank {self.rank} is outside world size {self.world_size}")
+        self.plan_options = {k: v for k, v in self.plan_options.items() if v is not None}
+
+    def sample_ids(self, epoch: int, step: int) -> np.ndarray:
+        return self.batching.batches(epoch)[step]
+
+    def tokens(self, sample: int) -> np.ndarray:
+        s = self.samples
+        return self.store.read(int(s.doc[sample]), int(s.start[sample]), int(s.length[sample]))
+
+    def plan(self, epoch: int, step: int):
+        ids = self.sample_ids(epoch, step)
+        lengths = tuple(int(n) for n in self.samples.length[ids])
+        plan = _make_plan(lengths, self.world_size, plan_seed(self.seed, epoch, step), self.plan_options)
+        if self.validate_plans and callable(getattr(plan, "validate", None)):
+            plan.validate()
+        return plan
+
+    def __getitem__(self, key: tuple[int, int]) -> StepBatch:
+        from lightning_bytescale.engine.packing import build_step
+
+        epoch, step = key
+        ids = self.sample_ids(epoch, step)
+        batch = build_step(self.plan(epoch, step), self.rank, lambda j: self.tokens(int(ids[j])), step=step)
+        batch.stats = dict(batch.stats, epoch=epoch, split=self.split)
+        return batch
+
+    def __len__(self) -> int:
+        return self.batching.num_steps(0)
+
+
+def _identity(x):
+    return x
+
+
+class StepLoader(StatefulDataLoader):
+    """Yields this rank's :class:`StepBatch` for each step; ``len`` is the steps of the epoch."""
+
+    def __init__(
+        self,
+        dataset: StepDataset,
+        sampler: TokenBudgetBatchSampler,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        timeout: float = 0,
+        multiprocessing_context=None,
+        **kwargs,
+    ) -> None:
+        sampler.track_yields = False
+        self.restart_each_iter = False  # validation: every pass starts at step 0
+        kwargs.pop("batch_size", None)
+        kwargs.pop("collate_fn", None)
+        super().__init__(
+            dataset,
+            batch_size=None,
+            sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=_identity,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers and num_workers > 0,
+            timeout=timeout,
+            multiprocessing_context=multiprocessing_context,
+            **kwargs,
+        )
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        sampler: TokenBudgetBatchSampler = self.sampler  # type: ignore[assignment]
+        if self.restart_each_iter:
+            sampler.epoch, sampler.step = 0, 0
+        epoch = sampler.epoch
+        for batch in super().__iter__():
+            sampler.mark_consumed(epoch, batch.step)
+            yield batch
+
+    def state_dict(self) -> dict:
+        """``{"epoch", "step", "batching"}``: the next step to train on and what it belongs to."""
+        return self.sampler.state_dict()  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.sampler.load_state_dict(state_dict)  # type: ignore[attr-defined]

@@ -1,0 +1,338 @@
+"""Run one HDP step on plain ``torch.distributed``: this rank's micro-batches, then one all-reduce.
+
+Each rank runs forward and backward on *its own* micro-batches (their number differs between
+ranks), accumulating gradients locally, with no barrier between micro-batches; ring
+micro-batches synchronise only the members of their ring, through attention's P2P calls.
+Then every rank -- also one with no micro-batch at all -- joins exactly one all-reduce (sum)
+of all gradients, flattened into one buffer that can also carry extra scalars (the loss sum,
+token counts, per-rank busy time).  Because every micro-batch's loss is already divided by the
+global token count (:func:`~lightning_bytescale.engine.loss.token_loss`), that sum is the
+gradient of the global token-mean loss.
+
+The pieces are separate so that the Lightning strategy can reuse them:
+:func:`run_micro_batch` / :func:`run_micro_batches` for the loop and
+:func:`allreduce_gradients` for the synchronisation; :func:`run_step` composes the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
+from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
+
+ForwardFn = Callable[[nn.Module, PackedMicroBatch], torch.Tensor]
+BackwardFn = Callable[[torch.Tensor], None]
+ContextFactory = Callable[[PackedMicroBatch], AbstractContextManager]
+
+
+class StepError(RuntimeError):
+    """The ranks disagree about a step (e.g. they ran different plans)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient of the step is NaN or infinite (raised on every rank together)."""
+
+
+def default_forward(model: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:
+    """``model(input_ids, position_ids) -> logits [T, V]``, then the global-token-normalised loss."""
+    logits = model(mb.input_ids, mb.position_ids)
+    return token_loss(logits, mb.labels, mb.num_global_tokens)
+
+
+def move_micro_batch(mb: PackedMicroBatch, device: torch.device | str) -> PackedMicroBatch:
+    """A copy of ``mb`` with its tensors (and the layout's ``cu_seqlens``) on ``device``."""
+    device = torch.device(device)
+    if mb.input_ids.device == device:
+        return mb
+    layout = dataclasses.replace(mb.layout, cu_seqlens=mb.layout.cu_seqlens.to(device))
+    return dataclasses.replace(
+        mb,
+        input_ids=mb.input_ids.to(device, non_blocking=True),
+        labels=mb.labels.to(device, non_blocking=True),
+        position_ids=mb.position_ids.to(device, non_blocking=True),
+        layout=layout,
+    )
+
+
+@dataclass
+class MicroBatchResult:
+    index: int
+    loss: float  # this micro-batch's contribution to the global loss (already / global tokens)
+    loss_tokens: int
+    seconds: float
+    ring_size: int
+    seq_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class LocalResult:
+    """What one rank's micro-batch loop produced, before the all-reduce."""
+
+    loss: torch.Tensor  # 0-d, detached: sum of this rank's loss contributions
+    loss_tokens: int
+    micro_batches: list[MicroBatchResult] = field(default_factory=list)
+
+    @property
+    def busy_seconds(self) -> float:
+        return sum(m.seconds for m in self.micro_batches)
+
+
+@dataclass
+class StepResult:
+    """One step's outcome on one rank (the reduced values are identical on every rank)."""
+
+    loss: float  # global token-mean loss
+    loss_tensor: torch.Tensor  # 0-d, the same value
+    local: LocalResult  # this rank's own part
+    busy_seconds: list[float]  # measured forward+backward time of every rank (index = group rank)
+    extra: torch.Tensor | None = None  # the caller's extra values, summed over ranks
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.local.micro_batches)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_micro_batch(
+    model: nn.Module,
+    mb: PackedMicroBatch,
+    *,
+    forward: ForwardFn | None = None,
+    backward: BackwardFn | None = None,
+    micro_batch_context: ContextFactory | None = None,
+    sync_timing: bool = False,
+    p2p_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Forward and backward of one micro-batch inside its attention layout.
+
+    Returns the detached loss contribution and the wall time.  ``micro_batch_context(mb)``
+    (e.g. activation offload) wraps forward and backward, outside the attention context.
+    ``p2p_group`` is the group ring attention sends on (default: the global group; ring peers
+    are always global ranks).
+    """
+    from lightning_bytescale.attention import attention_context
+
+    forward = forward or default_forward
+    outer = micro_batch_context(mb) if micro_batch_context is not None else contextlib.nullcontext()
+    device = mb.input_ids.device
+    if sync_timing:
+        _sync(device)
+    start = time.perf_counter()
+    with outer, attention_context(mb.layout, group=p2p_group):
+        loss = forward(model, mb)
+        if loss.dim() != 0:
+            raise ValueError(f"forward must return a scalar loss, got shape {tuple(loss.shape)}")
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
+    if sync_timing:
+        _sync(device)
+    return loss.detach(), time.perf_counter() - start
+
+
+def run_micro_batches(
+    model: nn.Module,
+    micro_batches: Sequence[PackedMicroBatch],
+    *,
+    forward: ForwardFn | None = None,
+    backward: BackwardFn | None = None,
+    micro_batch_context: ContextFactory | None = None,
+    sync_timing: bool = False,
+    p2p_group: dist.ProcessGroup | None = None,
+) -> LocalResult:
+    """This rank's micro-batches in order, gradients accumulating locally, no barriers."""
+    total: torch.Tensor | None = None
+    tokens = 0
+    results: list[MicroBatchResult] = []
+    for mb in micro_batches:
+        loss, seconds = run_micro_batch(
+            model,
+            mb,
+            forward=forward,
+            backward=backward,
+            micro_batch_context=micro_batch_context,
+            sync_timing=sync_timing,
+            p2p_group=p2p_group,
+        )
+        n = int((mb.labels != IGNORE_INDEX).sum())
+        tokens += n
+        total = loss if total is None else total + loss
+        results.append(
+            MicroBatchResult(mb.index, float(loss), n, seconds, mb.layout.ring_size, tuple(mb.seq_ids))
+        )
+    if total is None:
+        total = torch.zeros((), dtype=torch.float64)
+    return LocalResult(loss=total, loss_tokens=tokens, micro_batches=results)
+
+
+def _reduce_dtype(params: Sequence[nn.Parameter]) -> torch.dtype:
+    dtype = torch.float32
+    for p in params:
+        dtype = torch.promote_types(dtype, p.grad.dtype if p.grad is not None else p.dtype)
+    return dtype
+
+
+def allreduce_gradients(
+    params: Iterable[nn.Parameter],
+    group: dist.ProcessGroup | None = None,
+    extra: torch.Tensor | None = None,
+    *,
+    reduce_dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """Sum every gradient (and ``extra``) over all ranks of ``group`` with ONE all-reduce.
+
+    All gradients are flattened into one buffer (``reduce_dtype``; default the widest of the
+    gradients' dtypes and float32, so bf16 gradients are summed in float32) with ``extra``
+    appended (cast to that dtype); a parameter without a gradient contributes zeros, so every rank -- also one that
+    ran no micro-batch -- sends the same shapes.  Afterwards every ``p.grad`` holds the sum.
+    Returns ``extra`` summed over ranks (``None`` when no ``extra`` was given).  Without an
+    initialised process group this is the identity (single process).
+    """
+    params = [p for p in params if p.requires_grad]
+    if extra is not None:
+        extra = extra.detach().reshape(-1)
+    dtype = reduce_dtype or _reduce_dtype(params)
+    device = params[0].device if params else (extra.device if extra is not None else torch.device("cpu"))
+    parts = [
+        (p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=device))
+        for p in params
+    ]
+    if extra is not None:
+        parts.append(extra.to(device))
+    if not parts:
+        return None
+    flat = torch.cat([t.to(dtype) for t in parts])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        view = flat[offset : offset + n].view_as(p)
+        if p.grad is None:
+            p.grad = view.to(p.dtype, copy=True)
+        else:
+            p.grad.copy_(view)
+        offset += n
+    if extra is None:
+        return None
+    return flat[offset:].clone()
+
+
+def _group_shape(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group), dist.get_rank(group)
+    return 1, 0
+
+
+def _local_grads_finite(params: Sequence[nn.Parameter]) -> bool:
+    flags = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def _raise_non_finite(
+    local: LocalResult, bad_loss: list[int], bad_grad: list[int], named: Sequence[tuple[str, nn.Parameter]]
+) -> None:
+    mine = [
+        f"micro-batch {m.index} (sequences {list(m.seq_ids)})"
+        for m in local.micro_batches
+        if not math.isfinite(m.loss)
+    ]
+    params = [n for n, p in named if p.grad is not None and not bool(torch.isfinite(p.grad).all())][:5]
+    raise NonFiniteError(
+        f"non-finite values in this step: loss on rank(s) {bad_loss}, local gradients on rank(s) {bad_grad}"
+        + (f"; on this rank: {', '.join(mine)}" if mine else "")
+        + (f"; reduced gradients of {params}" if params else "")
+        + ". Lower the learning rate, use float32/bf16 instead of float16, or inspect those sequences."
+    )
+
+
+def run_step(
+    model: nn.Module,
+    step: StepBatch,
+    *,
+    forward: ForwardFn | None = None,
+    backward: BackwardFn | None = None,
+    group: dist.ProcessGroup | None = None,
+    micro_batch_context: ContextFactory | None = None,
+    params: Iterable[nn.Parameter] | None = None,
+    extra: torch.Tensor | None = None,
+    sync_timing: bool = False,
+    check_tokens: bool = True,
+    check_finite: bool = True,
+    p2p_group: dist.ProcessGroup | None = None,
+) -> StepResult:
+    """Forward+backward on this rank's micro-batches, then one gradient all-reduce.
+
+    Gradients accumulate into ``p.grad`` (zero them before the step).  The same all-reduce
+    carries the loss, the loss-token count (checked against ``step.num_global_tokens``: this
+    catches ranks that ran different plans), every rank's busy time, per-rank non-finite flags
+    (``check_finite``: every rank then raises :class:`NonFiniteError` together, naming the
+    ranks, micro-batches and sequences; turn it off when a float16 grad scaler handles
+    overflow) and the caller's ``extra`` values.
+    """
+    named = (
+        list(model.named_parameters()) if params is None else [(f"param{i}", p) for i, p in enumerate(params)]
+    )
+    params = [p for _, p in named]
+    world, me = _group_shape(group)
+    local = run_micro_batches(
+        model,
+        step.micro_batches,
+        forward=forward,
+        backward=backward,
+        micro_batch_context=micro_batch_context,
+        sync_timing=sync_timing,
+        p2p_group=p2p_group,
+    )
+    per_rank = torch.zeros(3, world, dtype=torch.float64)  # busy seconds, bad loss, bad local grads
+    per_rank[0, me] = local.busy_seconds
+    if check_finite:
+        per_rank[1, me] = float(any(not math.isfinite(m.loss) for m in local.micro_batches))
+        per_rank[2, me] = float(not _local_grads_finite(params))
+    parts = [
+        local.loss.detach().to("cpu", torch.float64).reshape(1),
+        torch.tensor([float(local.loss_tokens)], dtype=torch.float64),
+        per_rank.reshape(-1),
+    ]
+    if extra is not None:
+        parts.append(extra.detach().to("cpu", torch.float64).reshape(-1))
+    reduced = allreduce_gradients(params, group=group, extra=torch.cat(parts))
+    assert reduced is not None
+    reduced = reduced.to("cpu", torch.float64)
+    tokens = float(reduced[1])
+    expected = float(step.num_global_tokens)
+    if check_tokens and abs(tokens - expected) > max(0.5, 1e-5 * expected):
+        raise StepError(
+            f"the ranks' micro-batches hold {tokens:.0f} loss tokens but the global batch has {expected:.0f}; "
+            "the ranks ran different plans or a token was dropped (compare the plan digests)"
+        )
+    flags = reduced[2 : 2 + 3 * world].reshape(3, world)
+    if check_finite:
+        bad_loss = [r for r in range(world) if flags[1, r] != 0]
+        bad_grad = [r for r in range(world) if flags[2, r] != 0]
+        if bad_loss or bad_grad or not math.isfinite(float(reduced[0])):
+            _raise_non_finite(local, bad_loss, bad_grad, named)
+    loss_tensor = reduced[0].clone()
+    return StepResult(
+        loss=float(loss_tensor),
+        loss_tensor=loss_tensor,
+        local=local,
+        busy_seconds=[float(x) for x in flags[0]],
+        extra=None if extra is None else reduced[2 + 3 * world :].clone(),
+    )

@@ -1,0 +1,206 @@
+"""Build packed (THD) micro-batches from a `Plan` and the token data.
+
+The planner says *which* tokens a rank holds (pieces, rings); this module turns that into the
+tensors a model runs on: ``input_ids``, ``labels``, ``position_ids`` and the
+:class:`~lightning_bytescale.attention.layout.AttentionLayout`.
+
+* Local micro-batch: whole sequences concatenated, positions ``0 .. s - 1``.
+* Ring micro-batch: per sequence, this member's ``2c`` zigzag slots
+  (:func:`~lightning_bytescale.planner.zigzag.member_positions`); padding slots (positions
+  ``>= s``) hold input 0 and label -100.
+
+Labels are taken from the *full* sequence (``label[p] = token[p + 1]``), so a zigzag chunk's
+last slot is labelled with the first token of the next chunk even though another member holds
+it.  The last position of every sequence is -100, so a sequence of length ``s`` contributes
+``s - 1`` loss tokens and the global batch ``sum(s_i - 1)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from lightning_bytescale.attention.layout import AttentionLayout
+from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
+from lightning_bytescale.planner import zigzag
+from lightning_bytescale.planner.plan import MicroBatch, Plan
+
+IGNORE_INDEX = -100
+
+TokenSource = Callable[[int], "Sequence[int] | np.ndarray | torch.Tensor"]
+
+
+class PackingError(ValueError):
+    """A plan and its token data do not fit together (or the batch cannot be trained on)."""
+
+
+class EmptyBatchError(PackingError):
+    """The global batch has no loss tokens, so a token-mean loss is undefined."""
+
+
+def count_loss_tokens(lengths: Sequence[int], *, allow_zero: bool = False) -> int:
+    """Loss tokens of a global batch: ``sum(s_i - 1)`` (the last token of a sequence has no label).
+
+    Raises :class:`EmptyBatchError` when the count is zero (unless ``allow_zero``), and
+    :class:`PackingError` for a length below 1.
+    """
+    total = 0
+    for i, s in enumerate(lengths):
+        if int(s) < 1:
+            raise PackingError(
+                f"sequence {i} has length {s}; every sequence needs at least one token "
+                "(drop empty samples before planning)"
+            )
+        total += int(s) - 1
+    if total == 0 and not allow_zero:
+        raise EmptyBatchError(
+            f"the global batch of {len(lengths)} sequence(s) has zero loss tokens (every sequence has "
+            "length 1), so the token-mean loss is undefined; use sequences of at least 2 tokens"
+        )
+    return total
+
+
+def _as_tokens(seq: int, raw: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(raw, torch.Tensor):
+        t = raw.detach().to(device="cpu", dtype=torch.long)
+    else:
+        arr = np.asarray(raw)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise PackingError(f"sequence {seq}: token ids must be integers, got dtype {arr.dtype}")
+        t = torch.as_tensor(arr.astype(np.int64, copy=False), dtype=torch.long)
+    if t.dim() != 1:
+        raise PackingError(f"sequence {seq}: tokens must be one-dimensional, got shape {tuple(t.shape)}")
+    if t.numel() < 1:
+        raise PackingError(f"sequence {seq} is empty; drop empty samples before planning")
+    return t
+
+
+def _sequence_slots(full: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token labels of the given slot positions (padding where ``pos >= s``)."""
+    s = full.numel()
+    pos = torch.tensor(positions, dtype=torch.long)
+    real = pos < s
+    inputs = torch.where(real, full[pos.clamp(max=s - 1)], torch.zeros((), dtype=torch.long))
+    has_next = pos + 1 < s
+    labels = torch.where(
+        has_next, full[(pos + 1).clamp(max=s - 1)], torch.full((), IGNORE_INDEX, dtype=torch.long)
+    )
+    return inputs, labels
+
+
+def build_micro_batch(
+    mb: MicroBatch,
+    rank: int,
+    tokens: TokenSource,
+    num_global_tokens: int,
+    index: int = 0,
+    *,
+    lengths: Sequence[int] | None = None,
+) -> PackedMicroBatch:
+    """Pack one micro-batch of ``rank``.
+
+    ``tokens(seq)`` returns the *full* token list of global sequence ``seq``.  ``lengths``
+    (the plan's length list), when given, is checked against the data.
+    """
+    if not mb.pieces:
+        raise PackingError(f"rank {rank} micro-batch {index} has no pieces; a plan must not list empty work")
+    if mb.ring is None:
+        n, member = 1, 0
+    else:
+        if rank not in mb.ring:
+            raise PackingError(
+                f"rank {rank} is not a member of ring {mb.ring} (item {mb.item}); "
+                "the plan was built for other ranks"
+            )
+        n, member = len(mb.ring), mb.ring.index(rank)
+        if n == 1:
+            raise PackingError(f"item {mb.item}: a single-rank ring must be expressed as a local micro-batch")
+
+    ids, labels, positions, slots, seq_lens, seq_ids = [], [], [], [], [], []
+    for piece in mb.pieces:
+        full = _as_tokens(piece.seq, tokens(piece.seq))
+        s = full.numel()
+        if lengths is not None and int(lengths[piece.seq]) != s:
+            raise PackingError(
+                f"sequence {piece.seq}: the plan says length {lengths[piece.seq]} but the data has {s} "
+                "tokens; plan from the same lengths the loader yields"
+            )
+        if mb.ring is None:
+            pos = list(range(s))
+            expected = [(0, s)]
+        else:
+            pos = zigzag.member_positions(s, n, member)
+            expected = zigzag.member_ranges(s, n, member)
+        if [tuple(r) for r in piece.ranges] != expected:
+            raise PackingError(
+                f"sequence {piece.seq} on rank {rank}: piece ranges {list(piece.ranges)} differ from the "
+                f"{'whole sequence' if mb.ring is None else f'zigzag share of member {member}/{n}'} "
+                f"{expected}; the plan and the data disagree"
+            )
+        inp, lab = _sequence_slots(full, pos)
+        ids.append(inp)
+        labels.append(lab)
+        positions.append(torch.tensor(pos, dtype=torch.long))
+        slots.append(len(pos))
+        seq_lens.append(s)
+        seq_ids.append(piece.seq)
+
+    cu = torch.zeros(len(slots) + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(torch.tensor(slots, dtype=torch.long), 0)
+    layout = AttentionLayout(
+        cu_seqlens=cu,
+        seq_lens=tuple(seq_lens),
+        ring=None if mb.ring is None else tuple(mb.ring),
+        member=member,
+    )
+    return PackedMicroBatch(
+        input_ids=torch.cat(ids),
+        labels=torch.cat(labels),
+        position_ids=torch.cat(positions),
+        layout=layout,
+        seq_ids=tuple(seq_ids),
+        num_global_tokens=int(num_global_tokens),
+        offload_ratio=float(mb.offload_ratio),
+        index=index,
+    )
+
+
+def plan_digest(plan: Plan) -> str:
+    """A hash of the plan that every rank must agree on (uses ``plan.digest()`` when the plan has one)."""
+    own = getattr(plan, "digest", None)
+    if callable(own):
+        return str(own())
+    h = hashlib.sha256()
+    h.update(repr((plan.world_size, plan.capacity, plan.planner, tuple(plan.lengths))).encode())
+    for r, mbs in enumerate(plan.ranks):
+        for mb in mbs:
+            h.update(repr((r, mb.ring, mb.item, [(p.seq, tuple(p.ranges)) for p in mb.pieces])).encode())
+    return h.hexdigest()[:16]
+
+
+def build_step(plan: Plan, rank: int, tokens: TokenSource, step: int = 0) -> StepBatch:
+    """Everything ``rank`` runs in one step of ``plan``, packed."""
+    if not 0 <= rank < plan.world_size:
+        raise PackingError(f"rank {rank} is outside the plan's world size {plan.world_size}")
+    if len(plan.ranks) != plan.world_size:
+        raise PackingError(
+            f"the plan lists {len(plan.ranks)} ranks but says world size {plan.world_size}; rebuild the plan"
+        )
+    num_global = count_loss_tokens(plan.lengths)
+    mbs = [
+        build_micro_batch(mb, rank, tokens, num_global, index=i, lengths=plan.lengths)
+        for i, mb in enumerate(plan.ranks[rank])
+    ]
+    stats_fn = getattr(plan, "stats", None)
+    stats = dict(stats_fn()) if callable(stats_fn) else {}
+    return StepBatch(
+        micro_batches=mbs,
+        num_global_tokens=num_global,
+        num_tokens=int(sum(int(s) for s in plan.lengths)),
+        digest=plan_digest(plan),
+        step=step,
+        stats=stats,
+    )

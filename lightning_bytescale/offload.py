@@ -1,0 +1,647 @@
+"""Selective activation offloading: move a chosen fraction of a micro-batch's saved activations to host.
+
+A transformer's forward pass saves activations layer by layer and its backward pass consumes
+them in reverse, so the first layers' activations are needed last: they can travel to host
+memory during the forward pass and come back in time for the backward pass (ByteScale §5.2).
+:class:`ActivationOffloader` does this with ``torch.autograd.graph.saved_tensors_hooks``:
+
+* every micro-batch runs inside ``offloader.context(micro_batch_id, ratio)``; ``ratio`` (from
+  the plan, Eq. 3) is the fraction of the *offloadable* layers whose saved tensors go to host.
+  The last ``keep_last`` layers (default 2, the ``2 * Act(s)`` term of Eq. 3) always stay on
+  the device, and the offloaded layers are the *first* ones, so the layers whose activations
+  are needed first in backward never leave the device;
+* layers are identified through forward pre-hooks on the modules passed as ``layers`` (the
+  model's block list, in forward order).  Tensors saved outside those modules (embedding,
+  final norm, head, loss) stay resident.  Without ``layers`` the offloader falls back to the
+  fraction of saved tensors in forward order, learning how many a forward saves from the first
+  forward it sees (which itself stays resident);
+* every offloaded tensor carries a :class:`Tag` ``(micro_batch, layer, act_id)`` and lives in
+  a record owned by the autograd graph, so interleaved micro-batches never share state and the
+  host copy is freed together with the graph node that saved it;
+* parameters, views of parameters, small tensors and tensors that are not dense (expanded or
+  overlapping views) stay resident;
+* on CUDA the copies run on dedicated device-to-host and host-to-device streams into cached
+  pinned host buffers, ordered by events, so they overlap compute; in backward the first
+  unpack of layer ``j`` also starts reloading layer ``j - 1``.  On CPU the "host" is a separate
+  store of clones with the same bookkeeping, so the logic is testable without a GPU.
+
+Gradients are bit-identical to running without the context: values, dtypes and strides of
+every saved tensor are restored exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ActCtx",
+    "ActivationOffloader",
+    "OffloadStats",
+    "PassStats",
+    "Tag",
+    "get_act_ctx",
+    "micro_batch_offload_ratio",
+    "offloaded_layers",
+    "plan_offload_ratios",
+]
+
+OUTSIDE = -1  # layer index of tensors saved outside the given layers (or in fallback mode)
+
+
+class OffloadError(ValueError):
+    """Bad offload configuration (ratio out of range, bad layer list, nested contexts...)."""
+
+
+@dataclass(frozen=True)
+class Tag:
+    """Identifies one saved tensor: micro-batch id, layer index (``-1`` outside layers), order."""
+
+    micro_batch: int
+    layer: int
+    act_id: int
+
+
+@dataclass
+class PassStats:
+    """What one forward under :meth:`ActivationOffloader.context` saved (activation bytes only)."""
+
+    micro_batch: int
+    ratio: float
+    offloaded_layers: tuple[int, ...]
+    saved_bytes: int = 0  # activation bytes saved by autograd (parameters excluded)
+    resident_bytes: int = 0  # of which kept on the device
+    offloaded_bytes: int = 0  # of which copied to host
+    parameter_bytes: int = 0  # parameters and their views: never offloaded, not counted above
+    num_saved: int = 0
+    num_offloaded: int = 0
+    layer_bytes: dict[int, int] = field(default_factory=dict)  # saved bytes by layer (-1: outside)
+    layer_resident_bytes: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class OffloadStats:
+    """Offloader-wide counters (bytes held by the hooks, not the whole allocator)."""
+
+    live_device_bytes: int = 0  # saved activations the hooks hold on the device right now
+    peak_device_bytes: int = 0
+    live_host_bytes: int = 0  # offloaded copies currently on the host
+    peak_host_bytes: int = 0
+    offloaded_bytes: int = 0  # total copied to host
+    reloaded_bytes: int = 0  # total copied back
+    passes: int = 0
+
+
+def offloaded_layers(num_layers: int, ratio: float, keep_last: int = 2) -> tuple[int, ...]:
+    """The layers whose activations go to host at ``ratio``: the first ``ceil(r * (L - keep_last))``.
+
+    Rounding is up so that the resident memory never exceeds the plan's Eq. 3 estimate
+    ``(keep_last + (1 - r) * (L - keep_last)) * Act(s)``.
+    """
+    _check_ratio(ratio)
+    if num_layers < 0 or keep_last < 0:
+        raise OffloadError(f"num_layers ({num_layers}) and keep_last ({keep_last}) must be >= 0")
+    n = max(0, num_layers - keep_last)
+    k = min(n, math.ceil(ratio * n - 1e-9))
+    return tuple(range(k))
+
+
+def _check_ratio(ratio: float) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0.0 <= float(ratio) <= 1.0:
+        raise OffloadError(
+            f"offload ratio must be a number in [0, 1], got {ratio!r}; the ratio is the fraction "
+            "of offloadable layers whose saved activations go to host memory"
+        )
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill exactly ``numel`` consecutive storage slots."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _host_view(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A view of the byte buffer ``buf`` with ``t``'s dtype, size and strides (``t`` dense)."""
+    return buf[: _nbytes(t)].view(t.dtype).as_strided(t.size(), t.stride())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _PinnedPool:
+    """Cached pinned host buffers, bucketed by size (4 KiB or 1/8 granularity), reused after their last copy."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._lock = threading.RLock()  # a record's __del__ may run while it is held
+        self.cached_bytes = 0
+
+    @staticmethod
+    def bucket(nbytes: int) -> int:
+        gran = max(4096, 1 << max(0, nbytes.bit_length() - 4))
+        return -(-nbytes // gran) * gran
+
+    def get(self, nbytes: int) -> tuple[torch.Tensor, Any]:
+        size = self.bucket(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self.cached_bytes -= size
+                return free.pop()
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True), None
+
+    def put(self, buf: torch.Tensor, event: Any) -> None:
+        with self._lock:
+            self._free.setdefault(buf.numel(), []).append((buf, event))
+            self.cached_bytes += buf.numel()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.cached_bytes = 0
+
+
+class _Resident:
+    """A saved tensor kept on its device (accounted, so live/peak bytes are known)."""
+
+    __slots__ = ("tensor", "nbytes", "owner", "pass_", "group", "__weakref__")
+
+    def __init__(
+        self, tensor: torch.Tensor, nbytes: int, owner: ActivationOffloader, pass_: _Pass, group: int
+    ) -> None:
+        self.tensor = tensor
+        self.nbytes = nbytes
+        self.owner = owner
+        self.pass_ = pass_
+        self.group = group
+        owner._account(device=nbytes)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.owner._account(device=-self.nbytes)
+
+
+class _Offloaded:
+    """A saved tensor whose data lives on the host until backward reloads it."""
+
+    __slots__ = (
+        "tag",
+        "group",
+        "pass_",
+        "owner",
+        "size",
+        "stride",
+        "dtype",
+        "device",
+        "nbytes",
+        "host",
+        "buf",
+        "d2h_event",
+        "dev",
+        "h2d_event",
+        "__weakref__",
+    )
+
+    def __init__(self, tag: Tag, group: int, pass_: _Pass, owner: ActivationOffloader, t: torch.Tensor):
+        self.tag = tag
+        self.group = group
+        self.pass_ = pass_
+        self.owner = owner
+        self.size = t.size()
+        self.stride = t.stride()
+        self.dtype = t.dtype
+        self.device = t.device
+        self.nbytes = _nbytes(t)
+        self.host: torch.Tensor | None = None
+        self.buf: torch.Tensor | None = None
+        self.d2h_event: Any = None
+        self.dev: torch.Tensor | None = None
+        self.h2d_event: Any = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.owner._release(self)
+
+
+class _Pass:
+    """State of one forward under one context entry (one micro-batch)."""
+
+    def __init__(self, micro_batch: int, ratio: float, layers: tuple[int, ...], n_offload_tensors: int):
+        self.micro_batch = micro_batch
+        self.ratio = ratio
+        self.offload_layers = frozenset(layers)
+        self.n_offload_tensors = n_offload_tensors  # fallback mode only
+        self.eligible_seen = 0  # fallback mode: eligible tensors packed so far
+        self.act_ids: dict[int, int] = {}
+        self.groups: dict[int, list[weakref.ref]] = {}
+        self.unpacked_groups: set[int] = set()
+        # (id(tensor), layer) -> weak refs to the tensor and its record; only within one layer, so
+        # that a tensor saved by many layers (e.g. RoPE tables) never ties their prefetches together
+        self.seen: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
+        self.stats = PassStats(micro_batch, ratio, tuple(sorted(layers)))
+        self.lock = threading.RLock()  # a record's __del__ may run while it is held
+
+
+class ActivationOffloader:
+    """Per-micro-batch selective offload of saved activations (see the module docstring).
+
+    ``layers``: the model's transformer blocks in forward order (e.g. ``model.layers``).  Layer
+    ``i`` is identified by a forward pre-hook on ``layers[i]``; nothing else about the modules
+    is assumed.  ``keep_last``: layers at the end that never offload (default 2, as Eq. 3
+    assumes).  ``min_bytes``: smaller tensors stay resident.  ``fallback_group``: without
+    layers, how many consecutive saved tensors form one prefetch group.  ``capacity``: the
+    plan's C; :meth:`micro_batch_context` never offloads a micro-batch of only shorter
+    sequences.  ``trace``: record
+    ``(event, tag)`` pairs in :attr:`events` (for tests and debugging).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module] | None = None,
+        *,
+        keep_last: int = 2,
+        min_bytes: int = 1024,
+        prefetch: bool = True,
+        fallback_group: int = 8,
+        capacity: int | None = None,
+        trace: bool = False,
+    ) -> None:
+        if layers is not None:
+            layers = list(layers)
+            if not layers or not all(isinstance(m, nn.Module) for m in layers):
+                raise OffloadError(
+                    "layers must be a non-empty sequence of nn.Module (pass the model's block "
+                    "list, e.g. model.layers), or None to offload by saved-tensor order"
+                )
+            if len({id(m) for m in layers}) != len(layers):
+                raise OffloadError("layers contains the same module twice; pass each block once")
+        if keep_last < 0 or min_bytes < 0 or fallback_group < 1:
+            raise OffloadError("keep_last and min_bytes must be >= 0 and fallback_group >= 1")
+        self.layers = layers
+        self.keep_last = keep_last
+        self.min_bytes = min_bytes
+        self.prefetch = prefetch
+        self.fallback_group = fallback_group
+        self.capacity = capacity
+        self.trace = trace
+        self.events: list[tuple[str, Tag]] = []
+        self.stats = OffloadStats()
+        self.pass_stats: dict[int, PassStats] = {}  # latest forward of each micro-batch id
+        self.learned_saved: int | None = None  # fallback mode: eligible saved tensors per forward
+        self._lock = threading.RLock()  # a record's __del__ may run while it is held
+        self._active: _Pass | None = None
+        self._current_layer = OUTSIDE
+        self._param_ptrs: frozenset[int] = frozenset()
+        self._streams: dict[tuple[str, int], Any] = {}
+        self._pool = _PinnedPool()
+        self._handles: list[Any] = []
+        if layers is not None:
+            for i, module in enumerate(layers):
+                self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(i)))
+                self._handles.append(module.register_forward_hook(self._post_hook))
+            self._param_ptrs = frozenset(
+                p.untyped_storage().data_ptr() for m in layers for p in m.parameters()
+            )
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def num_layers(self) -> int | None:
+        return None if self.layers is None else len(self.layers)
+
+    def offloaded_layers(self, ratio: float) -> tuple[int, ...]:
+        """Layer indices offloaded at ``ratio`` (empty in fallback mode)."""
+        if self.layers is None:
+            _check_ratio(ratio)
+            return ()
+        return offloaded_layers(len(self.layers), ratio, self.keep_last)
+
+    @contextlib.contextmanager
+    def context(self, micro_batch_id: int, ratio: float) -> Iterator[PassStats]:
+        """Offload ``ratio`` of this micro-batch's layers; wrap its forward (and backward) in it.
+
+        The backward pass may also run outside the context: every saved tensor remembers how to
+        come back.  Contexts do not nest.
+        """
+        _check_ratio(ratio)
+        if self._active is not None:
+            raise OffloadError(
+                f"offload context for micro-batch {micro_batch_id} entered inside the one for "
+                f"micro-batch {self._active.micro_batch}; contexts do not nest"
+            )
+        if self.layers is not None:
+            p = _Pass(micro_batch_id, float(ratio), self.offloaded_layers(ratio), 0)
+            self._param_ptrs = frozenset(
+                q.untyped_storage().data_ptr() for m in self.layers for q in m.parameters()
+            )
+        else:
+            n = 0 if self.learned_saved is None else math.ceil(ratio * self.learned_saved - 1e-9)
+            p = _Pass(micro_batch_id, float(ratio), (), n)
+        self._active = p
+        self._current_layer = OUTSIDE
+        with self._lock:
+            self.stats.passes += 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: self._pack(p, t), lambda rec: self._unpack(rec)
+            ):
+                yield p.stats
+        finally:
+            self._active = None
+            self._current_layer = OUTSIDE
+            if self.layers is None and p.eligible_seen:
+                self.learned_saved = p.eligible_seen
+            # an entry that saved nothing (e.g. the paper's separate backward entry) keeps the forward's
+            if p.stats.num_saved or micro_batch_id not in self.pass_stats:
+                self.pass_stats[micro_batch_id] = p.stats
+
+    def micro_batch_context(self, micro_batch: Any) -> contextlib.AbstractContextManager:
+        """Context factory for one engine micro-batch (uses ``index`` and ``offload_ratio``).
+
+        With ``capacity`` set, a micro-batch of only sequences shorter than C never offloads.
+        """
+        ratio = micro_batch_offload_ratio(micro_batch, capacity=self.capacity)
+        return self.context(int(getattr(micro_batch, "index", 0)), ratio)
+
+    def get_act_ctx(self, offload_ratios: Sequence[float]) -> ActCtx:
+        """The paper's interface: ``ctx = get_act_ctx(ratios); ctx.update_micro_batch_id(i); with ctx: ...``."""
+        return ActCtx(self, offload_ratios)
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.stats.peak_device_bytes = self.stats.live_device_bytes
+            self.stats.peak_host_bytes = self.stats.live_host_bytes
+
+    def empty_cache(self) -> None:
+        """Free the cached pinned host buffers."""
+        self._pool.clear()
+
+    @property
+    def cached_host_bytes(self) -> int:
+        return self._pool.cached_bytes
+
+    def remove(self) -> None:
+        """Remove the forward hooks from the layers."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ layer hooks
+    def _make_pre_hook(self, index: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._active is not None:
+                self._current_layer = index
+
+        return hook
+
+    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._active is not None:
+            self._current_layer = OUTSIDE
+
+    # ------------------------------------------------------------------ pack / unpack
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return True
+        return bool(self._param_ptrs) and t.untyped_storage().data_ptr() in self._param_ptrs
+
+    def _pack(self, p: _Pass, t: torch.Tensor) -> Any:
+        layer = self._current_layer if self.layers is not None else OUTSIDE
+        key = (id(t), layer)
+        hit = p.seen.get(key)
+        if hit is not None and hit[0]() is t:
+            rec = hit[1]()
+            if rec is not None:
+                return rec  # the same tensor saved again in this layer: share its record
+        st = p.stats
+        if self._is_parameter(t):
+            st.parameter_bytes += _nbytes(t)
+            return t
+        nbytes = _nbytes(t)
+        eligible = (
+            nbytes >= max(1, self.min_bytes)
+            and t.layout == torch.strided
+            and t.device.type in ("cpu", "cuda")
+            and _is_dense(t)
+        )
+        if self.layers is not None:
+            offload = eligible and layer in p.offload_layers
+            group = layer
+        else:
+            index = p.eligible_seen
+            if eligible:
+                p.eligible_seen += 1
+            offload = eligible and index < p.n_offload_tensors
+            group = index // self.fallback_group
+        act_id = p.act_ids.get(layer, 0)
+        p.act_ids[layer] = act_id + 1
+        tag = Tag(p.micro_batch, layer, act_id)
+        st.saved_bytes += nbytes
+        st.num_saved += 1
+        st.layer_bytes[layer] = st.layer_bytes.get(layer, 0) + nbytes
+        if offload:
+            rec: Any = self._offload(p, tag, group, t)
+            st.offloaded_bytes += nbytes
+            st.num_offloaded += 1
+            with p.lock:
+                p.groups.setdefault(group, []).append(weakref.ref(rec))
+        else:
+            rec = _Resident(t, nbytes, self, p, group)
+            st.resident_bytes += nbytes
+            st.layer_resident_bytes[layer] = st.layer_resident_bytes.get(layer, 0) + nbytes
+        p.seen[key] = (weakref.ref(t), weakref.ref(rec))
+        return rec
+
+    def _unpack(self, rec: Any) -> torch.Tensor:
+        if isinstance(rec, torch.Tensor):
+            return rec
+        p = rec.pass_
+        first = False
+        with p.lock:
+            if rec.group not in p.unpacked_groups:
+                p.unpacked_groups.add(rec.group)
+                first = True
+        if first:
+            # backward reached a new layer: bring its tensors and (ahead of need) the layer below
+            self._reload_group(p, rec.group)
+            if self.prefetch:
+                self._reload_group(p, rec.group - 1)
+        if isinstance(rec, _Resident):
+            return rec.tensor
+        self._reload(rec)
+        if self.trace:
+            self.events.append(("use", rec.tag))
+        if rec.device.type == "cuda":
+            stream = torch.cuda.current_stream(rec.device)
+            stream.wait_event(rec.h2d_event)
+            rec.dev.record_stream(stream)
+        return rec.dev
+
+    # ------------------------------------------------------------------ copies
+    def _stream(self, kind: str, device: torch.device) -> Any:
+        key = (kind, device.index if device.index is not None else torch.cuda.current_device())
+        s = self._streams.get(key)
+        if s is None:
+            s = torch.cuda.Stream(device=torch.device("cuda", key[1]))
+            self._streams[key] = s
+        return s
+
+    def _offload(self, p: _Pass, tag: Tag, group: int, t: torch.Tensor) -> _Offloaded:
+        rec = _Offloaded(tag, group, p, self, t)
+        if t.device.type == "cuda":
+            compute = torch.cuda.current_stream(t.device)
+            d2h = self._stream("d2h", t.device)
+            d2h.wait_stream(compute)
+            buf, last_use = self._pool.get(rec.nbytes)
+            if last_use is not None:
+                d2h.wait_event(last_use)
+            host = _host_view(buf, t)
+            with torch.cuda.stream(d2h):
+                host.copy_(t.detach(), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(d2h)
+            t.record_stream(d2h)  # the allocator must not reuse t's memory before the copy ends
+            rec.buf, rec.d2h_event = buf, event
+        else:
+            with torch.no_grad():
+                host = t.detach().clone()  # preserves strides of dense tensors
+        rec.host = host
+        self._account(host=rec.nbytes, offloaded=rec.nbytes)
+        if self.trace:
+            self.events.append(("offload", tag))
+        return rec
+
+    def _reload_group(self, p: _Pass, group: int) -> None:
+        with p.lock:
+            refs = list(p.groups.get(group, ()))
+        for ref in refs:
+            rec = ref()
+            if rec is not None:
+                self._reload(rec)
+
+    def _reload(self, rec: _Offloaded) -> None:
+        with rec.pass_.lock:
+            if rec.dev is not None:
+                return
+            if rec.device.type == "cuda":
+                h2d = self._stream("h2d", rec.device)
+                h2d.wait_event(rec.d2h_event)
+                with torch.cuda.stream(h2d):
+                    dev = torch.empty_strided(rec.size, rec.stride, dtype=rec.dtype, device=rec.device)
+                    dev.copy_(rec.host, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(h2d)
+                self._pool.put(rec.buf, event)  # reusable once this copy has finished
+                rec.buf, rec.h2d_event = None, event
+            else:
+                dev = rec.host
+            rec.dev, rec.host = dev, None
+        self._account(device=rec.nbytes, host=-rec.nbytes, reloaded=rec.nbytes)
+        if self.trace:
+            self.events.append(("reload", rec.tag))
+
+    def _release(self, rec: _Offloaded) -> None:
+        if rec.dev is not None:
+            self._account(device=-rec.nbytes)
+        else:
+            if rec.buf is not None:
+                self._pool.put(rec.buf, rec.d2h_event)
+            self._account(host=-rec.nbytes)
+
+    def _account(self, device: int = 0, host: int = 0, offloaded: int = 0, reloaded: int = 0) -> None:
+        with self._lock:
+            s = self.stats
+            s.live_device_bytes += device
+            s.live_host_bytes += host
+            s.peak_device_bytes = max(s.peak_device_bytes, s.live_device_bytes)
+            s.peak_host_bytes = max(s.peak_host_bytes, s.live_host_bytes)
+            s.offloaded_bytes += offloaded
+            s.reloaded_bytes += reloaded
+
+
+class ActCtx:
+    """The paper's ``act_ctx``: per-micro-batch ratios; select one with :meth:`update_micro_batch_id`."""
+
+    def __init__(self, offloader: ActivationOffloader, offload_ratios: Sequence[float]) -> None:
+        for r in offload_ratios:
+            _check_ratio(r)
+        self.offloader = offloader
+        self.offload_ratios = [float(r) for r in offload_ratios]
+        self.micro_batch_id = 0
+        self._cm: contextlib.AbstractContextManager | None = None
+
+    def update_micro_batch_id(self, micro_batch_id: int) -> None:
+        if not 0 <= micro_batch_id < len(self.offload_ratios):
+            raise OffloadError(
+                f"micro-batch id {micro_batch_id} out of range: this act_ctx has "
+                f"{len(self.offload_ratios)} ratios"
+            )
+        self.micro_batch_id = micro_batch_id
+
+    def __enter__(self) -> PassStats:
+        self._cm = self.offloader.context(self.micro_batch_id, self.offload_ratios[self.micro_batch_id])
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        cm, self._cm = self._cm, None
+        return cm.__exit__(*exc) if cm is not None else None
+
+
+def get_act_ctx(
+    num_micro_batch: int,
+    offload_ratios: Sequence[float],
+    layers: Sequence[nn.Module] | None = None,
+    **kw: Any,
+) -> ActCtx:
+    """Paper-style constructor: an :class:`ActCtx` over a new :class:`ActivationOffloader`."""
+    if len(offload_ratios) != num_micro_batch:
+        raise OffloadError(f"got {len(offload_ratios)} offload ratios for {num_micro_batch} micro-batches")
+    return ActivationOffloader(layers, **kw).get_act_ctx(offload_ratios)
+
+
+# ---------------------------------------------------------------------- plan integration
+def micro_batch_offload_ratio(
+    micro_batch: Any, lengths: Sequence[int] | None = None, capacity: int | None = None
+) -> float:
+    """The offload ratio a plan/engine micro-batch asks for, validated.
+
+    With ``capacity`` C, a micro-batch whose sequences are all shorter than C gets 0: short
+    sequences never offload.  Their lengths come from ``lengths`` (the global batch's, indexed
+    by the plan's ``Piece.seq`` or the engine's ``seq_ids``) or, for an engine
+    ``PackedMicroBatch``, from its layout's ``seq_lens``.
+    """
+    ratio = float(getattr(micro_batch, "offload_ratio", 0.0) or 0.0)
+    _check_ratio(ratio)
+    if ratio == 0.0 or capacity is None:
+        return ratio
+    if lengths is not None:
+        seqs = [piece.seq for piece in getattr(micro_batch, "pieces", ())] or list(
+            getattr(micro_batch, "seq_ids", ())
+        )
+        own = [lengths[s] for s in seqs]
+    else:
+        own = list(getattr(getattr(micro_batch, "layout", None), "seq_lens", ()))
+    if own and all(s < capacity for s in own):
+        return 0.0
+    return ratio
+
+
+def plan_offload_ratios(plan: Any, rank: int) -> list[float]:
+    """Per micro-batch offload ratios of ``rank``'s list in ``plan`` (short-only micro-batches get 0)."""
+    if not 0 <= rank < len(plan.ranks):
+        raise OffloadError(f"rank {rank} not in the plan (world size {len(plan.ranks)})")
+    return [micro_batch_offload_ratio(mb, plan.lengths, plan.capacity) for mb in plan.ranks[rank]]

@@ -1,0 +1,183 @@
+"""``bytescale-plan``: plan one global batch from the command line and print its statistics.
+
+Lengths come from a file (a JSON list of integers, a ``.npy`` array, or text with one length
+per line; ``#`` starts a comment) or from a synthetic distribution (``--distribution NAME
+--tokens T``).  ``--json PATH`` also writes the plan in the documented schema
+(docs/planner.md); two runs with the same arguments write byte-identical files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from lightning_bytescale.planner.cost_model import CostModel
+from lightning_bytescale.planner.errors import PlanError
+
+
+def load_lengths(path: str) -> list[int]:
+    """Read lengths from a JSON list, a ``.npy`` file, or a text file with one per line."""
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"lengths file {path!r} does not exist")
+    if p.suffix == ".npy":
+        import numpy as np
+
+        try:
+            arr = np.load(p, allow_pickle=False)
+        except ValueError as err:
+            raise PlanError(f"{path}: not a plain .npy array ({err})") from err
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise PlanError(f"{path}: expected a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+        return [int(x) for x in arr]
+    text = p.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
+        bad = [i for i, x in enumerate(data) if isinstance(x, bool) or not isinstance(x, int)]
+        if bad:
+            raise PlanError(f"{path}: entry {bad[0]} ({data[bad[0]]!r}) is not an integer")
+        return list(data)
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            out.append(int(line))
+        except ValueError:
+            raise PlanError(f"{path}:{lineno}: {line!r} is not an integer length") from None
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="bytescale-plan",
+        description="Plan one global batch with a ByteScale planner and print its statistics.",
+    )
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--lengths", metavar="FILE", help="JSON list, .npy, or text file with one length per line"
+    )
+    src.add_argument("--distribution", metavar="NAME", help="synthetic distribution: github or byted")
+    ap.add_argument("--tokens", type=int, help="global batch tokens (with --distribution)")
+    ap.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="context length for --distribution (default: capacity x world size, at most 2M)",
+    )
+    ap.add_argument("--world-size", type=int, required=True, help="HDP ranks")
+    ap.add_argument("--capacity", type=int, required=True, help="tokens per rank per micro-batch (C)")
+    ap.add_argument(
+        "--planner", default="balance", help="static, naive, balance (or a registered peer planner)"
+    )
+    ap.add_argument(
+        "--cp-size", type=int, default=None, help="static planner's CP degree (default: smallest that fits)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="also write the plan (documented schema) to PATH")
+    ap.add_argument("--cost-model", metavar="FILE", help="cost model JSON (default: the paper preset)")
+    ap.add_argument("--ranks-per-node", type=int, default=None)
+    ap.add_argument("--pipeline-degree", type=int, default=1)
+    ap.add_argument("--slack", type=float, default=0.05)
+    ap.add_argument("--num-buckets", type=int, default=8)
+    off = ap.add_mutually_exclusive_group()
+    off.add_argument(
+        "--offload", dest="offload", action="store_true", default=None, help="force selective offload on"
+    )
+    off.add_argument("--no-offload", dest="offload", action="store_false", help="force offload off")
+    ap.add_argument("--compute-only", action="store_true", help="balance on the paper's compute-only model")
+    return ap
+
+
+def _summary(stats: dict, plan_ms: float) -> str:
+    keys = (
+        "num_sequences",
+        "num_tokens",
+        "micro_batches",
+        "min_micro_batches",
+        "max_micro_batches",
+        "ring_items",
+        "max_time",
+        "mean_time",
+        "max_over_mean",
+        "makespan",
+        "bubble_fraction",
+        "ring_bytes",
+        "exposed_ring_time",
+        "offloaded_sequences",
+    )
+    lines = [
+        f"{k:>22}: {stats[k]:.6g}" if isinstance(stats[k], float) else f"{k:>22}: {stats[k]}" for k in keys
+    ]
+    lines.append(f"{'cp_degree_histogram':>22}: {stats['cp_degree_histogram']}")
+    lines.append(f"{'plan_ms':>22}: {plan_ms:.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lightning_bytescale.planner import distributions
+    from lightning_bytescale.planner.planners import make_plan
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.lengths:
+            if args.tokens is not None:
+                raise PlanError("--tokens goes with --distribution, not with --lengths")
+            lengths = load_lengths(args.lengths)
+        else:
+            if args.tokens is None:
+                raise PlanError("--distribution needs --tokens T (the global batch size in tokens)")
+            ctx = args.context_length or min(distributions.REFERENCE_CONTEXT, args.capacity * args.world_size)
+            lengths = distributions.sample_global_batch(args.distribution, args.tokens, ctx, seed=args.seed)
+        if not lengths:
+            raise PlanError("no lengths given; the global batch is empty")
+        cost = None
+        if args.cost_model:
+            try:
+                cost = CostModel.from_json_dict(json.loads(Path(args.cost_model).read_text(encoding="utf-8")))
+            except (OSError, json.JSONDecodeError) as err:
+                raise PlanError(f"cannot read cost model {args.cost_model!r}: {err}") from err
+        t0 = time.perf_counter()
+        plan = make_plan(
+            lengths,
+            world_size=args.world_size,
+            capacity=args.capacity,
+            planner=args.planner,
+            cost_model=cost,
+            cp_size=args.cp_size,
+            seed=args.seed,
+            offload=args.offload,
+            slack=args.slack,
+            num_buckets=args.num_buckets,
+            pipeline_degree=args.pipeline_degree,
+            ranks_per_node=args.ranks_per_node,
+            comm_aware=not args.compute_only,
+        )
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        plan.validate()
+    except PlanError as err:
+        print(f"bytescale-plan: error: {err}", file=sys.stderr)
+        return 2
+    data = plan.to_json_dict()
+    print(
+        f"planner {plan.planner}: {plan.world_size} ranks, capacity {plan.capacity}, digest {data['digest'][:16]}"
+    )
+    print(_summary(data["stats"], plan_ms))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(data, separators=(",", ":"), allow_nan=False) + "\n", encoding="utf-8"
+        )
+        print(f"plan written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

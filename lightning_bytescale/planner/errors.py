@@ -1,0 +1,18 @@
+"""Errors the planner raises, so callers can tell bad input from a broken plan."""
+
+from __future__ import annotations
+
+
+class PlanError(ValueError):
+    """The input cannot be planned as given (bad length, capacity, world size or option).
+
+    The message names the cause (sequence index and length, the option and its value) and
+    the fix.
+    """
+
+
+class PlanValidationError(PlanError):
+    """A plan breaks one of the invariants :meth:`Plan.validate` checks.
+
+    The message names the rank and micro-batch (or sequence) at fault.
+    """

@@ -1,0 +1,199 @@
+"""The pretrain recipe: compose ``conf/``, build data, model, strategy, logger and callbacks, fit.
+
+``bytescale-train [overrides]`` (this module's :func:`main`) and ``python recipes/pretrain.py``
+run the same :func:`train`.  With no overrides it is the CPU quickstart.  Examples::
+
+    bytescale-train strategy.planner=static strategy.cp_size=2 trainer.devices=2
+    bytescale-train -m strategy.planner=static,naive,balance strategy=bytescale_spawn
+    bytescale-train experiment=paper_7b_2m trainer.num_nodes=16
+    bytescale-train logger=csv          # or logger=tensorboard; ~logger for none
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+log = logging.getLogger("lightning_bytescale.recipes")
+
+__all__ = ["build", "main", "train"]
+
+
+def _is_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _devices_count(devices: Any) -> int:
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        return int(devices)
+    return 2  # "auto" and friends: assume more than one
+
+
+def _prepare(cfg: DictConfig) -> None:
+    """Decisions the YAML leaves open: W&B online/offline, the launcher in sweeps."""
+    from lightning_bytescale.wandb_offline import wandb_offline_by_default
+
+    with open_dict(cfg):
+        logger = cfg.get("logger")
+        if logger is not None and str(logger.get("_target_", "")).endswith("WandbLogger"):
+            if logger.get("offline") is None:
+                logger.offline = wandb_offline_by_default()
+            if logger.get("name") is None:
+                logger.name = cfg.name
+        strategy = cfg.strategy
+        if (
+            _is_multirun()
+            and strategy.get("start_method", "popen") == "popen"
+            and _devices_count(cfg.trainer.devices) > 1
+        ):
+            log.warning(
+                "multirun with Lightning's popen launcher re-enters the sweep in every child process; "
+                "using strategy.start_method=spawn for this sweep (set strategy=bytescale_spawn to silence this)."
+            )
+            strategy.start_method = "spawn"
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Instantiate every component of the recipe without fitting (also used by the tests)."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    import lightning_bytescale  # noqa: F401  (registers the strategy names)
+
+    _prepare(cfg)
+    pl.seed_everything(cfg.seed, workers=True)
+    if cfg.get("float32_matmul_precision"):
+        import torch
+
+        torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
+
+    datamodule = instantiate(_plain(cfg.data))
+    model_kwargs: dict[str, Any] = {}
+    if cfg.model.get("vocab") is None:
+        vocab = _data_vocab(datamodule)
+        if vocab is not None:
+            model_kwargs["vocab"] = vocab
+    model = instantiate(_plain(cfg.model), **model_kwargs)
+    strategy = instantiate(_plain(cfg.strategy))
+    logger = instantiate(_plain(cfg.logger)) if cfg.get("logger") is not None else None
+    callbacks = [instantiate(_plain(cfg.telemetry))]
+    if logger is not None:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if cfg.trainer.get("enable_checkpointing", True):
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=os.path.join(str(cfg.run_dir), "checkpoints"),
+                save_last=True,
+                every_n_train_steps=cfg.get("checkpoint_every_n_steps"),
+            )
+        )
+    trainer = instantiate(
+        _plain(cfg.trainer),
+        strategy=strategy,
+        logger=logger if logger is not None else False,
+        callbacks=callbacks,
+    )
+    return {
+        "datamodule": datamodule,
+        "model": model,
+        "strategy": strategy,
+        "logger": logger,
+        "trainer": trainer,
+    }
+
+
+def _plain(node: DictConfig) -> dict[str, Any]:
+    """A config node as plain Python (interpolations resolved, Enums as their string values)."""
+    out = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+    assert isinstance(out, dict)
+    return out
+
+
+def _data_vocab(datamodule: Any) -> int | None:
+    for owner in (datamodule, getattr(datamodule, "tokenizer", None)):
+        value = getattr(owner, "vocab_size", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _finish_wandb() -> None:
+    """Close the W&B run (Lightning never does), so the offline file is complete and sweeps don't share a run."""
+    if "wandb" not in sys.modules:
+        return
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish()
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Run the recipe; returns the last logged training loss (the value sweepers optimise)."""
+    if cfg.get("print_config"):
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+    parts = build(cfg)
+    trainer, logger = parts["trainer"], parts["logger"]
+    if logger is not None and trainer.is_global_zero:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    start = time.perf_counter()
+    try:
+        trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+    finally:
+        if trainer.is_global_zero:
+            _finish_wandb()
+    loss = trainer.callback_metrics.get("train/loss")
+    if trainer.is_global_zero:
+        _report(cfg, trainer, logger, loss, time.perf_counter() - start)
+    return float(loss) if loss is not None else None
+
+
+def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: float) -> None:
+    lines = [f"[bytescale-train] {cfg.name}: {trainer.global_step} steps in {seconds:.1f} s"]
+    if loss is not None:
+        lines[0] += f", last loss {float(loss):.4f}"
+    lines.append(f"  outputs: {cfg.run_dir}")
+    if logger is not None and type(logger).__name__ == "WandbLogger":
+        from lightning_bytescale.wandb_offline import find_run_files
+
+        runs = find_run_files(os.path.join(str(logger.save_dir), "wandb"))
+        if runs and "offline-run" in runs[-1].parent.name:
+            lines.append(f"  offline W&B run: {runs[-1].parent}")
+            lines.append(f"  upload it with:  wandb sync {runs[-1].parent}")
+    print("\n".join(lines), flush=True)
+
+
+def _hydra_main() -> Any:
+    import hydra
+
+    from lightning_bytescale.conf import PRIMARY, find_conf_dir
+
+    return hydra.main(version_base="1.3", config_path=str(find_conf_dir()), config_name=PRIMARY)(train)
+
+
+def main() -> None:
+    """Console script ``bytescale-train``: Hydra's command line over ``conf/pretrain.yaml``."""
+    from lightning_bytescale.conf import ConfigError
+
+    try:
+        entry = _hydra_main()
+    except ConfigError as err:
+        print(f"bytescale-train: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    entry()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Cluster simulator: the real planners on thousands of simulated ranks.
+
+:func:`run_scenario` draws global batches for a :class:`Scenario`, plans each with every
+planner (``static``, ``naive``, ``balance`` and the peers ``megatron_dcp``, ``verl_kk``),
+and simulates every rank's timeline with the planner's own communication-aware cost model:
+compute, ring transfers not hidden behind attention, offload copies beyond Eq. 3's overlap,
+ring partners waiting for each other, barriers, 1F1B pipelines and the gradient all-reduce.
+The console script ``bytescale-sim`` (:mod:`.cli`) prints the comparison.
+"""
+
+from __future__ import annotations
+
+from lightning_bytescale.sim.run import (
+    SUMMARY_KEYS,
+    VARIANTS,
+    StepResult,
+    draw_batch,
+    make_variant_plan,
+    run_scenario,
+    simulate_plan,
+)
+from lightning_bytescale.sim.scenario import MODELS, SCENARIOS, ModelShape, Scenario, get_scenario
+from lightning_bytescale.sim.timeline import (
+    MicroBatchCost,
+    RankTimeline,
+    SimulationError,
+    one_f_one_b,
+    ring_allreduce_seconds,
+    simulate_pipelines,
+    simulate_ranks,
+)
+
+__all__ = [
+    "MODELS",
+    "SCENARIOS",
+    "SUMMARY_KEYS",
+    "VARIANTS",
+    "MicroBatchCost",
+    "ModelShape",
+    "RankTimeline",
+    "Scenario",
+    "SimulationError",
+    "StepResult",
+    "draw_batch",
+    "get_scenario",
+    "make_variant_plan",
+    "one_f_one_b",
+    "ring_allreduce_seconds",
+    "run_scenario",
+    "simulate_pipelines",
+    "simulate_plan",
+    "simulate_ranks",
+]

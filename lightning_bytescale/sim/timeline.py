@@ -1,0 +1,254 @@
+"""Per-rank timelines of one step: when each micro-batch starts and ends on every rank.
+
+The simulator needs more than a sum of per-rank costs: a ring item starts only when *all*
+of its members have reached it (they exchange K/V blocks in lock step), a plan with
+barriers (Megatron-style groups) makes every rank wait for the slowest one at each
+barrier, and with pipeline parallelism each pipeline runs a 1F1B schedule whose bubbles
+depend on the order and size of its micro-batches.  This module turns a plan plus a
+duration for every micro-batch into those timelines; it knows nothing of the cost model
+(see :mod:`.costs`), so it can be checked against timelines computed by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from lightning_bytescale.planner.plan import MicroBatch, Plan
+
+
+class SimulationError(ValueError):
+    """The plan cannot be run as given (for example, ring items in an order that deadlocks)."""
+
+
+@dataclass(frozen=True)
+class MicroBatchCost:
+    """What one micro-batch costs one rank (seconds; bytes sent for ``ring_bytes``)."""
+
+    duration: float
+    compute: float = 0.0
+    exposed_comm: float = 0.0
+    exposed_offload: float = 0.0
+    ring_bytes: float = 0.0
+
+
+@dataclass
+class RankTimeline:
+    """One rank's (or, with pipelines, one pipeline's) step.
+
+    ``busy`` is the time spent running micro-batches (compute plus exposed transfers),
+    ``finish`` the moment its last micro-batch ends; ``finish - busy`` is waiting: for
+    ring partners, at barriers, or in pipeline bubbles.
+    """
+
+    finish: float = 0.0
+    busy: float = 0.0
+    compute: float = 0.0
+    exposed_comm: float = 0.0
+    exposed_offload: float = 0.0
+    ring_bytes: float = 0.0
+    num_micro_batches: int = 0
+    spans: list[tuple[float, float]] = field(default_factory=list)
+
+
+CostFn = Callable[[int, MicroBatch], MicroBatchCost]
+
+
+def _add(tl: RankTimeline, cost: MicroBatchCost, start: float, duration: float) -> None:
+    tl.busy += duration
+    tl.compute += cost.compute
+    tl.exposed_comm += cost.exposed_comm
+    tl.exposed_offload += cost.exposed_offload
+    tl.ring_bytes += cost.ring_bytes
+    tl.num_micro_batches += 1
+    tl.spans.append((start, start + duration))
+    tl.finish = start + duration
+
+
+def _rounds(plan: Plan) -> list[list[int]] | None:
+    """Per rank, the barrier round of each micro-batch (``plan.options["rounds"]``), if any."""
+    rounds = plan.options.get("rounds")
+    if rounds is None:
+        return None
+    if len(rounds) != plan.world_size or any(
+        len(r) != len(mbs) for r, mbs in zip(rounds, plan.ranks, strict=True)
+    ):
+        raise SimulationError(
+            "plan.options['rounds'] must list one round index per micro-batch of every rank"
+        )
+    return [list(r) for r in rounds]
+
+
+def simulate_ranks(plan: Plan, cost: CostFn) -> list[RankTimeline]:
+    """Timelines of a plan without pipeline parallelism.
+
+    Local micro-batches run back to back.  A ring item starts at the latest arrival of its
+    members and lasts the longest member duration (members run in lock step).  When the
+    plan carries barrier rounds, round ``k`` starts on every rank only after every rank
+    finished round ``k - 1``.
+    """
+    world = plan.world_size
+    rounds = _rounds(plan)
+    if rounds is None:
+        return _simulate_segment(plan, cost, [list(range(len(m))) for m in plan.ranks], [0.0] * world)
+    num_rounds = 1 + max((max(r) for r in rounds if r), default=-1)
+    timelines = [RankTimeline() for _ in range(world)]
+    barrier = 0.0
+    for k in range(num_rounds):
+        idx = [[i for i, rk in enumerate(rounds[r]) if rk == k] for r in range(world)]
+        seg = _simulate_segment(plan, cost, idx, [barrier] * world)
+        for tl, part in zip(timelines, seg, strict=True):
+            tl.busy += part.busy
+            tl.compute += part.compute
+            tl.exposed_comm += part.exposed_comm
+            tl.exposed_offload += part.exposed_offload
+            tl.ring_bytes += part.ring_bytes
+            tl.num_micro_batches += part.num_micro_batches
+            tl.spans.extend(part.spans)
+            if part.num_micro_batches:
+                tl.finish = part.finish
+        barrier = max([barrier] + [p.finish for p in seg if p.num_micro_batches])
+    return timelines
+
+
+def _simulate_segment(
+    plan: Plan, cost: CostFn, order: list[list[int]], start: list[float]
+) -> list[RankTimeline]:
+    world = plan.world_size
+    tls = [RankTimeline(finish=start[r]) for r in range(world)]
+    clock = list(start)
+    pos = [0] * world
+    waiting: dict[int, list[int]] = {}  # ring item -> members that reached it
+    stack = list(range(world - 1, -1, -1))
+    while stack:
+        r = stack.pop()
+        mbs = plan.ranks[r]
+        while pos[r] < len(order[r]):
+            mb = mbs[order[r][pos[r]]]
+            if mb.ring is None:
+                c = cost(r, mb)
+                _add(tls[r], c, clock[r], c.duration)
+                clock[r] += c.duration
+                pos[r] += 1
+                continue
+            if mb.item is None:
+                raise SimulationError(f"rank {r} has a ring micro-batch without an item id")
+            arrived = waiting.setdefault(mb.item, [])
+            arrived.append(r)
+            if len(arrived) < len(mb.ring):
+                break  # wait for the other members
+            if sorted(arrived) != sorted(mb.ring):
+                raise SimulationError(
+                    f"ring item {mb.item} was reached by ranks {sorted(arrived)}, but its ring is "
+                    f"{list(mb.ring)}"
+                )
+            del waiting[mb.item]
+            costs = [cost(m, _current(plan, order, pos, m)) for m in mb.ring]
+            duration = max(c.duration for c in costs)
+            begin = max(clock[m] for m in mb.ring)
+            for m, c in zip(mb.ring, costs, strict=True):
+                _add(tls[m], c, begin, duration)
+                clock[m] = begin + duration
+                pos[m] += 1
+                if m != r:
+                    stack.append(m)
+    stuck = [r for r in range(world) if pos[r] < len(order[r])]
+    if stuck:
+        items = sorted(waiting)[:5]
+        raise SimulationError(
+            f"ranks {stuck[:8]} never finish: ring items {items} wait for members that run other "
+            "items first (members must run shared items in increasing item order)"
+        )
+    return tls
+
+
+def _current(plan: Plan, order: list[list[int]], pos: list[int], rank: int) -> MicroBatch:
+    return plan.ranks[rank][order[rank][pos[rank]]]
+
+
+def one_f_one_b(durations: Sequence[float], stages: int, forward_share: float = 1.0 / 3.0) -> float:
+    """Makespan of a 1F1B pipeline over ``stages`` stages.
+
+    ``durations[i]`` is micro-batch ``i``'s whole-model forward+backward time; each stage
+    runs ``1/stages`` of it, the forward taking ``forward_share`` and the backward the rest.
+    Stage ``s`` runs ``min(stages - 1 - s, m)`` warm-up forwards, then alternates one
+    forward and one backward, then drains the remaining backwards.  Activation transfers
+    between stages are not modelled.
+    """
+    m = len(durations)
+    if m == 0:
+        return 0.0
+    if stages < 1:
+        raise SimulationError(f"pipeline degree must be >= 1, got {stages}")
+    fwd = [d * forward_share / stages for d in durations]
+    bwd = [d * (1.0 - forward_share) / stages for d in durations]
+    ops: list[list[tuple[str, int]]] = []
+    for s in range(stages):
+        warm = min(stages - 1 - s, m)
+        seq = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            seq += [("F", warm + i), ("B", i)]
+        seq += [("B", i) for i in range(m - warm, m)]
+        ops.append(seq)
+    f_end = [[None] * m for _ in range(stages)]
+    b_end = [[None] * m for _ in range(stages)]
+    free = [0.0] * stages
+    ptr = [0] * stages
+    remaining = stages * 2 * m
+    while remaining:
+        progressed = False
+        for s in range(stages):
+            while ptr[s] < len(ops[s]):
+                kind, i = ops[s][ptr[s]]
+                if kind == "F":
+                    dep = 0.0 if s == 0 else f_end[s - 1][i]
+                else:
+                    dep = f_end[s][i] if s == stages - 1 else b_end[s + 1][i]
+                if dep is None:
+                    break
+                begin = max(free[s], dep)
+                end = begin + (fwd[i] if kind == "F" else bwd[i])
+                (f_end if kind == "F" else b_end)[s][i] = end
+                free[s] = end
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - 1F1B orders cannot deadlock
+            raise SimulationError("1F1B schedule deadlocked")
+    return max(free)
+
+
+def simulate_pipelines(plan: Plan, cost: CostFn, stages: int) -> list[RankTimeline]:
+    """Timelines when every HDP rank is a pipeline of ``stages`` stages running 1F1B.
+
+    Each pipeline runs its own micro-batches (its own count); ``busy`` is one stage's
+    share of the work, ``finish`` the pipeline's 1F1B makespan, so ``finish - busy``
+    holds both the pipeline bubble and the wait for slower pipelines.  Ring partners are
+    not synchronised across pipelines here: each pipeline is timed on its own.
+    """
+    tls = []
+    for r, mbs in enumerate(plan.ranks):
+        tl = RankTimeline()
+        durations = []
+        for mb in mbs:
+            c = cost(r, mb)
+            durations.append(c.duration)
+            tl.compute += c.compute / stages
+            tl.exposed_comm += c.exposed_comm / stages
+            tl.exposed_offload += c.exposed_offload / stages
+            tl.ring_bytes += c.ring_bytes
+        tl.num_micro_batches = len(mbs)
+        tl.busy = sum(durations) / stages
+        tl.finish = one_f_one_b(durations, stages)
+        tl.spans = [(0.0, tl.finish)] if mbs else []
+        tls.append(tl)
+    return tls
+
+
+def ring_allreduce_seconds(num_bytes: float, ranks: int, bandwidth: float, latency: float = 0.0) -> float:
+    """Time of a ring all-reduce: ``2 (N-1)/N * bytes / bandwidth`` plus ``2 (N-1)`` latencies."""
+    if ranks <= 1 or num_bytes <= 0:
+        return 0.0
+    if bandwidth <= 0:
+        raise SimulationError(f"all-reduce bandwidth must be > 0, got {bandwidth}")
+    return 2.0 * (ranks - 1) / ranks * num_bytes / bandwidth + 2.0 * (ranks - 1) * latency

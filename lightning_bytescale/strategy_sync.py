@@ -1,0 +1,126 @@
+"""The per-step collectives of :class:`~lightning_bytescale.strategy.ByteScaleStrategy`.
+
+A step makes two collectives on the one global process group: a tiny all-gather of the plan
+digest *before* any ring exchange (so ranks that planned differently stop before they can
+deadlock or train on wrong data), and exactly one all-reduce (sum) that carries every
+gradient *and* the step's scalars: the loss sum and, in per-rank slots, the measured busy
+time, ring bytes, micro-batch count and any non-finite report.  Keeping the scalars in the
+gradient buffer means telemetry and the logged loss cost no extra collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Per-rank slot of the step buffer.
+_BUSY, _RING_BYTES, _NUM_MB, _BAD_MB, _BAD_KIND = range(5)
+MAX_REPORTED_SEQS = 8
+SLOT = 5 + MAX_REPORTED_SEQS
+_KINDS = {1: "loss", 2: "gradient"}
+
+
+class PlanDivergenceError(RuntimeError):
+    """Ranks hold different plans for the same step."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A micro-batch produced a non-finite loss or gradient."""
+
+
+def digest_key(digest: str) -> int:
+    """A 60-bit integer key of a plan digest string, exactly representable in int64."""
+    return int(hashlib.sha256(digest.encode()).hexdigest()[:15], 16)
+
+
+def check_plan_agreement(digest: str, step: int, world_size: int, group: object | None = None) -> None:
+    """All-gather ``(digest, step)`` and raise :class:`PlanDivergenceError` naming the ranks that differ.
+
+    Runs before any point-to-point exchange of the step, on every rank.
+    """
+    mine = torch.tensor([digest_key(digest), int(step)], dtype=torch.long)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    keys = [(int(t[0]), int(t[1])) for t in gathered]
+    if len(set(keys)) == 1:
+        return
+    raise PlanDivergenceError(describe_divergence(keys))
+
+
+def describe_divergence(keys: Sequence[tuple[int, int]]) -> str:
+    """The message for ranks whose ``(digest key, step)`` pairs differ."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for rank, key in enumerate(keys):
+        groups.setdefault(key, []).append(rank)
+    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    parts = [f"ranks {ranks} hold plan {key[0]:015x} for step {key[1]}" for key, ranks in ordered]
+    majority = ordered[0][1]
+    odd = sorted(r for _, ranks in ordered[1:] for r in ranks)
+    return (
+        f"The ranks disagree on this step's plan: ranks {odd} differ from ranks {majority} ("
+        + "; ".join(parts)
+        + "). Every rank must plan the same global batch from the same sequence lengths, seed and "
+        "planner options; check that all ranks read the same data, use the same seed, and were "
+        "given the same ByteScaleStrategy/ByteScaleDataModule options (and resumed from the same checkpoint)."
+    )
+
+
+@dataclass
+class RankReport:
+    """What one rank writes into its slot of the step buffer."""
+
+    busy_s: float = 0.0
+    ring_bytes: float = 0.0
+    num_micro_batches: int = 0
+    bad_micro_batch: int | None = None  # index of the first micro-batch with a non-finite value
+    bad_kind: int = 0  # 1: loss, 2: gradient
+    bad_seq_ids: tuple[int, ...] = ()
+
+    def encode(self) -> list[float]:
+        slot = [0.0] * SLOT
+        slot[_BUSY] = self.busy_s
+        slot[_RING_BYTES] = self.ring_bytes
+        slot[_NUM_MB] = float(self.num_micro_batches)
+        if self.bad_micro_batch is not None:
+            slot[_BAD_MB] = float(self.bad_micro_batch + 1)
+            slot[_BAD_KIND] = float(self.bad_kind)
+            for i, s in enumerate(self.bad_seq_ids[:MAX_REPORTED_SEQS]):
+                slot[5 + i] = float(s + 1)
+        return slot
+
+    @classmethod
+    def decode(cls, slot: Sequence[float]) -> RankReport:
+        bad = int(round(slot[_BAD_MB]))
+        seqs = tuple(int(round(v)) - 1 for v in slot[5:] if round(v) > 0)
+        return cls(
+            busy_s=float(slot[_BUSY]),
+            ring_bytes=float(slot[_RING_BYTES]),
+            num_micro_batches=int(round(slot[_NUM_MB])),
+            bad_micro_batch=bad - 1 if bad > 0 else None,
+            bad_kind=int(round(slot[_BAD_KIND])),
+            bad_seq_ids=seqs,
+        )
+
+
+def describe_non_finite(reports: Sequence[RankReport], step: int) -> str:
+    """The message naming every rank, micro-batch and sequence with a non-finite loss or gradient."""
+    lines = []
+    for rank, rep in enumerate(reports):
+        if rep.bad_micro_batch is None:
+            continue
+        seqs = list(rep.bad_seq_ids)
+        more = " (first ids shown)" if len(seqs) >= MAX_REPORTED_SEQS else ""
+        lines.append(
+            f"rank {rank}: non-finite {_KINDS.get(rep.bad_kind, 'value')} in micro-batch {rep.bad_micro_batch} "
+            f"(global-batch sequence ids {seqs}{more})"
+        )
+    return (
+        f"Non-finite values at step {step}; the optimizer step was not taken. "
+        + "; ".join(lines)
+        + ". Inspect those sequences, lower the learning rate, or enable gradient clipping "
+        "(Trainer(gradient_clip_val=...)); bf16/fp16 runs may also need a loss scale."
+    )

@@ -1,0 +1,92 @@
+"""The ``bytescale-plan`` command: help, inputs, byte-identical JSON, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lightning_bytescale.planner import Plan
+from lightning_bytescale.planner.cli import load_lengths, main
+
+
+def _run(args, hashseed="0"):
+    env = {**os.environ, "PYTHONHASHSEED": hashseed}
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_bytescale.planner.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--world-size" in out and "--distribution" in out and "--json" in out
+
+
+def test_json_is_byte_identical_across_processes_and_validates(tmp_path):
+    outs = []
+    for i, seed in enumerate(["1", "2"]):
+        path = tmp_path / f"plan{i}.json"
+        args = ["--distribution", "byted", "--tokens", "300000", "--world-size", "12", "--capacity", "8192"]
+        r = _run([*args, "--context-length", "65536", "--json", str(path)], hashseed=seed)
+        assert r.returncode == 0, r.stderr
+        assert "max_over_mean" in r.stdout
+        outs.append(path.read_bytes())
+    assert outs[0] == outs[1]
+    data = json.loads(outs[0])
+    plan = Plan.from_json_dict(data)
+    plan.validate()
+    assert data["digest"] == plan.digest()
+    assert set(data["stats"]) >= {"max_over_mean", "ring_bytes", "cp_degree_histogram"}
+
+
+@pytest.mark.parametrize("planner", ["static", "naive", "balance"])
+def test_length_files(tmp_path, planner, capsys):
+    lengths = [5, 17, 16, 1, 33, 2, 9]
+    files = {
+        "a.json": json.dumps(lengths),
+        "b.txt": "# lengths\n" + "\n".join(map(str, lengths)) + "\n\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    np.save(tmp_path / "c.npy", np.array(lengths, dtype=np.int64))
+    for name in ["a.json", "b.txt", "c.npy"]:
+        assert load_lengths(str(tmp_path / name)) == lengths
+        out = tmp_path / f"{name}.plan.json"
+        args = [
+            "--lengths",
+            str(tmp_path / name),
+            "--world-size",
+            "5",
+            "--capacity",
+            "16",
+            "--planner",
+            planner,
+        ]
+        assert main([*args, "--json", str(out)]) == 0
+        Plan.from_json_dict(json.loads(out.read_text())).validate()
+
+
+def test_errors_exit_2_with_the_cause(tmp_path, capsys):
+    p = tmp_path / "l.txt"
+    p.write_text("5\n100\n")
+    assert main(["--lengths", str(p), "--world-size", "2", "--capacity", "8", "--no-offload"]) == 2
+    err = capsys.readouterr().err
+    assert "sequence 1 has length 100" in err
+    p.write_text("5\nx\n")
+    assert main(["--lengths", str(p), "--world-size", "2", "--capacity", "8"]) == 2
+    assert "l.txt:2" in capsys.readouterr().err
+    assert main(["--lengths", str(tmp_path / "missing.json"), "--world-size", "2", "--capacity", "8"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["--distribution", "github", "--world-size", "2", "--capacity", "8"]) == 2
+    assert "--tokens" in capsys.readouterr().err

@@ -1,0 +1,121 @@
+"""End-to-end runs of the pretrain recipe as users start it: ``bytescale-train`` in a subprocess,
+2 CPU processes (gloo on loopback), a few steps.  W&B runs offline in that subprocess (never in
+the pytest process) and the test reads its run file back."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_bytescale.wandb_offline import find_run_files, read_run
+
+pytestmark = pytest.mark.multiprocess
+
+# What the dashboards promise every step (docs/recipes.md), for a 2-rank run.
+STEP_KEYS = [
+    "train/loss",
+    "perf/tokens_per_s",
+    "perf/step_time_s",
+    "perf/mfu",
+    "ranks/busy_s/0",
+    "ranks/busy_s/1",
+    "ranks/planned_s/0",
+    "ranks/planned_s/1",
+    "ranks/micro_batches/0",
+    "ranks/micro_batches/1",
+    "balance/max_over_mean_planned",
+    "balance/max_over_mean_measured",
+    "balance/bubble_fraction",
+    "comm/ring_bytes",
+    "plan/plan_ms",
+]
+CHART_KEYS = ["charts/seq_len_hist", "charts/cp_degree_hist", "charts/rank_busy_s_table", "charts/plan"]
+
+
+def _command() -> list[str]:
+    exe = Path(sys.executable).with_name("bytescale-train")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_bytescale.recipes_entry"]
+
+
+def _run(args: list[str], tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    env.update(
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        HYDRA_FULL_ERROR="1",
+        BYTESCALE_DATA_CACHE=str(tmp / "cache"),
+        NETRC=str(tmp / "no-netrc"),
+    )
+    proc = subprocess.run(
+        [*_command(), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}"
+    )
+    return proc
+
+
+def test_recipe_with_overrides_on_two_processes_writes_an_offline_wandb_run(tmp_path):
+    out = tmp_path / "run"
+    proc = _run(
+        [
+            "experiment=cpu_smoke",
+            "strategy.planner=static",
+            "strategy.cp_size=2",
+            "trainer.devices=2",
+            "telemetry.charts_every_n_steps=2",
+            f"hydra.run.dir={out}",
+        ],
+        tmp_path,
+    )
+    assert "[bytescale-train] cpu_smoke: 3 steps" in proc.stdout
+    assert "wandb sync" in proc.stdout  # the run says how to upload it
+    files = find_run_files(out / "wandb")
+    assert len(files) == 1 and files[0].parent.name.startswith("offline-run-")
+    run = read_run(files[0])
+    steps = sorted({row["trainer/global_step"] for row in run.history if "train/loss" in row})
+    assert steps == [0, 1, 2]
+    missing = [k for k in STEP_KEYS if len(run.column(k)) < 3]
+    assert not missing, f"logged fewer than 3 times: {missing}; keys: {sorted(run.keys())}"
+    logged = run.keys()
+    missing = [k for k in CHART_KEYS if not any(name.startswith(k) for name in logged)]
+    assert not missing, f"charts not logged: {missing}"
+    losses = run.column("train/loss")
+    assert all(0 < x < 10 for x in losses)
+    assert all(x > 0 for x in run.column("perf/tokens_per_s"))
+    # The composed config (with the overrides) is in the run's config.
+    assert run.config["strategy"]["planner"] == "static" and run.config["strategy"]["cp_size"] == 2
+    assert run.config["trainer"]["devices"] == 2
+
+
+@pytest.mark.slow
+def test_planner_sweep_with_the_spawn_launcher(tmp_path):
+    sweep = tmp_path / "sweep"
+    _run(
+        [
+            "-m",
+            "experiment=cpu_smoke",
+            "strategy=bytescale_spawn",
+            "strategy.capacity=256",
+            "strategy.planner=naive,balance",
+            "logger=csv",
+            "trainer.max_steps=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+        timeout=400,
+    )
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit())
+    assert [j.name.split("_", 1)[1] for j in jobs] == ["strategy.planner=naive", "strategy.planner=balance"]
+    for job in jobs:
+        (metrics,) = job.glob("csv/version_*/metrics.csv")
+        rows = list(csv.DictReader(metrics.open()))
+        steps = {r["step"] for r in rows if r.get("perf/tokens_per_s")}
+        assert len(steps) == 2, f"{job.name}: {rows}"
+        assert any(r.get("balance/bubble_fraction") for r in rows)

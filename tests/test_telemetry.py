@@ -1,0 +1,213 @@
+"""TelemetryCallback and its pure helpers, against a fake trainer and strategy (no processes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
+from lightning_bytescale.telemetry import (
+    CPU_PEAK_TFLOPS,
+    PLAN_COLUMNS,
+    TelemetryCallback,
+    cp_degrees_of,
+    merge_plan_stats,
+    plan_rows,
+    rank_rows,
+    step_metrics,
+)
+
+
+def _stats(**extra):
+    stats = {
+        "loss": 2.5,
+        "tokens": 6000,
+        "loss_tokens": 5997,
+        "step_time_s": 2.0,
+        "busy_s": [1.0, 1.5, 0.5],
+        "planned_s": [0.9, 1.2, 0.6],
+        "num_micro_batches": [2, 3, 1],
+        "max_over_mean_planned": 1.2,
+        "max_over_mean_measured": 1.5,
+        "bubble_fraction": 1 / 3,
+        "ring_bytes": 4096.0,
+        "plan_ms": 3.5,
+        "lengths": [4000, 1000, 1000],
+        "cp_degrees": [2, 1, 1],
+    }
+    stats.update(extra)
+    return stats
+
+
+def test_step_metrics_values():
+    m = step_metrics(_stats(), flops=6e12, peak_tflops=0.5, world_size=3)
+    assert m["train/loss"] == 2.5
+    assert m["perf/tokens_per_s"] == pytest.approx(3000.0)
+    # 6e12 FLOPs in 2 s over 3 devices = 1 TFLOP/s per device; MFU against 0.5 -> 2.0
+    assert m["perf/tflops_per_device"] == pytest.approx(1.0)
+    assert m["perf/mfu"] == pytest.approx(2.0)
+    assert m["balance/max_over_mean_measured"] == 1.5
+    assert m["balance/bubble_fraction"] == pytest.approx(1 / 3)
+    assert m["comm/ring_bytes"] == 4096.0
+    assert m["plan/plan_ms"] == 3.5
+    assert [m[f"ranks/busy_s/{r}"] for r in range(3)] == [1.0, 1.5, 0.5]
+    assert [m[f"ranks/micro_batches/{r}"] for r in range(3)] == [2, 3, 1]
+    assert m["ranks/planned_s_max"] == 1.2 and m["ranks/busy_s_min"] == 0.5
+    assert m["comm/cp_degree_max"] == 2 and m["comm/sharded_sequences"] == 1
+    assert m["data/seq_len_max"] == 4000 and m["data/num_sequences"] == 3
+
+
+def test_step_metrics_limits_and_missing_values():
+    m = step_metrics(_stats(plan_ms=float("nan")), per_rank_limit=2)
+    assert not any(k.startswith("ranks/busy_s/") for k in m)  # 3 ranks > limit: only min/mean/max
+    assert m["ranks/busy_s_mean"] == pytest.approx(1.0)
+    assert "plan/plan_ms" not in m  # non-finite values are dropped, not logged as NaN
+    assert "perf/mfu" not in m  # no FLOPs given
+    assert step_metrics({}) == {}
+
+
+def _plan():
+    return Plan(
+        world_size=2,
+        capacity=8,
+        planner="balance",
+        lengths=(10, 3),
+        ranks=[
+            [MicroBatch([Piece(0, ((0, 3), (8, 10)))], ring=(0, 1), item=0, est_time=1.0)],
+            [
+                MicroBatch([Piece(0, ((3, 8),))], ring=(0, 1), item=0, est_time=1.0),
+                MicroBatch([Piece(1, ((0, 3),))]),
+            ],
+        ],
+    )
+
+
+def test_rank_and_plan_rows():
+    assert rank_rows(_stats()) == [[0, 0.9, 1.0, 2.0], [1, 1.2, 1.5, 3.0], [2, 0.6, 0.5, 1.0]]
+    rows = plan_rows(_plan())
+    assert len(rows[0]) == len(PLAN_COLUMNS)
+    assert rows == [
+        [0, 0, "0,1", "0", 5, 0.0, 1.0],
+        [1, 0, "0,1", "0", 5, 0.0, 1.0],
+        [1, 1, "-", "1", 3, 0.0, 0.0],
+    ]
+
+
+class _Module:
+    """Records ``log`` calls like a LightningModule would receive them."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, flops_per_token=None):
+        self.logged = {}
+        self.prog_bar = set()
+        if flops_per_token is not None:
+            self.flops_per_token = flops_per_token
+
+    def log(self, name, value, *, prog_bar=False, **kwargs):
+        assert kwargs["on_step"] and not kwargs["on_epoch"] and kwargs["batch_size"] == 1
+        self.logged[name] = value
+        if prog_bar:
+            self.prog_bar.add(name)
+
+
+def _trainer(stats, *, log_loss=False, step=1):
+    strategy = SimpleNamespace(step_stats=stats, log_loss=log_loss)
+    return SimpleNamespace(strategy=strategy, world_size=3, global_step=step, is_global_zero=True, loggers=[])
+
+
+def test_callback_logs_every_step_and_shows_tokens_per_s():
+    cb = TelemetryCallback(peak_tflops=None)
+    module = _Module(flops_per_token=1e9)
+    cb.on_train_batch_end(_trainer(_stats()), module, None, None, 0)
+    assert module.logged["perf/tokens_per_s"] == pytest.approx(3000.0)
+    expected_mfu = 6000 * 1e9 / 2.0 / 3 / 1e12 / CPU_PEAK_TFLOPS  # nominal CPU peak when unset
+    assert module.logged["perf/mfu"] == pytest.approx(expected_mfu)
+    assert {"perf/tokens_per_s", "train/loss"} <= module.prog_bar
+    for key in (
+        "balance/max_over_mean_planned",
+        "balance/bubble_fraction",
+        "comm/ring_bytes",
+        "plan/plan_ms",
+    ):
+        assert key in module.logged
+
+
+def test_callback_leaves_loss_to_a_strategy_that_logs_it():
+    module = _Module()
+    TelemetryCallback().on_train_batch_end(_trainer(_stats(), log_loss=True), module, None, None, 0)
+    assert "train/loss" not in module.logged and "perf/tokens_per_s" in module.logged
+
+
+def test_callback_prefers_train_flops_from_the_module():
+    module = _Module()
+    module.train_flops = lambda lengths: 2.0 * sum(lengths)
+    cb = TelemetryCallback(peak_tflops=1.0)
+    cb.on_train_batch_end(_trainer(_stats()), module, None, None, 0)
+    assert module.logged["perf/tflops_per_device"] == pytest.approx(2.0 * 6000 / 2.0 / 3 / 1e12)
+
+
+def test_callback_without_step_stats_warns_once():
+    cb = TelemetryCallback()
+    module = _Module()
+    with pytest.warns(UserWarning, match="step_stats"):
+        cb.on_train_batch_end(_trainer({}), module, None, None, 0)
+    cb.on_train_batch_end(_trainer({}), module, None, None, 1)  # no second warning, no crash
+    assert module.logged == {}
+
+
+def test_callback_rejects_bad_options():
+    with pytest.raises(ValueError, match="peak_tflops"):
+        TelemetryCallback(peak_tflops=0)
+    with pytest.raises(ValueError, match="charts_every_n_steps"):
+        TelemetryCallback(charts_every_n_steps=-1)
+
+
+def test_tensorboard_charts(tmp_path):
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(save_dir=str(tmp_path), name="tb")
+    trainer = _trainer(_stats(), step=1)
+    trainer.loggers = [logger]
+    TelemetryCallback(charts_every_n_steps=5).on_train_batch_end(trainer, _Module(), None, None, 0)
+    logger.experiment.flush()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logger.log_dir), size_guidance={"histograms": 0, "tensors": 0})
+    events.Reload()
+    assert {"charts/seq_len", "charts/cp_degree"} <= set(events.Tags()["histograms"])
+    assert any(tag.startswith("charts/rank_load") for tag in events.Tags()["tensors"])
+
+
+def test_plan_stats_fill_the_gaps_of_step_stats():
+    step = _stats(
+        planned_s=[], max_over_mean_planned=float("nan"), plan_ms=float("nan"), lengths=[], cp_degrees=[]
+    )
+    plan = {
+        "rank_time": [1.0, 3.0],
+        "max_over_mean": 1.5,
+        "cp_degree_histogram": {"2": 1, "1": 3},
+        "num_sequences": 4,
+    }
+    merged = merge_plan_stats(step, plan)
+    assert merged["planned_s"] == [1.0, 3.0] and merged["max_over_mean_planned"] == 1.5
+    assert merged["cp_degrees"] == [1, 1, 1, 2] and merged["num_sequences"] == 4
+    assert merge_plan_stats(_stats(), plan)["planned_s"] == [0.9, 1.2, 0.6]  # own values win
+    module = _Module()
+    module.train_flops = lambda lengths: float(len(lengths) * 1000 + sum(lengths))
+    cb = TelemetryCallback(peak_tflops=1.0)
+    cb.on_train_batch_end(_trainer(step), module, None, SimpleNamespace(stats=plan), 0)
+    # 6000 tokens over 4 sequences without lengths: 4 sequences of 1500 assumed
+    assert module.logged["perf/tflops_per_device"] == pytest.approx((4 * 1000 + 6000) / 2.0 / 3 / 1e12)
+    assert module.logged["balance/max_over_mean_planned"] == 1.5
+
+
+def test_a_plan_in_the_batch_stats_gives_lengths_and_cp_degrees():
+    plan = _plan()
+    assert cp_degrees_of(plan) == [2, 1]
+    for given in (plan, plan.to_json_dict()):
+        merged = merge_plan_stats({"tokens": 13}, {"plan": given})
+        assert merged["lengths"] == [10, 3] and merged["cp_degrees"] == [2, 1]
