@@ -179,7 +179,7 @@ def _ring(cfg: dict, world: int, iters: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     total = 512 if args.quick else 2048
@@ -199,6 +199,7 @@ def main() -> None:
         "threads_per_process": 1,
         "cpu_count": os.cpu_count(),
         "load_average_at_start": list(os.getloadavg()),
+        "note": "ranks share cpu_count cores with each other and with other load; see load averages",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "iters": args.iters,
@@ -209,7 +210,9 @@ def main() -> None:
         entry = {**cfg, "total_tokens": sum(cfg["seq_lens"])}
         entry.update(_local(cfg, args.iters))
         for world in (2, 4):
-            entry[f"ring_{world}"] = _ring(cfg, world, args.iters)
+            ring = _ring(cfg, world, args.iters)
+            ring["speedup_vs_local_blocks"] = entry["local_blocks_s"] / ring["overlap"]["step_s"]
+            entry[f"ring_{world}"] = ring
         results["configs"].append(entry)
         print(json.dumps(entry, indent=1))
     results["wall_s"] = time.perf_counter() - t0

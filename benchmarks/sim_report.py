@@ -29,7 +29,7 @@ from lightning_bytescale.sim.scenario import CONTEXTS, DATASETS, MODELS, SCENARI
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = RESULTS / "sim_scenarios"
-PAPER_PLANNERS = ("static", "naive", "balance", "megatron_dcp", "verl_kk")
+PAPER_PLANNERS = ("static", "naive", "balance", "balance_no_offload", "megatron_dcp", "verl_kk")
 CASE_PLANNERS = ("static", "naive", "naive_offload", "balance_no_offload", "balance")
 COMM_PLANNERS = ("static", "megatron_dcp", "balance_compute_only", "balance")
 PLAN_TIME_RANKS = (1024, 2048, 4096, 8192, 16384)
@@ -37,17 +37,29 @@ PLAN_TIME_PLANNERS = ("naive", "balance", "megatron_dcp")
 
 
 def cached_run(sc: Scenario, planners, force: bool) -> dict:
+    """``run_scenario`` with a per-scenario cache; planners missing from the cache are added.
+
+    Batches are drawn from the scenario's seed, so planners run later see the same batches.
+    """
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / f"{sc.name}.json"
-    if path.exists() and not force:
-        data = json.loads(path.read_text())
-        if set(planners) <= set(data["planners"]):
-            return data
+    data = None if force or not path.exists() else json.loads(path.read_text())
+    missing = list(planners) if data is None else [p for p in planners if p not in data["planners"]]
+    if not missing:
+        return data
     t0 = time.perf_counter()
-    data = run_scenario(sc, planners=planners)
-    data["wall_s"] = time.perf_counter() - t0
+    new = run_scenario(sc, planners=missing)
+    wall = time.perf_counter() - t0
+    if data is None:
+        data, data["wall_s"] = new, wall
+    else:
+        data["planners"].update(new["planners"])
+        data["wall_s"] = data.get("wall_s", 0.0) + wall
+        base = data["planners"].get("static")
+        for row in data["planners"].values():
+            row["speedup_vs_static"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
     path.write_text(json.dumps(data, indent=1))
-    print(f"{sc.name}: {data['wall_s']:.1f} s", flush=True)
+    print(f"{sc.name}: {wall:.1f} s ({','.join(missing)})", flush=True)
     return data
 
 
@@ -145,7 +157,10 @@ def plots(report: dict) -> None:
         fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharex=True)
         xs = [CONTEXTS[c] // 1024 for c in CONTEXTS]
         for ax, m in zip(axes.flat, MODELS):
-            for p, color in zip(("naive", "balance", "megatron_dcp", "verl_kk"), ("C0", "C1", "C2", "C3")):
+            for p, color in zip(
+                ("naive", "balance", "balance_no_offload", "megatron_dcp", "verl_kk"),
+                ("C0", "C1", "C4", "C2", "C3"),
+            ):
                 for ds, style in (("github", "-"), ("byted", "--")):
                     ys = [rows[f"paper-{m}-{ds}-{c}"]["planners"][p]["speedup_vs_static"] for c in CONTEXTS]
                     ax.plot(xs, ys, style, color=color, marker="o", label=f"{p} ({ds})")
@@ -204,7 +219,7 @@ def tables(report: dict) -> str:
             out.append("| model | planner | " + " | ".join(c.upper() for c in CONTEXTS) + " |")
             out.append("|---|---|" + "---|" * len(CONTEXTS))
             for m in MODELS:
-                for p in ("naive", "balance", "megatron_dcp", "verl_kk"):
+                for p in ("naive", "balance", "balance_no_offload", "megatron_dcp", "verl_kk"):
                     cells = [
                         _f(rows[f"paper-{m}-{ds}-{c}"]["planners"][p]["speedup_vs_static"]) for c in CONTEXTS
                     ]
@@ -214,7 +229,7 @@ def tables(report: dict) -> str:
         out.append("|---|" + "---|" * len(PAPER_PLANNERS))
         for ds, d in report["paper"]["drop_per_doubling"].items():
             out.append(f"| {ds} | " + " | ".join(f"{d[p]:.2f}x" for p in PAPER_PLANNERS) + " |")
-        out.append("| paper | ~2x | 1.23x | 1.08x | - | - |")
+        out.append("| paper | ~2x | 1.23x | 1.08x | - | - | - |")
         beh = report["paper"]["balance_behind"]
         out.append(f"\nScenarios where a baseline beats `balance`: {len(beh)}")
         for name, p, ratio in beh:

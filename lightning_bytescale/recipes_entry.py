@@ -117,7 +117,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 def _plain(node: DictConfig) -> dict[str, Any]:
     """A config node as plain Python (interpolations resolved, Enums as their string values)."""
-    out = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+    out = OmegaConf.to_container(node, resolve=True, enum_to_str=True, throw_on_missing=True)
     assert isinstance(out, dict)
     return out
 

@@ -139,6 +139,7 @@ class ByteScaleStrategy(DDPStrategy):
         self._stashed_grads: list[Tensor | None] | None = None
         self._pending: dict[str, Any] | None = None
         self._offloader: Any = None
+        self._phase = "set-up"
 
     # ------------------------------------------------------------------ options
     def planner_options(self) -> dict[str, Any]:
@@ -271,6 +272,7 @@ class ByteScaleStrategy(DDPStrategy):
         assert module is not None
         rest = args[1:]
         t_start = time.perf_counter()
+        self._phase = f"the plan digest check of step {batch.step}"
         self._check_step_batch(batch)
         params = self._params()
         for p in params:
@@ -285,6 +287,10 @@ class ByteScaleStrategy(DDPStrategy):
         loss_dtype = torch.float32
         t_busy = time.perf_counter()
         for mb in batch.micro_batches:
+            ring = mb.layout.ring
+            self._phase = f"micro-batch {mb.index} of step {batch.step}" + (
+                f" (ring {list(ring)}, sequences {list(mb.seq_ids)})" if ring is not None else ""
+            )
             with self._micro_batch_context(mb):
                 with self.precision_plugin.train_step_context():
                     out = module.training_step(mb, *rest, **kwargs)
@@ -410,6 +416,7 @@ class ByteScaleStrategy(DDPStrategy):
         extra[n + 2 + rank * SLOT : n + 2 + (rank + 1) * SLOT] = torch.tensor(
             report.encode(), dtype=torch.float64
         )
+        self._phase = f"the gradient all-reduce of step {batch.step}"
         t0 = time.perf_counter()
         reduced = allreduce_gradients(params, extra=extra.to(self.root_device))
         allreduce_s = time.perf_counter() - t0
@@ -518,7 +525,11 @@ class ByteScaleStrategy(DDPStrategy):
         tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in batch.micro_batches)
         if self.log_loss and module._trainer is not None:
             stage = "val" if hook == "validation_step" else "test"
-            name = self.loss_name.replace("train", stage, 1) if "train" in self.loss_name else f"{stage}/{self.loss_name}"
+            name = (
+                self.loss_name.replace("train", stage, 1)
+                if "train" in self.loss_name
+                else f"{stage}/{self.loss_name}"
+            )
             module.log(
                 name,
                 ce_sum / max(tokens, 1),
@@ -547,8 +558,8 @@ class ByteScaleStrategy(DDPStrategy):
         if isinstance(exception, RuntimeError) and any(m in text for m in markers):
             timeout = self._timeout.total_seconds() if self._timeout is not None else None
             hint = (
-                f"\n[ByteScale] rank {self.global_rank}: a collective or ring exchange failed (process-group "
-                f"timeout {timeout} s). Another rank has most likely died or is stuck; check the other ranks' "
+                f"\n[ByteScale] rank {self.global_rank}: communication failed during {self._phase} "
+                f"(process-group timeout {timeout} s). Another rank has most likely died or is stuck; check the other ranks' "
                 "logs for the first error. Set ByteScaleStrategy(timeout=...) to bound how long ranks wait."
             )
             with contextlib.suppress(Exception):

@@ -105,6 +105,9 @@ def test_ranks_cover_the_global_batch_exactly_once(corpus, world, opts):
         for j in want:
             np.testing.assert_array_equal(got[j], want[j])
         assert batches[0].num_global_tokens == sum(len(v) - 1 for v in want.values())
+        stats = batches[0].stats  # what telemetry reads
+        assert stats["lengths"] == [len(want[j]) for j in range(len(want))] and stats["world_size"] == world
+        assert stats["epoch"] == 0 and stats["split"] == "train" and stats["plan_ms"] >= 0
         rings += sum(not mb.layout.is_local for b in batches for mb in b.micro_batches)
     if world > 1:
         assert rings > 0  # the corpus has documents longer than one rank's capacity
@@ -201,6 +204,10 @@ def test_planner_options_come_from_the_strategy(corpus):
     assert dm.max_length == 3 * 32  # the strategy's capacity, not the DataModule's
     b = next(iter(dm.train_dataloader()))
     assert all(mb.num_slots <= 32 for mb in b.micro_batches)
+    clash = ByteScaleDataModule(source=corpus.path, cache_dir=corpus.cache, world_size=2)
+    clash.trainer = dm.trainer
+    with pytest.raises(DataError, match=r"world_size=2\) disagrees with the trainer \(3\)"):
+        clash.setup("fit")
 
 
 @pytest.mark.parametrize("policy", ["split", "truncate", "drop", "error"])
@@ -309,7 +316,7 @@ def test_lightning_saves_and_restores_the_position(corpus, tmp_path):
     from torch.utils.data import DistributedSampler
 
     def fit(max_steps, ckpt=None, callbacks=()):
-        dm = make_dm(corpus, world_size=2, rank=0, tokens_per_step=2000)
+        dm = make_dm(corpus, world_size=None, rank=None, tokens_per_step=2000)
         # Lightning leaves a loader whose sampler is already distributed alone
         assert isinstance(dm.train_dataloader().sampler, DistributedSampler)
         model = _Recorder.make()
@@ -332,3 +339,33 @@ def test_lightning_saves_and_restores_the_position(corpus, tmp_path):
         assert (pos["epoch"], pos["step"]) == divmod(k, n)
         rest, _ = fit(12, ckpt=str(tmp_path / f"step={k}.ckpt"))
         assert rest.seen == full.seen[k:], k
+
+
+def test_the_pool_limit_asks_the_planner_so_offload_counts():
+    def pool(**kw):
+        return ByteScaleDataModule(capacity=32768, world_size=2, **kw).pool_tokens(100_000)
+
+    assert pool(offload=False) == 2 * 32768  # without offload: world x capacity
+    assert pool() == 100_000  # the planner's default offload fits a longer sequence on the same pool
+    assert pool(offload=False, planner="static", cp_size=1) == 32768  # static's fixed CP degree
+
+
+def test_resume_onto_another_pool_names_the_context_length(corpus):
+    state = rank_loaders(corpus, 4, context_length=None)[0].state_dict()  # pool 4 x 64
+    with pytest.raises(ResumeMismatchError, match="set it explicitly"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rank_loaders(corpus, 2, context_length=None)[0].load_state_dict(state)
+
+
+def test_step_dataset_pickles_without_tokens(corpus):
+    """Spawned workers receive the dataset by pickle: it must be small and rebuild the same batch."""
+    import pickle
+
+    ds = rank_loaders(corpus, 2)[1].dataset
+    ds[(0, 0)]  # maps the token file
+    assert ds.store._tokens is not None
+    blob = pickle.dumps(ds)
+    assert np.asarray(ds.store.tokens[:400]).tobytes() not in blob  # no mapped token data travels
+    clone = pickle.loads(blob)
+    assert clone.store._tokens is None
+    assert _signature([clone[(0, 1)]]) == _signature([ds[(0, 1)]])

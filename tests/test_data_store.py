@@ -227,3 +227,21 @@ def test_hugging_face_source_is_optional(tmp_path, monkeypatch):
     assert calls == {"name": "org/corpus", "config": None, "split": "validation"}
     with pytest.raises(DataError, match="no column 'body'"):
         list(HFSource("org/corpus", field="body").iter_documents(257))
+
+
+def test_options_from_hydra_configs():
+    from enum import Enum
+
+    from omegaconf import OmegaConf
+
+    from lightning_bytescale.data import SyntheticSource
+    from lightning_bytescale.data.datamodule import ByteScaleDataModule
+
+    src = make_source(OmegaConf.create({"kind": "synthetic", "name": "byted", "num_samples": 7}))
+    assert isinstance(src, SyntheticSource) and src.num_samples == 7
+
+    class Policy(Enum):
+        truncate = "truncate"
+
+    dm = ByteScaleDataModule(source=src, long_document_policy=Policy.truncate)
+    assert dm.long_document_policy == "truncate"

@@ -120,3 +120,72 @@ def test_run_step_reports_non_finite_loss_with_micro_batch_and_sequences():
     model.zero_grad(set_to_none=True)
     result = run_step(model, step, forward=poisoned, check_finite=False, extra=torch.tensor([2.0, 3.0]))
     assert result.extra.tolist() == [2.0, 3.0]
+
+
+def test_allreduce_is_one_call_for_mixed_dtypes_on_a_one_rank_group(monkeypatch):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        calls = []
+        original = dist.all_reduce
+        monkeypatch.setattr(
+            dist, "all_reduce", lambda t, **kw: (calls.append((t.dtype, t.numel())), original(t, **kw))[1]
+        )
+        a = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        b = nn.Parameter(torch.ones(2, dtype=torch.float64))
+        h = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        a.grad = torch.full((3,), 0.5)
+        h.grad = torch.full((4,), 0.25, dtype=torch.bfloat16)
+        out = allreduce_gradients([a, b, h], extra=torch.tensor([7.0]), counts=torch.tensor([2**40 + 3]))
+        assert calls == [(torch.float64, 3 + 2 + 4 + 1 + 1)]
+        assert (
+            a.grad.dtype == torch.float32 and b.grad.dtype == torch.float64 and h.grad.dtype == torch.bfloat16
+        )
+        assert a.grad.tolist() == [0.5] * 3 and b.grad.tolist() == [0.0] * 2 and h.grad.tolist() == [0.25] * 4
+        assert out.tolist() == [7.0, 2**40 + 3]
+        calls.clear()
+        a32 = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        out = allreduce_gradients(
+            [a32], extra=torch.tensor([0.1], dtype=torch.float64), counts=torch.tensor([33_554_433])
+        )
+        assert calls[0][0] == torch.float32 and out[1].item() == 33_554_433  # 2**25 + 1: not a float32
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("world", [2, 7, 16384])
+def test_counts_sum_exactly_in_narrow_buffers(dtype, world):
+    from lightning_bytescale.engine.executor import _decode_counts, _encode_counts, _limb_bits
+
+    g = torch.Generator().manual_seed(world)
+    per_rank = torch.randint(0, 2**36, (min(world, 64), 3), generator=g).double()
+    if world > 64:  # every rank sends the largest limbs (sums stay below 2**53)
+        per_rank = torch.full((world, 3), float(2**38 - 1), dtype=torch.float64)
+    if dtype == torch.bfloat16 and world > 128:
+        with pytest.raises(ValueError, match="reduce_dtype=torch.float32"):
+            _limb_bits(dtype, world)
+        return
+    bits = _limb_bits(dtype, world)
+    total = torch.zeros(len(_encode_counts(per_rank[0], bits)), dtype=dtype)
+    for row in per_rank:  # sequential sums in the narrow dtype, as a ring all-reduce would do
+        total = total + _encode_counts(row, bits).to(dtype)
+    exact = [sum(int(x) for x in per_rank[:, j]) for j in range(3)]
+    assert [int(x) for x in _decode_counts(total, 3, bits).tolist()] == exact
+    with pytest.raises(ValueError, match="integers"):
+        _encode_counts(torch.tensor([1.5]), bits)
+
+
+def test_move_micro_batch_moves_tensors_and_layout():
+    from lightning_bytescale.engine import move_micro_batch
+
+    plan = Plan(1, 16, "hand", (4,), [[MicroBatch([Piece(0, ((0, 4),))])]])
+    mb = build_step(plan, 0, lambda j: [1, 2, 3, 4]).micro_batches[0]
+    assert move_micro_batch(mb, "cpu") is mb
+    moved = move_micro_batch(mb, "meta")
+    assert moved.input_ids.is_meta and moved.labels.is_meta and moved.position_ids.is_meta
+    assert moved.layout.cu_seqlens.is_meta and moved.layout.seq_lens == mb.layout.seq_lens
+    assert not mb.input_ids.is_meta  # the original is untouched

@@ -416,3 +416,91 @@ def test_planner_files_import_no_framework():
                 continue
             for m in mods:
                 assert m.split(".")[0] not in banned, f"{path.name} imports {m}"
+
+
+def test_fast_member_ranges_match_zigzag():
+    from lightning_bytescale.planner.zigzag import all_member_ranges, member_ranges
+
+    for s in range(1, 120):
+        for n in range(2, 11):
+            assert [list(x) for x in all_member_ranges(s, n)] == [member_ranges(s, n, m) for m in range(n)]
+
+
+@st.composite
+def offload_cases(draw):
+    world, cap, lengths = _world_and_lengths(draw)
+    layers = draw(st.integers(1, 12))
+    pcie = draw(st.sampled_from([1e3, 1e6, 1e12]))  # from "never hidden" to "always hidden"
+    cm = CostModel(
+        a=draw(st.sampled_from([0.0, 1e-9, 1e-6])),
+        b=1e-6,
+        c=draw(st.sampled_from([0.0, 1.0, 100.0])),
+        num_layers=layers,
+        kv_bytes_per_token_per_layer=draw(st.sampled_from([0.0, 1000.0])),
+        bandwidth_inter=1e9,
+        bandwidth_intra=1e10,
+    )
+    link = OffloadConfig(layers_per_rank=layers, bandwidth_d2h=pcie, bandwidth_h2d=pcie)
+    return world, cap, lengths, cm, link, draw(st.sampled_from([None, 1, 3, 8])), draw(st.booleans())
+
+
+@pytest.mark.parametrize("planner", ["naive", "balance"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=offload_cases())
+def test_offload_plans_validate(planner, case):
+    world, cap, lengths, cm, link, rpn, aware = case
+    kw = dict(
+        world_size=world, capacity=cap, planner=planner, cost_model=cm, ranks_per_node=rpn, comm_aware=aware
+    )
+    plan = make_plan(lengths, offload=link, **kw).validate()
+    _check_sharding(plan, offload=True)
+    for mbs in plan.ranks:
+        for mb in mbs:
+            if mb.offload_ratio > 0:  # only long sequences offload, and only alone
+                assert len(mb.pieces) == 1 and plan.lengths[mb.pieces[0].seq] > cap
+    assert make_plan(lengths, offload=link, **kw).digest() == plan.digest()
+
+
+def test_pp_balance_beats_naive_and_varies_counts():
+    lengths = _scenario("github")
+    res = {}
+    for planner in ("naive", "balance"):
+        plan = make_plan(lengths, world_size=64, capacity=8192, planner=planner, pipeline_degree=4).validate()
+        res[planner] = plan.stats()
+    print(
+        f"\npp=4 github: naive max {res['naive']['max_time']:.2f}s, balance max {res['balance']['max_time']:.2f}s"
+    )
+    assert res["balance"]["max_time"] < res["naive"]["max_time"]
+    assert res["balance"]["max_micro_batches"] > res["balance"]["min_micro_batches"] + 1
+
+
+def test_finish_times_and_stats_by_hand():
+    # rank 0: a local of 2 s then its share of ring item 0 (3 s); rank 1: only the ring share;
+    # rank 2: idle.  Rank 1 waits 2 s for rank 0.  Lengths 4 (local) and 8 (ring of 2: c = 2).
+    lengths = (4, 8)
+    ring = (0, 1)
+    plan = Plan(
+        3,
+        8,
+        "hand",
+        lengths,
+        [
+            [
+                MicroBatch([Piece(0, ((0, 4),))], est_time=2.0),
+                MicroBatch([Piece(1, ((0, 2), (6, 8)))], ring=ring, item=0, est_time=3.0, exposed_time=0.5),
+            ],
+            [MicroBatch([Piece(1, ((2, 6),))], ring=ring, item=0, est_time=3.0, exposed_time=0.5)],
+            [],
+        ],
+        {"cost_model": {"kv_bytes_per_token_per_layer": 10.0, "num_layers": 2, "comm_passes": 1.0}},
+    ).validate()
+    assert plan.finish_times() == [5.0, 5.0, 0.0]
+    s = plan.stats()
+    assert s["rank_time"] == [5.0, 3.0, 0.0]
+    assert s["makespan"] == 5.0
+    assert s["max_over_mean"] == pytest.approx(5.0 / (8.0 / 3))
+    assert s["bubble_fraction"] == pytest.approx(1 - (8.0 / 3) / 5.0)
+    assert s["exposed_ring_time"] == 1.0 and s["max_rank_exposed_ring_time"] == 0.5
+    # ring bytes: passes 1 x 2 layers x N(N-1)=2 x 4 slots x 10 B
+    assert s["ring_bytes"] == 2 * 2 * 4 * 10
+    assert s["cp_degree_histogram"] == {"1": 1, "2": 1}

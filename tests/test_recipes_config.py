@@ -181,11 +181,15 @@ def test_missing_conf_dir_says_how_to_fix(tmp_path, monkeypatch):
 
 
 def test_command_line_rejects_a_malformed_config_fast():
-    exe = Path(sys.executable).with_name("bytescale-train")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_bytescale.recipes_entry"]
+    """``python recipes/pretrain.py`` (the script form of ``bytescale-train``) stops at compose time."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
     proc = subprocess.run(
-        [*cmd, "strategy.plannr=static", "hydra.run.dir=/tmp/never"],
+        [
+            sys.executable,
+            str(REPO / "recipes" / "pretrain.py"),
+            "strategy.plannr=static",
+            "hydra.run.dir=/tmp/never",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -194,3 +198,14 @@ def test_command_line_rejects_a_malformed_config_fast():
     assert proc.returncode != 0
     assert "Key 'plannr' not in 'StrategyConfig'" in proc.stderr, proc.stderr
     assert "+strategy.plannr" in proc.stderr  # Hydra's own hint
+    assert not Path("/tmp/never").exists()  # nothing ran
+
+
+def test_a_value_the_target_rejects_names_the_key_and_the_reason(tmp_path):
+    from hydra.errors import InstantiationException
+
+    from lightning_bytescale.recipes_entry import build
+
+    cfg = _compose(tmp_path, "experiment=cpu_smoke", "strategy.capacity=0", "logger=csv")
+    with pytest.raises(InstantiationException, match=r"(?s)ByteScaleStrategy.*capacity must be a positive"):
+        build(cfg)

@@ -112,7 +112,8 @@ def test_planner_sweep_with_the_spawn_launcher(tmp_path):
         timeout=400,
     )
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit())
-    assert [j.name.split("_", 1)[1] for j in jobs] == ["strategy.planner=naive", "strategy.planner=balance"]
+    assert len(jobs) == 2
+    assert "strategy.planner=naive" in jobs[0].name and "strategy.planner=balance" in jobs[1].name
     for job in jobs:
         (metrics,) = job.glob("csv/version_*/metrics.csv")
         rows = list(csv.DictReader(metrics.open()))

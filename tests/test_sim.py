@@ -233,6 +233,19 @@ def test_scenarios_are_consistent():
     for name in paper:
         sc = SCENARIOS[name]
         sc.validate()
+        costs.cost_model_for(sc)  # the shape gives a valid cost model
         assert sc.tokens_per_step == 32 * 1024 * 1024 and sc.capacity == 8192
         assert 1024 <= sc.gpus <= 16384
         assert costs.static_cp(sc) * sc.capacity >= sc.context_length
+
+
+def test_peer_ring_pieces_match_zigzag():
+    from lightning_bytescale.planner.peers import _ring_item
+    from lightning_bytescale.planner.zigzag import member_ranges
+
+    lengths = [1, 2, 5, 7, 16, 33, 100]
+    for n in (2, 3, 4, 8, 64):
+        mbs = _ring_item(lengths, list(range(len(lengths))), tuple(range(n)), 0)
+        for m, mb in enumerate(mbs):
+            for p in mb.pieces:
+                assert list(p.ranges) == member_ranges(lengths[p.seq], n, m)

@@ -214,6 +214,23 @@ class Recorder(pl.Callback):
         )
 
 
+class PoisonedLM(TinyLM):
+    """Produces a non-finite loss or gradient for global-batch sequence ``POISON_SEQ`` of step 1."""
+
+    kind = "loss"
+
+    def training_step(self, mb, batch_idx):
+        loss = super().training_step(mb, batch_idx)
+        if batch_idx == 1 and POISON_SEQ in mb.seq_ids:
+            if self.kind == "loss":
+                return loss * float("nan")
+            loss.register_hook(lambda g: g * float("inf"))
+        return loss
+
+
+POISON_SEQ = 1
+
+
 def fit(
     out: Path,
     world: int,
@@ -225,6 +242,7 @@ def fit(
     resume: Path | None = None,
     diverge_rank: int | None = None,
     timeout: float = 60,
+    module: pl.LightningModule | None = None,
 ) -> pl.Trainer:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MASTER_PORT", None)
@@ -251,7 +269,7 @@ def fit(
         callbacks=callbacks,
         default_root_dir=out,
     )
-    trainer.fit(TinyLM(), datamodule=StepDataModule(planner, diverge_rank), ckpt_path=resume)
+    trainer.fit(module or TinyLM(), datamodule=StepDataModule(planner, diverge_rank), ckpt_path=resume)
     return trainer
 
 
@@ -362,3 +380,12 @@ def test_accumulate_grad_batches_rejected(tmp_path):
     os.environ.pop("MASTER_PORT", None)
     with pytest.raises(Exception, match="accumulate_grad_batches=2"):
         trainer.fit(TinyLM(), datamodule=StepDataModule("balance"))
+
+
+@pytest.mark.parametrize("kind", ["loss", "gradient"])
+def test_non_finite_names_micro_batch_and_sequences(tmp_path, kind):
+    module = PoisonedLM()
+    module.kind = kind
+    pattern = rf"Non-finite values at step 1.*rank \d: non-finite {kind} in micro-batch \d+ \(global-batch sequence ids \[[\d, ]*\b{POISON_SEQ}\b"
+    with pytest.raises(Exception, match=pattern):
+        fit(tmp_path, 2, module=module, max_steps=3)

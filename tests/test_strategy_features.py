@@ -126,7 +126,39 @@ def test_datamodule_validation_checkpoint_logging(tmp_path, precision, world):
             assert stats.keys() >= STAT_KEYS
             assert len(stats["busy_s"]) == world == len(stats["num_micro_batches"])
             assert len(stats["planned_s"]) == world and stats["max_over_mean_planned"] >= 1.0
-            assert stats["loss_tokens"] == stats["tokens"] - len(stats["cp_degrees"])  # one cp degree per sequence
+            assert stats["loss_tokens"] == stats["tokens"] - len(
+                stats["cp_degrees"]
+            )  # one cp degree per sequence
             if stats["lengths"]:  # filled once the loader reports the global batch's lengths
                 assert sum(stats["lengths"]) == stats["tokens"]
         assert [s["loss"] for s in probe["rows"]] == pytest.approx(train, rel=1e-6)
+
+
+def test_documented_example_module_trains(tmp_path):
+    """The complete example in docs/strategy.md runs as written (smaller sizes)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "strategy.md").read_text()
+    block = [b for b in text.split("```python")[1:] if "class PackedLM" in b][0].split("```")[0]
+    namespace: dict = {}
+    exec(compile(block.split('if __name__ == "__main__":')[0], "docs/strategy.md", "exec"), namespace)
+    os.environ.pop("MASTER_PORT", None)
+    dm = ByteScaleDataModule(
+        source={"kind": "synthetic", "name": "github", "num_samples": 120, "scale": 1 / 256},
+        cache_dir=tmp_path / "cache",
+        tokens_per_step=512,
+        num_workers=0,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ByteScaleStrategy(capacity=64, start_method="fork", timeout=60),
+        max_steps=2,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(namespace["PackedLM"](dim=32, layers=1, heads=2, context=128), datamodule=dm)
+    assert math.isfinite(float(trainer.callback_metrics["train/loss"]))

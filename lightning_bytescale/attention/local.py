@@ -60,9 +60,10 @@ def varlen_attention(
     start = 0
     for s in lens:
         sl = slice(start, start + s)
+        # 4-D inputs: 3-D ones miss the fused CPU kernel and take the slow math path
         o = F.scaled_dot_product_attention(
-            qh[:, sl], kh[:, sl], vh[:, sl], is_causal=True, scale=scale, enable_gqa=gqa
+            qh[None, :, sl], kh[None, :, sl], vh[None, :, sl], is_causal=True, scale=scale, enable_gqa=gqa
         )
-        pieces.append(o.transpose(0, 1))
+        pieces.append(o[0].transpose(0, 1))
         start += s
     return torch.cat(pieces, dim=0)

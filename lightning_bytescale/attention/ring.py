@@ -21,6 +21,8 @@ backend's asynchronous P2P (gloo runs it in its own threads) overlaps compute.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,9 @@ class RingSetup:
     seqs: tuple[tuple[int, int], ...]  # (first slot, chunk size c_j) of every sequence
     valid: torch.Tensor  # bool [T], False on padding slots
     group: Any = None
+    # (tensor, dst, src, tag) -> object with wait() returning the received tensor; None = gloo/NCCL P2P.
+    # A hook for in-process tests that run every member in its own thread.
+    transport: Callable[[torch.Tensor, int, int, int], Any] | None = None
 
     @property
     def size(self) -> int:
@@ -76,11 +81,22 @@ class RingSetup:
         return self.ranks[(self.member - 1) % self.size]
 
 
-def ring_setup(layout: AttentionLayout, num_slots: int, device: torch.device, group: Any = None) -> RingSetup:
+def ring_setup(
+    layout: AttentionLayout,
+    num_slots: int,
+    device: torch.device,
+    group: Any = None,
+    transport: Callable[[torch.Tensor, int, int, int], Any] | None = None,
+) -> RingSetup:
     """Check ``layout`` against the tensors and this rank, and precompute the block plan.
 
-    The last set-up is cached by content, so the layers of a model share one.
+    The last set-up is cached by content, so the layers of a model share one.  With a
+    ``transport`` (in-process tests), ranks are the transport's and torch.distributed is not used.
     """
+    if transport is not None:
+        return dataclasses.replace(
+            _build_setup(layout, num_slots, device, group, check_rank=False), transport=transport
+        )
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
     key = (
         tuple(layout.cu_seqlens.tolist()), tuple(layout.seq_lens), layout.ring, layout.member,
@@ -95,7 +111,9 @@ def ring_setup(layout: AttentionLayout, num_slots: int, device: torch.device, gr
     return setup
 
 
-def _build_setup(layout: AttentionLayout, num_slots: int, device: torch.device, group: Any) -> RingSetup:
+def _build_setup(
+    layout: AttentionLayout, num_slots: int, device: torch.device, group: Any, check_rank: bool = True
+) -> RingSetup:
     if layout.ring is None:
         raise RingLayoutError("ring attention needs a layout with a ring; local layouts use varlen attention")
     ranks = tuple(int(r) for r in layout.ring)
@@ -104,7 +122,7 @@ def _build_setup(layout: AttentionLayout, num_slots: int, device: torch.device, 
         raise RingLayoutError(f"ring {ranks} lists a rank twice; each member must be a distinct global rank")
     if not 0 <= layout.member < n:
         raise RingLayoutError(f"member {layout.member} is outside the ring {ranks}")
-    if n > 1:
+    if n > 1 and check_rank:
         if not dist.is_available() or not dist.is_initialized():
             raise RingLayoutError(
                 f"ring {ranks} needs torch.distributed; call init_process_group before running a sharded micro-batch"
@@ -150,7 +168,9 @@ def _blocks(setup: RingSetup, src: int) -> list[tuple[slice, slice, bool]]:
     return out
 
 
-def _post(setup: RingSetup, tensor: torch.Tensor, tag: int) -> Transfer:
+def _post(setup: RingSetup, tensor: torch.Tensor, tag: int) -> Any:
+    if setup.transport is not None:
+        return setup.transport(tensor, setup.next_rank, setup.prev_rank, tag)
     return Transfer(tensor, setup.next_rank, setup.prev_rank, tag, setup.group)
 
 
@@ -189,7 +209,7 @@ class ZigzagRingAttention(torch.autograd.Function):
         dout = dout.to(acc).masked_fill(~setup.valid.view(-1, 1, 1), 0)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        in_flight: Transfer | None = None
+        in_flight: Any = None
         dkv = None
         for t in range(n):
             src = (i - t) % n

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_bytescale.conf.schema import (
     CSVLoggerConfig,
     DataConfig,
+    FileDataConfig,
     ModelConfig,
     PretrainConfig,
     StrategyConfig,
@@ -50,6 +51,7 @@ def _store_schemas() -> None:
     cs.store(name="pretrain_schema", node=PretrainConfig)
     cs.store(group="strategy", name="base_strategy", node=StrategyConfig)
     cs.store(group="data", name="base_data", node=DataConfig)
+    cs.store(group="data", name="base_data_files", node=FileDataConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)
     cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
     cs.store(group="logger", name="base_wandb", node=WandbLoggerConfig)

@@ -91,6 +91,13 @@ class DataConfig:
 
 
 @dataclass
+class FileDataConfig(DataConfig):
+    """`DataConfig` whose ``source`` (a path or glob) must be given: ``data=text`` / ``data=jsonl``."""
+
+    source: Any = MISSING
+
+
+@dataclass
 class ModelConfig:
     """`lightning_bytescale.recipes_module.PretrainModule` options."""
 

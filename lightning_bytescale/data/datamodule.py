@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import warnings
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,11 @@ from lightning_bytescale.data.store import META_FILE, TokenStore, write_store
 from lightning_bytescale.data.tokenizer import Tokenizer, load_tokenizer
 
 PLANNER_KEYS = ("planner", "capacity", "cp_size", "offload", "slack", "cost_model")
+
+
+def _plain(value: Any) -> Any:
+    """An Enum option (as Hydra structured configs pass them) as its plain value."""
+    return value.value if isinstance(value, Enum) else value
 
 
 def default_cache_dir() -> Path:
@@ -113,11 +119,11 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.rebuild = rebuild
         self.context_length = context_length
-        self.long_document_policy = long_document_policy
-        self.empty_sample_policy = empty_sample_policy
+        self.long_document_policy = _plain(long_document_policy)
+        self.empty_sample_policy = _plain(empty_sample_policy)
         self.min_tokens = min_tokens
         self.tokens_per_step = tokens_per_step
-        self.budget_mode = budget_mode
+        self.budget_mode = _plain(budget_mode)
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -244,6 +250,17 @@ class ByteScaleDataModule(pl.LightningDataModule):
         )
 
     def setup(self, stage: str | None = None) -> None:
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            for name, mine, theirs in (
+                ("rank", self._rank, trainer.global_rank),
+                ("world_size", self._world_size, trainer.world_size),
+            ):
+                if mine is not None and mine != theirs:
+                    raise DataError(
+                        f"ByteScaleDataModule({name}={mine}) disagrees with the trainer ({theirs}); "
+                        f"leave {name} unset under a Trainer"
+                    )
         self.store = TokenStore.open(self.store_dir)
         pool = self.pool_tokens(self.context_length)
         max_len = self.context_length if self.context_length is not None else pool

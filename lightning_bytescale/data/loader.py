@@ -20,6 +20,7 @@ trained position.)
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -92,8 +93,16 @@ class StepDataset(Dataset):
 
         epoch, step = key
         ids = self.sample_ids(epoch, step)
-        batch = build_step(self.plan(epoch, step), self.rank, lambda j: self.tokens(int(ids[j])), step=step)
-        batch.stats = dict(batch.stats, epoch=epoch, split=self.split)
+        t0 = time.perf_counter()
+        plan = self.plan(epoch, step)
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        batch = build_step(plan, self.rank, lambda j: self.tokens(int(ids[j])), step=step)
+        stats = dict(batch.stats)
+        stats.update(epoch=epoch, split=self.split, plan_ms=plan_ms)
+        stats.setdefault("lengths", list(plan.lengths))
+        stats.setdefault("num_sequences", len(plan.lengths))
+        stats.setdefault("world_size", plan.world_size)
+        batch.stats = stats
         return batch
 
     def __len__(self) -> int:

@@ -167,9 +167,17 @@ class TokenBudgetBatchSampler(DistributedSampler):
         diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
         if diff:
             what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            hint = ""
+            if "lengths_sha" in diff:
+                hint = (
+                    " The samples differ: a changed source, policy or context_length (its default, "
+                    "the pool world_size x capacity, changes with the world size: set it explicitly "
+                    "to resume on another number of ranks)."
+                )
             raise ResumeMismatchError(
                 f"the saved data position belongs to different global batches ({what}); resume with "
-                f"the same data, policies, context length, tokens_per_step and seed, or start a new run"
+                f"the same data, policies, context length, tokens_per_step and seed, or start a new "
+                f"run.{hint}"
             )
         epoch, step = int(state["epoch"]), int(state["step"])
         if not 0 <= step < max(1, self.batching.num_steps(epoch)):

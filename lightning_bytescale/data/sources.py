@@ -14,7 +14,7 @@ import inspect
 import json
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from pathlib import Path
@@ -232,7 +232,7 @@ def make_source(spec: str | dict | Source | None) -> Source:
     """
     if spec is None:
         return TextFilesSource()
-    if isinstance(spec, dict):
+    if isinstance(spec, Mapping):  # a dict, or a Hydra/OmegaConf mapping
         opts = dict(spec)
         kind = opts.pop("kind", None)
         kinds = {"text": TextFilesSource, "jsonl": JsonlSource, "synthetic": SyntheticSource, "hf": HFSource}

@@ -156,12 +156,16 @@ def run_micro_batches(
     sync_timing: bool = False,
     p2p_group: dist.ProcessGroup | None = None,
 ) -> LocalResult:
-    """This rank's micro-batches in order, gradients accumulating locally, no barriers."""
-    total: torch.Tensor | None = None
-    tokens = 0
-    results: list[MicroBatchResult] = []
+    """This rank's micro-batches in order, gradients accumulating locally, no barriers.
+
+    Losses and token counts stay on the device until the loop ends (one host sync per step,
+    not one per micro-batch), so the host can queue the next micro-batch's work early.
+    """
+    losses: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
+    seconds: list[float] = []
     for mb in micro_batches:
-        loss, seconds = run_micro_batch(
+        loss, sec = run_micro_batch(
             model,
             mb,
             forward=forward,
@@ -170,15 +174,20 @@ def run_micro_batches(
             sync_timing=sync_timing,
             p2p_group=p2p_group,
         )
-        n = int((mb.labels != IGNORE_INDEX).sum())
-        tokens += n
-        total = loss if total is None else total + loss
-        results.append(
-            MicroBatchResult(mb.index, float(loss), n, seconds, mb.layout.ring_size, tuple(mb.seq_ids))
-        )
-    if total is None:
-        total = torch.zeros((), dtype=torch.float64)
-    return LocalResult(loss=total, loss_tokens=tokens, micro_batches=results)
+        losses.append(loss.to(torch.float64))
+        counts.append((mb.labels != IGNORE_INDEX).sum())
+        seconds.append(sec)
+    if not losses:
+        return LocalResult(loss=torch.zeros((), dtype=torch.float64), loss_tokens=0)
+    loss_values = torch.stack(losses).tolist()
+    token_values = torch.stack(counts).tolist()
+    results = [
+        MicroBatchResult(mb.index, lv, int(tv), sec, mb.layout.ring_size, tuple(mb.seq_ids))
+        for mb, lv, tv, sec in zip(micro_batches, loss_values, token_values, seconds)
+    ]
+    return LocalResult(
+        loss=torch.stack(losses).sum(), loss_tokens=int(sum(token_values)), micro_batches=results
+    )
 
 
 def _reduce_dtype(params: Sequence[nn.Parameter]) -> torch.dtype:
@@ -188,37 +197,79 @@ def _reduce_dtype(params: Sequence[nn.Parameter]) -> torch.dtype:
     return dtype
 
 
+COUNT_BITS = 50  # counts must lie in [0, 2**50)
+
+
+def _limb_bits(dtype: torch.dtype, world: int) -> int:
+    """Bits per limb so that ``world`` limbs sum exactly in ``dtype`` (integers below 2**mantissa)."""
+    mantissa = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}.get(dtype, 24)
+    bits = mantissa - max(1, world - 1).bit_length()
+    if bits < 1:
+        raise ValueError(
+            f"counts cannot be summed exactly in {dtype} over {world} ranks; pass reduce_dtype=torch.float32"
+        )
+    return min(COUNT_BITS, bits)
+
+
+def _encode_counts(counts: torch.Tensor, bits: int) -> torch.Tensor:
+    c = counts.detach().to("cpu", torch.float64).reshape(-1)
+    if c.numel() and (
+        bool((c < 0).any()) or bool((c != c.round()).any()) or float(c.max()) >= 2.0**COUNT_BITS
+    ):
+        raise ValueError(f"counts must be integers in [0, 2**{COUNT_BITS}), got {c.tolist()[:8]}")
+    ints = c.to(torch.int64)
+    limbs = [(ints >> (bits * i)) & ((1 << bits) - 1) for i in range(-(-COUNT_BITS // bits))]
+    return torch.stack(limbs, dim=1).reshape(-1).to(torch.float64)  # [n * num_limbs], limb-minor
+
+
+def _decode_counts(limbs: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    parts = limbs.to("cpu", torch.float64).round().to(torch.int64).reshape(n, -1)
+    weights = torch.tensor([1 << (bits * i) for i in range(parts.shape[1])], dtype=torch.int64)
+    return (parts * weights).sum(dim=1).to(torch.float64)
+
+
 def allreduce_gradients(
     params: Iterable[nn.Parameter],
     group: dist.ProcessGroup | None = None,
     extra: torch.Tensor | None = None,
     *,
+    counts: torch.Tensor | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | None:
-    """Sum every gradient (and ``extra``) over all ranks of ``group`` with ONE all-reduce.
+    """Sum every gradient (and ``extra``, ``counts``) over all ranks of ``group`` with ONE all-reduce.
 
     All gradients are flattened into one buffer (``reduce_dtype``; default the widest of the
-    gradients' dtypes and float32, so bf16 gradients are summed in float32) with ``extra``
-    appended (cast to that dtype); a parameter without a gradient contributes zeros, so every rank -- also one that
-    ran no micro-batch -- sends the same shapes.  Afterwards every ``p.grad`` holds the sum.
-    Returns ``extra`` summed over ranks (``None`` when no ``extra`` was given).  Without an
-    initialised process group this is the identity (single process).
+    gradients' dtypes and float32, so bf16 gradients are summed in float32); a parameter
+    without a gradient contributes zeros, so every rank -- also one that ran no micro-batch --
+    sends the same shapes.  Afterwards every ``p.grad`` holds the sum.
+
+    ``extra`` (floats: losses, times) is appended in the buffer's dtype.  ``counts`` (integers
+    in ``[0, 2**50)``: token counts, flags, ids) are appended as limbs small enough that their
+    sum is exact in the buffer's dtype, so they stay exact with float32 gradients too (sums
+    must stay below 2**53).
+    Returns one float64 tensor: ``extra`` summed, then ``counts`` summed (``None`` when neither
+    was given).  Without an initialised process group this is the identity (single process).
     """
     params = [p for p in params if p.requires_grad]
-    if extra is not None:
-        extra = extra.detach().reshape(-1)
     dtype = reduce_dtype or _reduce_dtype(params)
+    initialised = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if initialised else 1
     device = params[0].device if params else (extra.device if extra is not None else torch.device("cpu"))
     parts = [
         (p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=device))
         for p in params
     ]
+    n_extra = 0 if extra is None else extra.numel()
     if extra is not None:
-        parts.append(extra.to(device))
+        parts.append(extra.detach().reshape(-1).to(device))
+    n_counts, bits = 0, 0
+    if counts is not None:
+        n_counts, bits = counts.numel(), _limb_bits(dtype, world)
+        parts.append(_encode_counts(counts, bits).to(device))
     if not parts:
         return None
     flat = torch.cat([t.to(dtype) for t in parts])
-    if dist.is_available() and dist.is_initialized():
+    if initialised:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0
     for p in params:
@@ -229,9 +280,12 @@ def allreduce_gradients(
         else:
             p.grad.copy_(view)
         offset += n
-    if extra is None:
+    if extra is None and counts is None:
         return None
-    return flat[offset:].clone()
+    out = [flat[offset : offset + n_extra].to("cpu", torch.float64)]
+    if counts is not None:
+        out.append(_decode_counts(flat[offset + n_extra :], n_counts, bits))
+    return torch.cat(out)
 
 
 def _group_shape(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -300,32 +354,30 @@ def run_step(
         sync_timing=sync_timing,
         p2p_group=p2p_group,
     )
-    per_rank = torch.zeros(3, world, dtype=torch.float64)  # busy seconds, bad loss, bad local grads
-    per_rank[0, me] = local.busy_seconds
+    busy = torch.zeros(world, dtype=torch.float64)
+    busy[me] = local.busy_seconds
+    flags = torch.zeros(2, world, dtype=torch.float64)  # bad loss, bad local gradients
     if check_finite:
-        per_rank[1, me] = float(any(not math.isfinite(m.loss) for m in local.micro_batches))
-        per_rank[2, me] = float(not _local_grads_finite(params))
-    parts = [
-        local.loss.detach().to("cpu", torch.float64).reshape(1),
-        torch.tensor([float(local.loss_tokens)], dtype=torch.float64),
-        per_rank.reshape(-1),
-    ]
+        flags[0, me] = float(any(not math.isfinite(m.loss) for m in local.micro_batches))
+        flags[1, me] = float(not _local_grads_finite(params))
+    floats = [local.loss.detach().to("cpu", torch.float64).reshape(1), busy]
     if extra is not None:
-        parts.append(extra.detach().to("cpu", torch.float64).reshape(-1))
-    reduced = allreduce_gradients(params, group=group, extra=torch.cat(parts))
+        floats.append(extra.detach().to("cpu", torch.float64).reshape(-1))
+    n_float = sum(t.numel() for t in floats)
+    counts = torch.cat([torch.tensor([float(local.loss_tokens)], dtype=torch.float64), flags.reshape(-1)])
+    reduced = allreduce_gradients(params, group=group, extra=torch.cat(floats), counts=counts)
     assert reduced is not None
-    reduced = reduced.to("cpu", torch.float64)
-    tokens = float(reduced[1])
-    expected = float(step.num_global_tokens)
-    if check_tokens and abs(tokens - expected) > max(0.5, 1e-5 * expected):
+    tokens = int(reduced[n_float])
+    if check_tokens and tokens != step.num_global_tokens:
         raise StepError(
-            f"the ranks' micro-batches hold {tokens:.0f} loss tokens but the global batch has {expected:.0f}; "
-            "the ranks ran different plans or a token was dropped (compare the plan digests)"
+            f"the ranks' micro-batches hold {tokens} loss tokens but the global batch has "
+            f"{step.num_global_tokens}; the ranks ran different plans or a token was dropped "
+            "(compare the plan digests)"
         )
-    flags = reduced[2 : 2 + 3 * world].reshape(3, world)
+    flags = reduced[n_float + 1 :].reshape(2, world)
     if check_finite:
-        bad_loss = [r for r in range(world) if flags[1, r] != 0]
-        bad_grad = [r for r in range(world) if flags[2, r] != 0]
+        bad_loss = [r for r in range(world) if flags[0, r] != 0]
+        bad_grad = [r for r in range(world) if flags[1, r] != 0]
         if bad_loss or bad_grad or not math.isfinite(float(reduced[0])):
             _raise_non_finite(local, bad_loss, bad_grad, named)
     loss_tensor = reduced[0].clone()
@@ -333,6 +385,6 @@ def run_step(
         loss=float(loss_tensor),
         loss_tensor=loss_tensor,
         local=local,
-        busy_seconds=[float(x) for x in flags[0]],
-        extra=None if extra is None else reduced[2 + 3 * world :].clone(),
+        busy_seconds=[float(x) for x in reduced[1 : 1 + world]],
+        extra=None if extra is None else reduced[1 + world : n_float].clone(),
     )

@@ -63,31 +63,27 @@ def count_loss_tokens(lengths: Sequence[int], *, allow_zero: bool = False) -> in
     return total
 
 
-def _as_tokens(seq: int, raw: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
+def _as_tokens(seq: int, raw: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(raw, torch.Tensor):
-        t = raw.detach().to(device="cpu", dtype=torch.long)
+        if raw.is_floating_point() or raw.is_complex():
+            raise PackingError(f"sequence {seq}: token ids must be integers, got dtype {raw.dtype}")
+        arr = raw.detach().cpu().numpy()
     else:
         arr = np.asarray(raw)
         if arr.size and not np.issubdtype(arr.dtype, np.integer):
             raise PackingError(f"sequence {seq}: token ids must be integers, got dtype {arr.dtype}")
-        t = torch.as_tensor(arr.astype(np.int64, copy=False), dtype=torch.long)
-    if t.dim() != 1:
-        raise PackingError(f"sequence {seq}: tokens must be one-dimensional, got shape {tuple(t.shape)}")
-    if t.numel() < 1:
+    if arr.ndim != 1:
+        raise PackingError(f"sequence {seq}: tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size < 1:
         raise PackingError(f"sequence {seq} is empty; drop empty samples before planning")
-    return t
+    return arr.astype(np.int64, copy=False)
 
 
-def _sequence_slots(full: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sequence_slots(full: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Inputs and next-token labels of the given slot positions (padding where ``pos >= s``)."""
-    s = full.numel()
-    pos = torch.tensor(positions, dtype=torch.long)
-    real = pos < s
-    inputs = torch.where(real, full[pos.clamp(max=s - 1)], torch.zeros((), dtype=torch.long))
-    has_next = pos + 1 < s
-    labels = torch.where(
-        has_next, full[(pos + 1).clamp(max=s - 1)], torch.full((), IGNORE_INDEX, dtype=torch.long)
-    )
+    s = full.size
+    inputs = np.where(pos < s, full[np.minimum(pos, s - 1)], 0)
+    labels = np.where(pos + 1 < s, full[np.minimum(pos + 1, s - 1)], IGNORE_INDEX)
     return inputs, labels
 
 
@@ -122,17 +118,17 @@ def build_micro_batch(
     ids, labels, positions, slots, seq_lens, seq_ids = [], [], [], [], [], []
     for piece in mb.pieces:
         full = _as_tokens(piece.seq, tokens(piece.seq))
-        s = full.numel()
+        s = full.size
         if lengths is not None and int(lengths[piece.seq]) != s:
             raise PackingError(
                 f"sequence {piece.seq}: the plan says length {lengths[piece.seq]} but the data has {s} "
                 "tokens; plan from the same lengths the loader yields"
             )
         if mb.ring is None:
-            pos = list(range(s))
+            pos = np.arange(s, dtype=np.int64)
             expected = [(0, s)]
         else:
-            pos = zigzag.member_positions(s, n, member)
+            pos = np.asarray(zigzag.member_positions(s, n, member), dtype=np.int64)
             expected = zigzag.member_ranges(s, n, member)
         if [tuple(r) for r in piece.ranges] != expected:
             raise PackingError(
@@ -143,13 +139,12 @@ def build_micro_batch(
         inp, lab = _sequence_slots(full, pos)
         ids.append(inp)
         labels.append(lab)
-        positions.append(torch.tensor(pos, dtype=torch.long))
-        slots.append(len(pos))
+        positions.append(pos)
+        slots.append(pos.size)
         seq_lens.append(s)
         seq_ids.append(piece.seq)
 
-    cu = torch.zeros(len(slots) + 1, dtype=torch.long)
-    cu[1:] = torch.cumsum(torch.tensor(slots, dtype=torch.long), 0)
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(slots)]).astype(np.int64))
     layout = AttentionLayout(
         cu_seqlens=cu,
         seq_lens=tuple(seq_lens),
@@ -157,9 +152,9 @@ def build_micro_batch(
         member=member,
     )
     return PackedMicroBatch(
-        input_ids=torch.cat(ids),
-        labels=torch.cat(labels),
-        position_ids=torch.cat(positions),
+        input_ids=torch.from_numpy(np.concatenate(ids)),
+        labels=torch.from_numpy(np.concatenate(labels)),
+        position_ids=torch.from_numpy(np.concatenate(positions)),
         layout=layout,
         seq_ids=tuple(seq_ids),
         num_global_tokens=int(num_global_tokens),

@@ -36,6 +36,7 @@ the simulator load it).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -265,15 +266,21 @@ class CostModel:
         """The paper's per-layer table (§1.4) as a LLaMA-7B-like model for simulation.
 
         * ``T``: least-squares fit of attention+MLP ms at 4K..128K, read as the *forward* time
-          (the fit's relative error is below 10% at every point), times 3 for forward+backward.
+          (relative error below 2% at every point), times 3 for forward+backward:
+          forward ``a = 9.03e-12 s/token^2``, ``b = 3.70e-7 s/token``, ``g = 0``.
         * 32 layers; K/V 4,096 bytes per token per layer (8 KV heads x 128 x bf16, Table 1).
         * Bandwidths (assumed, per rank and direction): 150 GB/s inside a node of 8 ranks
-          (NVLink), 25 GB/s between nodes (one 200 Gb/s NIC per GPU).  Crossover: about 15.5K
-          tokens a rank between nodes, 2.6K inside a node.
+          (NVLink), 25 GB/s between nodes (one 200 Gb/s NIC per GPU).  Crossover (large rings):
+          about 18.1K tokens a rank between nodes, 3.0K inside a node.
         * ``Act``: ``c`` is chosen so that Eq. 3's largest hidden offload ratio at 64K is 0.5
-          with 25 GB/s PCIe (Fig. 21: r = 0.5 costs nothing at 64K); it then reaches 1 near 160K,
-          matching "r = 1 costs nothing at 256K".
+          with 25 GB/s PCIe (Fig. 21: r = 0.5 costs nothing at 64K); it reaches 1 near 170K,
+          consistent with "r = 1 costs nothing at 256K".
         """
+        return _paper_preset() if cls is CostModel else cls(**asdict(_paper_preset()))
+
+    @classmethod
+    def _build_paper_preset(cls) -> CostModel:
+        """Fit the preset (cached by :meth:`paper_preset`)."""
         ms = [x + y for x, y in zip(PAPER_TABLE_ATTENTION_MS, PAPER_TABLE_MLP_MS)]
         a, b, g = (
             _round_sig(v)
@@ -317,6 +324,11 @@ class CostModel:
 
 
 PAPER_PCIE_BANDWIDTH = 25e9
+
+
+@functools.lru_cache(maxsize=1)
+def _paper_preset() -> CostModel:
+    return CostModel._build_paper_preset()
 
 
 def _round_sig(x: float, digits: int = 10) -> float:

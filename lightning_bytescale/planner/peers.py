@@ -62,23 +62,28 @@ def _ring_item(lengths: Sequence[int], seqs: Sequence[int], ring: tuple[int, ...
     """
     n = len(ring)
     pieces: list[list[Piece]] = [[] for _ in range(n)]
+    last = 2 * n - 1
     for s in seqs:
         length = lengths[s]
         c = -(-length // (2 * n))
         for member in range(n):
             lo = member * c
-            hi = (2 * n - 1 - member) * c
-            a_end = min(lo + c, length)
-            b_end = min(hi + c, length)
-            ranges = []
-            if lo < a_end:
-                ranges.append((lo, a_end))
-            if hi < b_end:
-                if ranges and ranges[-1][1] == hi:
-                    ranges[-1] = (ranges[-1][0], b_end)
-                else:
-                    ranges.append((hi, b_end))
-            pieces[member].append(Piece(s, tuple(ranges)))  # every member lists every sequence
+            a_end = lo + c
+            if a_end > length:
+                a_end = length
+            hi = (last - member) * c
+            b_end = hi + c
+            if b_end > length:
+                b_end = length
+            if lo >= a_end:
+                ranges: tuple = ()  # chunk ``member`` is padding, so is the later one
+            elif hi >= b_end:
+                ranges = ((lo, a_end),)
+            elif a_end == hi:
+                ranges = ((lo, b_end),)
+            else:
+                ranges = ((lo, a_end), (hi, b_end))
+            pieces[member].append(Piece(s, ranges))  # every member lists every sequence
     return [MicroBatch(pieces=pieces[m], ring=ring, item=item) for m in range(n)]
 
 

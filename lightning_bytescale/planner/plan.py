@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_bytescale.planner.errors import PlanError, PlanValidationError
-from lightning_bytescale.planner.zigzag import member_ranges
+from lightning_bytescale.planner.zigzag import all_member_ranges
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,7 @@ class Plan:
         covered: list[list[tuple[int, int]]] = [[] for _ in lengths]
         items: dict[int, tuple[tuple[int, ...], tuple[int, ...], float, set[int]]] = {}
         nseq = len(lengths)
+        share_cache: dict[tuple[int, int], list[tuple[tuple[int, int], ...]]] = {}
         for r, mbs in enumerate(self.ranks):
             last = -1
             for m, mb in enumerate(mbs):
@@ -153,9 +154,12 @@ class Plan:
                     slots = 0
                     for p in mb.pieces:
                         s = lengths[p.seq]
-                        want = member_ranges(s, n, member)
-                        got = [tuple(x) for x in p.ranges]
-                        if got != want:
+                        shares = share_cache.get((s, n))
+                        if shares is None:
+                            shares = share_cache[(s, n)] = all_member_ranges(s, n)
+                        want = shares[member]
+                        if p.ranges != want and [tuple(x) for x in p.ranges] != list(want):
+                            got = [tuple(x) for x in p.ranges]
                             raise PlanValidationError(
                                 f"{where}: sequence {p.seq} (length {s}) should hold zigzag share {want} of "
                                 f"member {member}/{n}, got {got}"
@@ -203,20 +207,37 @@ class Plan:
         return self
 
     # ------------------------------------------------------------------ identity
-    def _canonical(self) -> dict:
-        return {
+    def digest(self) -> str:
+        """Stable sha256 (hex) of the plan's canonical text form: same plan, same digest, any process.
+
+        The text is the JSON of ``world_size, capacity, planner, lengths, options`` (sorted keys,
+        compact), then one line per micro-batch, rank by rank:
+        ``rank|ring|item|offload_ratio|est_time|exposed_time|seq:a-b,c-d;seq:...`` with floats in
+        ``repr`` form (exact, as JSON writes them) and ``-`` for a missing ring or item.
+        """
+        h = hashlib.sha256()
+        head = {
             "world_size": self.world_size,
             "capacity": self.capacity,
             "planner": self.planner,
-            "lengths": list(self.lengths),
+            "lengths": [int(x) for x in self.lengths],
             "options": self.options,
-            "ranks": [[_mb_to_dict(mb) for mb in mbs] for mbs in self.ranks],
         }
-
-    def digest(self) -> str:
-        """Stable sha256 (hex) of the canonical JSON form: same plan, same digest, any process."""
-        text = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"), allow_nan=False)
-        return hashlib.sha256(text.encode()).hexdigest()
+        h.update(json.dumps(head, sort_keys=True, separators=(",", ":"), default=_json_default).encode())
+        for r, mbs in enumerate(self.ranks):
+            lines = []
+            for mb in mbs:
+                ring = "-" if mb.ring is None else ",".join(str(int(x)) for x in mb.ring)
+                item = "-" if mb.item is None else str(int(mb.item))
+                pieces = ";".join(
+                    f"{int(p.seq)}:" + ",".join(f"{int(a)}-{int(b)}" for a, b in p.ranges) for p in mb.pieces
+                )
+                lines.append(
+                    f"\n{r}|{ring}|{item}|{float(mb.offload_ratio)!r}|{float(mb.est_time)!r}|"
+                    f"{float(mb.exposed_time)!r}|{pieces}"
+                )
+            h.update("".join(lines).encode())
+        return h.hexdigest()
 
     # ------------------------------------------------------------------ statistics
     def rank_times(self) -> list[float]:
@@ -266,8 +287,9 @@ class Plan:
     def stats(self) -> dict:
         """Summary numbers (all JSON-ready).
 
-        ``rank_time`` per rank and its max/mean (``max_over_mean``, the imbalance) and
-        ``bubble_fraction = 1 - mean/max``; ``makespan`` with ring members waiting for each other;
+        ``rank_time`` (busy seconds) per rank and its max/mean (``max_over_mean``, the imbalance);
+        ``makespan``, the last finish with ring members waiting for each other;
+        ``bubble_fraction = 1 - mean/makespan`` (idle share, ring waits included);
         ``ring_bytes`` sent per step (cost model in the options); ``exposed_ring_time`` summed over
         ranks and its per-rank max; ``cp_degree_histogram`` (ring size -> number of sequences);
         micro-batch counts; offload use.
@@ -305,13 +327,14 @@ class Plan:
         if local_seqs:
             hist[1] = hist.get(1, 0) + len(local_seqs)
         finish = self.finish_times() if int(self.options.get("pipeline_degree", 1) or 1) <= 1 else times
+        makespan = max(finish) if finish else 0.0
         return {
             "rank_time": times,
             "max_time": mx,
             "mean_time": mean,
             "max_over_mean": (mx / mean) if mean > 0 else 1.0,
-            "bubble_fraction": (1.0 - mean / mx) if mx > 0 else 0.0,
-            "makespan": max(finish) if finish else 0.0,
+            "bubble_fraction": (1.0 - mean / makespan) if makespan > 0 else 0.0,
+            "makespan": makespan,
             "ring_bytes": ring_bytes,
             "exposed_ring_time": sum(exposed),
             "max_rank_exposed_ring_time": max(exposed) if exposed else 0.0,
@@ -373,13 +396,20 @@ class Plan:
         return plan
 
 
+def _json_default(obj):
+    """NumPy scalars and other number-likes in options serialise as plain numbers."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"plan options must be JSON-serialisable, got {type(obj).__name__}")
+
+
 def _mb_to_dict(mb: MicroBatch) -> dict:
     return {
         "ring": None if mb.ring is None else list(mb.ring),
         "item": mb.item,
-        "offload_ratio": mb.offload_ratio,
-        "est_time": mb.est_time,
-        "exposed_time": mb.exposed_time,
+        "offload_ratio": float(mb.offload_ratio),
+        "est_time": float(mb.est_time),
+        "exposed_time": float(mb.exposed_time),
         "pieces": [{"seq": p.seq, "ranges": [list(x) for x in p.ranges]} for p in mb.pieces],
     }
 

@@ -43,9 +43,13 @@ Issue-9 additions (communication-aware planning):
   micro-batches' ``est_time``/``exposed_time`` come from the full model, so plans compare fairly.
 * Ring size: never more ranks than memory requires (``D(s)``).  With offload, every size from
   Eq. 3's optimum up to ``D(s)`` is feasible; ``balance`` takes the fewest ranks whose member time
-  stays within the mean rank load (fewer ranks mean bigger chunks, more hidden transfer and less
-  total work, but an item longer than the mean load would set the step time); ``naive`` takes
-  Eq. 3's optimum.
+  stays within a load level ``T`` solving ``mean load(T) = T`` (fewer ranks mean bigger chunks,
+  more hidden transfer and less total work, but an item longer than the mean load would set the
+  step time).  A sequence whose member time cannot get under ``T`` (a comm-bound ring stops
+  getting faster with more ranks) takes the fewest ranks within the step-time bound
+  ``max(T, largest floor)``.  ``naive`` takes Eq. 3's optimum.
+* Placement: rings inside one node when that ends earlier (item 2 above); the exposed ring time
+  of every micro-batch is in ``exposed_time`` and summed in ``Plan.stats()``.
 * Offload default (``offload=None``): on for ``balance`` when the cost model has activation
   coefficients, off for ``naive`` and ``static``; ``True``/``False``/an :class:`OffloadConfig`
   force it.
@@ -74,6 +78,7 @@ from lightning_bytescale.planner.cost_model import (
 from lightning_bytescale.planner.errors import PlanError
 from lightning_bytescale.planner.packing import best_fit_decreasing
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
+from lightning_bytescale.planner.zigzag import all_member_ranges
 
 PlannerFn = Callable[..., Plan]
 
@@ -180,10 +185,11 @@ class _Ctx:
 
     def too_long(self, i: int, need: int, what: str) -> PlanError:
         s = self.lengths[i]
+        fixes = "add ranks, raise capacity, " + ("" if self.offload else "enable offload, ")
         return PlanError(
             f"sequence {i} has length {s} and needs {need} ranks of capacity {self.cap} ({what}), but "
-            f"world_size is {self.world} (the pool holds {self.world * self.cap} tokens); add ranks, "
-            "raise capacity, enable offload, or split/truncate documents to the context length"
+            f"world_size is {self.world} (the pool holds {self.world * self.cap} tokens); {fixes}"
+            "or split/truncate documents to the context length"
         )
 
 
@@ -196,26 +202,6 @@ def _local_mb(ctx: _Ctx, seqs: Sequence[int], ratio: float = 0.0) -> MicroBatch:
     )
 
 
-def _all_member_ranges(s: int, n: int) -> list[tuple[tuple[int, int], ...]]:
-    """:func:`member_ranges` of every member of a ring of ``n`` (``n >= 2``), computed at once."""
-    c = -(-s // (2 * n))
-    out = []
-    for m in range(n):
-        a0, a1 = m * c, min((m + 1) * c, s)
-        j = 2 * n - 1 - m
-        b0, b1 = j * c, min((j + 1) * c, s)
-        if a0 < a1:
-            if b0 >= b1:
-                out.append(((a0, a1),))
-            elif a1 == b0:  # the middle member's chunks touch: one range
-                out.append(((a0, b1),))
-            else:
-                out.append(((a0, a1), (b0, b1)))
-        else:
-            out.append(((b0, b1),) if b0 < b1 else ())
-    return out
-
-
 def _ring_mbs(
     ctx: _Ctx, seqs: Sequence[int], ring: tuple[int, ...], item: int, ratio: float
 ) -> list[MicroBatch]:
@@ -225,7 +211,7 @@ def _ring_mbs(
     t, exposed = ctx.cost.ring_member_time(sl, n, intra=ctx.intra(ring), comm_aware=True)
     per_member: list[list[Piece]] = [[] for _ in range(n)]
     for q in seqs:
-        for m, ranges in enumerate(_all_member_ranges(lens[q], n)):
+        for m, ranges in enumerate(all_member_ranges(lens[q], n)):
             per_member[m].append(Piece(q, ranges))
     out = []
     for pieces in per_member:
@@ -264,7 +250,16 @@ def static_cp_size(lengths: Sequence[int], world_size: int, capacity: int) -> in
 
 
 def plan_static(
-    lengths, *, world_size, capacity, cost_model, cp_size=None, seed=0, ranks_per_node=None, **_
+    lengths,
+    *,
+    world_size,
+    capacity,
+    cost_model,
+    cp_size=None,
+    seed=0,
+    ranks_per_node=None,
+    pipeline_degree=1,
+    **_,
 ) -> Plan:
     ctx = _Ctx(lengths, world_size, capacity, cost_model, ranks_per_node, None)
     if cp_size is None:
@@ -306,7 +301,7 @@ def plan_static(
         "static",
         tuple(lengths),
         ranks,
-        _options(ctx, cp_size=cp, dp_size=dp, seed=seed),
+        _options(ctx, cp_size=cp, dp_size=dp, seed=seed, pipeline_degree=pipeline_degree),
     )
 
 
@@ -420,12 +415,16 @@ def _choose_ring_sizes(ctx: _Ctx, items: list[_Item], cm: bool) -> list[float]:
     """Pick each item's ring size; return its planned member time.
 
     Without offload an item has one choice, ``D(s)``.  With offload, choose a load level ``T``
-    and give every sequence the fewest ranks whose member time is at most ``T`` (``D(s)`` if
-    none): a larger ``T`` means fewer ranks, less total work (mean load ``M(T)`` falls) but
-    coarser items.  ``T`` is the crossing ``M(T) = T`` (bisection), which minimises
-    ``max(M(T), T)``, a lower bound on the step time.
+    and give every sequence the fewest ranks whose member time is at most ``T``: a larger ``T``
+    means fewer ranks and less total work (the mean load ``M(T)`` falls) but coarser items.
+    ``T`` is the crossing ``M(T) = T`` (bisection), which minimises ``max(M(T), T)``, a lower
+    bound on the step time.  A sequence that cannot get within ``T`` (a comm-bound ring's member
+    time stops falling with more ranks) takes the fewest ranks whose member time is within the
+    step-time bound ``max(T, largest smallest-member-time)``: beyond its own floor it cannot go,
+    and fewer ranks cost less work.
     """
     fixed = 0.0
+    floor = 0.0  # the largest member time no ring size can go below
     cost_of: list[float] = [0.0] * len(items)
     multi: list[tuple[int, list[float], list[float]]] = []  # (item index, times, -prefix min)
     for k, it in enumerate(items):
@@ -434,20 +433,24 @@ def _choose_ring_sizes(ctx: _Ctx, items: list[_Item], cm: bool) -> list[float]:
             d = it.size
             cost_of[k] = _member_time(ctx, it, d, _likely_intra(ctx, d), cm)
             fixed += d * cost_of[k]
+            floor = max(floor, cost_of[k])
             continue
         ts = [_member_time(ctx, it, d, _likely_intra(ctx, d), cm) for d, _ in it.choices]
         neg_pm, m = [], math.inf
         for t in ts:
             m = min(m, t)
             neg_pm.append(-m)
+        floor = max(floor, m)
         multi.append((k, ts, neg_pm))
     if not multi:
         return cost_of
 
-    def pick(level: float) -> list[int]:
+    def pick(level: float, bound: float | None = None) -> list[int]:
         out = []
         for _, ts, neg_pm in multi:
             j = bisect.bisect_left(neg_pm, -level)  # first j with prefix-min <= level
+            if j == len(ts):
+                j = len(ts) - 1 if bound is None else bisect.bisect_left(neg_pm, -bound)
             out.append(min(j, len(ts) - 1))
         return out
 
@@ -464,7 +467,7 @@ def _choose_ring_sizes(ctx: _Ctx, items: list[_Item], cm: bool) -> list[float]:
             lo = mid
         else:
             hi = mid
-    for (k, ts, _), j in zip(multi, pick(hi)):
+    for (k, ts, _), j in zip(multi, pick(hi, max(hi, floor))):
         items[k].choose(j)
         cost_of[k] = ts[j]
     return cost_of
@@ -682,8 +685,9 @@ def make_plan(
     """
     world_size = _check_int("world_size", world_size, 1)
     capacity = _check_int("capacity", capacity, 2)
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
         raise PlanError(f"seed must be an integer, got {seed!r}")
+    seed = int(seed)
     lens = check_lengths(lengths)
     if cost_model is None:
         cost = CostModel.paper_preset()

@@ -66,3 +66,23 @@ def member_positions(length: int, ring_size: int, member: int) -> list[int]:
     for chunk in member_chunks(ring_size, member):
         pos.extend(range(chunk * c, (chunk + 1) * c))
     return pos
+
+
+def all_member_ranges(s: int, n: int) -> list[tuple[tuple[int, int], ...]]:
+    """:func:`member_ranges` of every member (as tuples), computed at once (``n >= 2``)."""
+    c = -(-s // (2 * n))
+    out = []
+    for m in range(n):
+        a0, a1 = m * c, min((m + 1) * c, s)
+        j = 2 * n - 1 - m
+        b0, b1 = j * c, min((j + 1) * c, s)
+        if a0 < a1:
+            if b0 >= b1:
+                out.append(((a0, a1),))
+            elif a1 == b0:  # the middle member's chunks touch: one range
+                out.append(((a0, b1),))
+            else:
+                out.append(((a0, a1), (b0, b1)))
+        else:
+            out.append(((b0, b1),) if b0 < b1 else ())
+    return out

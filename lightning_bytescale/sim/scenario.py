@@ -66,7 +66,8 @@ class ModelShape:
 MODELS: dict[str, ModelShape] = {
     "7b": ModelShape("LLaMA-7B", 32, 4096, 32, 8, 11008),
     "13b": ModelShape("LLaMA-13B", 40, 5120, 40, 8, 13824),
-    "30b": ModelShape("LLaMA-30B", 60, 6656, 56, 8, 17920),
+    # Table 1 lists 56 heads, which do not divide 6,656; 64 heads of 104 keep its 8 KV groups.
+    "30b": ModelShape("LLaMA-30B", 60, 6656, 64, 8, 17920),
     "70b": ModelShape("LLaMA-70B", 80, 8192, 64, 8, 28672),
     "8x7b": ModelShape("Mistral-8x7B", 32, 4096, 32, 8, 14336, experts=8, top_k=2),
     "8x22b": ModelShape("Mistral-8x22B", 56, 6144, 48, 8, 16384, experts=8, top_k=2),

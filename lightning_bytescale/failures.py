@@ -1,0 +1,92 @@
+"""Turn a dead or stuck peer into one clear error instead of a backend's socket message.
+
+When a rank dies (out of memory, killed, a crash) or stops answering, the survivors' next ring
+transfer or all-reduce fails inside the communication backend, with text such as gloo's
+``Connection closed by peer`` or ``Timed out waiting 5000ms for recv operation``.  That text
+names neither the cause nor the fix.  :func:`peer_failure_guard` wraps any code that talks to
+other ranks and re-raises such failures as :class:`PeerFailureError`, whose message says
+which rank noticed, in which phase, the process-group timeout that bounds the wait, and what
+to do; the backend's text stays attached as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+# Fragments of the errors gloo, NCCL and the TCP store raise when a peer is gone or too slow.
+PEER_FAILURE_MARKERS: tuple[str, ...] = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Connection refused",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "Socket Timeout",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL",
+    "Watchdog caught collective operation timeout",
+)
+
+
+class PeerFailureError(RuntimeError):
+    """Another rank died or stopped answering during a collective or a ring transfer."""
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a backend's lost-peer error."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, PeerFailureError):
+            return True
+        if isinstance(seen, (RuntimeError, ConnectionError, TimeoutError)):
+            text = str(seen)
+            if any(m in text for m in PEER_FAILURE_MARKERS):
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _seconds(timeout: float | timedelta | None) -> float | None:
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return None if timeout is None else float(timeout)
+
+
+def peer_failure_message(
+    error: BaseException, *, rank: int, timeout: float | timedelta | None, phase: str = "a step"
+) -> str:
+    """The message of :class:`PeerFailureError` for ``error`` seen on ``rank`` during ``phase``."""
+    seconds = _seconds(timeout)
+    bound = f"{seconds:g} s" if seconds is not None else "the backend's default"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"rank {rank}: another rank died or stopped answering during {phase} (process-group timeout "
+        f"{bound}; backend said: {first}). The first error is in the logs of the rank that failed; fix "
+        "that one (often out of memory, a kill by the scheduler, or a crash in the data loader), then "
+        "resume from the last checkpoint. To give up sooner or later, set the process-group timeout "
+        "(ByteScaleStrategy(timeout=...), or init_process_group(timeout=...))."
+    )
+
+
+@contextmanager
+def peer_failure_guard(rank: int, timeout: float | timedelta | None, phase: str = "a step") -> Iterator[None]:
+    """Re-raise a lost-peer error inside the block as :class:`PeerFailureError` (others unchanged)."""
+    try:
+        yield
+    except PeerFailureError:
+        raise
+    except (RuntimeError, ConnectionError, TimeoutError) as err:
+        if not is_peer_failure(err):
+            raise
+        raise PeerFailureError(peer_failure_message(err, rank=rank, timeout=timeout, phase=phase)) from err
+
+
+__all__ = [
+    "PEER_FAILURE_MARKERS",
+    "PeerFailureError",
+    "is_peer_failure",
+    "peer_failure_guard",
+    "peer_failure_message",
+]

@@ -1,0 +1,129 @@
+"""Kill a run mid-epoch (SIGKILL, in the middle of a step) and resume it from its last checkpoint.
+
+``tests/test_strategy.py`` resumes runs that *stopped* cleanly at ``max_steps``; here the run
+dies: every process of a 3-rank run (its own session, Lightning's fork launcher) is SIGKILLed
+during the forward pass of step 3 of an 8-step epoch, after the checkpoint of step 2.  Step 2
+was trained but never saved, so the resumed runs must redo it.  Resumed on the same world (2)
+and on a smaller one (2; the batches' longest sequence needs 2 ranks), the logged steps and final parameters must equal the independent
+single-process float64 reference of ``tests/test_strategy.py`` (``reference``), which never
+stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+
+import test_strategy as ts  # noqa: E402  (the strategy's own fixtures and reference)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+KILL_STEP = 3
+CKPT_EVERY = 2
+TOTAL_STEPS = 5
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    torch.set_num_threads(1)
+    import test_strategy as t
+
+    class Killed(t.TinyLM):
+        def training_step(self, mb, batch_idx):
+            if self.trainer.global_step == {kill} and self.global_rank == 1:
+                os.killpg(os.getpgrp(), signal.SIGKILL)  # the whole run dies at once, mid-step
+            return super().training_step(mb, batch_idx)
+
+    t.TinyLM = Killed
+    t.fit(__import__("pathlib").Path(sys.argv[1]), 3, max_steps={total}, ckpt_every={every})
+    print("NOT KILLED")
+    """
+)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``, from /proc."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2 :].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+def _group_alive(pgid: int, wait_s: float = 5.0) -> bool:
+    """Whether a process of the group is still alive after up to ``wait_s`` (killed ones take a moment)."""
+    deadline = time.monotonic() + wait_s
+    while _group_members(pgid):
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.05)
+    return False
+    return True
+
+
+def _killed_run(out: Path) -> Path:
+    script = out / "killed.py"
+    script.write_text(SCRIPT.format(tests=str(TESTS), kill=KILL_STEP, total=TOTAL_STEPS, every=CKPT_EVERY))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_", "MASTER_", "LOCAL_RANK", "NODE_RANK"))
+    }
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(out / "killed")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    orphans = True
+    try:
+        output, _ = proc.communicate(timeout=150)
+        orphans = _group_alive(proc.pid)
+    finally:
+        if proc.poll() is None or orphans:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not orphans, "processes of the killed run outlived it"
+    assert proc.returncode == -signal.SIGKILL, output[-3000:]
+    ckpts = sorted((out / "killed" / "ckpt").glob("*.ckpt"))
+    assert [p.name for p in ckpts] == [f"epoch=0-step={CKPT_EVERY}.ckpt"], ckpts
+    return ckpts[-1]
+
+
+def test_killed_mid_epoch_resumes_exactly_on_the_same_and_a_smaller_world(tmp_path):
+    ckpt = _killed_run(tmp_path)
+    expected, losses = ts.reference(TOTAL_STEPS)
+    had_group = dist.is_available() and dist.is_initialized()
+    try:
+        for world in (3, 2):
+            out = tmp_path / f"resumed_{world}"
+            ts.fit(out, world, max_steps=TOTAL_STEPS, resume=ckpt)
+            for r in range(world):
+                rows = ts.read_rows(out, r)
+                assert [row["step"] for row in rows] == list(range(CKPT_EVERY, TOTAL_STEPS)), rows
+                assert [row["logged"] for row in rows] == pytest.approx(losses[CKPT_EVERY:], abs=1e-12)
+            ts.assert_params_equal(out, world, expected)
+    finally:
+        if not had_group and dist.is_initialized():
+            dist.destroy_process_group()
