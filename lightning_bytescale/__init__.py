@@ -7,6 +7,9 @@ and ``bytescale_fork`` with Lightning, so ``Trainer(strategy="bytescale")`` work
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -27,12 +30,41 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'lightning_bytescale' has no attribute {name!r}")
 
 
+class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """Register the strategies right after ``lightning.pytorch`` finishes importing.
+
+    Importing Lightning costs seconds; the planner, simulator and profiler command lines never
+    need it.  So ``import lightning_bytescale`` registers at once when Lightning is already
+    loaded, and otherwise the first import of ``lightning.pytorch`` (which every ``Trainer``
+    needs) registers them.
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != _LIGHTNING or self not in sys.meta_path:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            importlib.import_module("lightning_bytescale.strategy")
+
+        loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+_LIGHTNING = "lightning.pytorch"
+
+
 def _register_strategies() -> None:
-    try:
+    if _LIGHTNING in sys.modules:
         importlib.import_module("lightning_bytescale.strategy")
-    except ModuleNotFoundError as err:  # pragma: no cover - only while the package is being built
-        if err.name != "lightning_bytescale.strategy":
-            raise
+    elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWhenLightningLoads())
 
 
 _register_strategies()

@@ -231,6 +231,29 @@ def _as_plan(plan: Any) -> Any:
     return None
 
 
+def replan(trainer: Any, batch: Any) -> Any:
+    """The step's whole plan, recomputed from the training loader's dataset (None if unavailable).
+
+    A rank's `StepBatch` holds only its own micro-batches; the loader's dataset can plan any
+    step again (``dataset.plan(epoch, step)``, deterministic by design).  The result is used
+    only if its digest equals the batch's, so a table never shows a different plan.
+    """
+    if batch is None or not getattr(batch, "digest", None):
+        return None
+    try:
+        loader = trainer.train_dataloader
+        dataset = getattr(loader, "dataset", None)
+        if dataset is None or not callable(getattr(dataset, "plan", None)):
+            return None
+        stats = batch.stats if isinstance(batch.stats, dict) else {}
+        plan = dataset.plan(int(stats.get("epoch", trainer.current_epoch)), int(batch.step))
+        from lightning_bytescale.engine.packing import plan_digest
+
+        return plan if plan_digest(plan) == batch.digest else None
+    except Exception:  # a missing table must never stop training
+        return None
+
+
 def _sequence_rows(stats: dict[str, Any], max_rows: int = 2000) -> list[list[Any]]:
     lengths = _floats(stats.get("lengths"))
     degrees = _floats(stats.get("cp_degrees"))
@@ -324,12 +347,14 @@ class TelemetryCallback(Callback):
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name in shown, batch_size=1)
         if trainer.is_global_zero and self._charts_due(trainer):
-            self._log_charts(trainer, stats)
+            self._log_charts(trainer, stats, batch)
 
-    def _log_charts(self, trainer: Trainer, stats: dict[str, Any]) -> None:
+    def _log_charts(self, trainer: Trainer, stats: dict[str, Any], batch: Any = None) -> None:
         from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
         plan = _as_plan(getattr(trainer.strategy, "last_plan", None) or stats.get("plan"))
+        if plan is None:
+            plan = replan(trainer, batch)
         for logger in trainer.loggers:
             try:
                 if isinstance(logger, WandbLogger):

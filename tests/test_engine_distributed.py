@@ -1,4 +1,4 @@
-"""Whole-model HDP equivalence on gloo, float64: one spawn of 4 ranks, many plans.
+"""Whole-model HDP equivalence on gloo, float64: one start of 4 ranks, many plans.
 
 Set-up creates the sub-world groups ``[0, 1]`` and ``[0, 1, 2]`` (on every rank, in the same
 order), so HDP worlds of 2, 3 and 4 ranks run in one spawn: a plan for ``W`` ranks runs on

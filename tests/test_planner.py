@@ -83,12 +83,18 @@ def test_every_plan_validates(planner, case):
 
 
 @settings(max_examples=30, deadline=None)
-@given(case=cases(), p=st.integers(2, 4), rpn=st.integers(1, 8))
-def test_pp_balance_and_topology_validate(case, p, rpn):
+@given(
+    case=cases(),
+    p=st.integers(2, 4),
+    rpn=st.integers(1, 8),
+    reading=st.sampled_from(["sequential", "round_robin"]),
+)
+def test_pp_balance_and_topology_validate(case, p, rpn, reading):
     world, cap, lengths, seed = case
-    plan = make_plan(
-        lengths, world_size=world, capacity=cap, seed=seed, pipeline_degree=p, ranks_per_node=rpn
+    kw = dict(
+        world_size=world, capacity=cap, seed=seed, pipeline_degree=p, ranks_per_node=rpn, pp_reading=reading
     )
+    plan = make_plan(lengths, **kw)
     plan.validate()
     _check_sharding(plan, offload=True)
 
@@ -213,6 +219,7 @@ def test_static_cp_size_errors():
         ({"planner": "nope"}, "unknown planner 'nope'"),
         ({"slack": -1}, "slack"),
         ({"offload": "yes"}, "offload must be"),
+        ({"pp_reading": "zigzag"}, "pp_reading"),
     ],
 )
 def test_bad_input_errors(kwargs, match):
@@ -461,14 +468,15 @@ def test_offload_plans_validate(planner, case):
     assert make_plan(lengths, offload=link, **kw).digest() == plan.digest()
 
 
-def test_pp_balance_beats_naive_and_varies_counts():
+@pytest.mark.parametrize("reading", ["sequential", "round_robin"])
+def test_pp_balance_beats_naive_and_varies_counts(reading):
     lengths = _scenario("github")
     res = {}
     for planner in ("naive", "balance"):
-        plan = make_plan(lengths, world_size=64, capacity=8192, planner=planner, pipeline_degree=4).validate()
-        res[planner] = plan.stats()
+        kw = dict(world_size=64, capacity=8192, planner=planner, pipeline_degree=4, pp_reading=reading)
+        res[planner] = make_plan(lengths, **kw).validate().stats()
     print(
-        f"\npp=4 github: naive max {res['naive']['max_time']:.2f}s, balance max {res['balance']['max_time']:.2f}s"
+        f"\npp=4 github ({reading}): naive {res['naive']['max_time']:.2f}s, balance {res['balance']['max_time']:.2f}s"
     )
     assert res["balance"]["max_time"] < res["naive"]["max_time"]
     assert res["balance"]["max_micro_batches"] > res["balance"]["min_micro_batches"] + 1

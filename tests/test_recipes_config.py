@@ -209,3 +209,29 @@ def test_a_value_the_target_rejects_names_the_key_and_the_reason(tmp_path):
     cfg = _compose(tmp_path, "experiment=cpu_smoke", "strategy.capacity=0", "logger=csv")
     with pytest.raises(InstantiationException, match=r"(?s)ByteScaleStrategy.*capacity must be a positive"):
         build(cfg)
+
+
+@pytest.mark.parametrize("group", ["text", "jsonl"])
+def test_file_data_without_a_source_is_refused(tmp_path, group):
+    from omegaconf.errors import MissingMandatoryValue
+
+    from lightning_bytescale.recipes_entry import build
+
+    cfg = _compose(tmp_path, f"data={group}", "logger=csv")
+    with pytest.raises(MissingMandatoryValue, match=r"(?s)Missing mandatory value: source.*data\.source"):
+        build(cfg)
+
+
+def test_a_sweep_never_uses_the_popen_launcher(tmp_path):
+    from lightning_bytescale.recipes_entry import _prepare
+
+    cfg = _compose(tmp_path, "hydra.mode=MULTIRUN")  # compose_pretrain registers cfg.hydra as the live one
+    assert cfg.strategy.start_method.value == "popen"
+    _prepare(cfg)
+    assert cfg.strategy.start_method.value == "spawn"
+    cfg = _compose(tmp_path, "hydra.mode=MULTIRUN", "trainer.devices=1")
+    _prepare(cfg)
+    assert cfg.strategy.start_method.value == "popen"  # one process: nothing is launched
+    cfg = _compose(tmp_path)
+    _prepare(cfg)
+    assert cfg.strategy.start_method.value == "popen"  # single runs keep popen

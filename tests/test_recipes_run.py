@@ -5,6 +5,7 @@ the pytest process) and the test reads its run file back."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_bytescale.telemetry import PLAN_COLUMNS
 from lightning_bytescale.wandb_offline import find_run_files, read_run
 
 pytestmark = pytest.mark.multiprocess
@@ -86,6 +88,12 @@ def test_recipe_with_overrides_on_two_processes_writes_an_offline_wandb_run(tmp_
     logged = run.keys()
     missing = [k for k in CHART_KEYS if not any(name.startswith(k) for name in logged)]
     assert not missing, f"charts not logged: {missing}"
+    # The plan table is the whole plan (every rank's micro-batches), not only rank 0's share.
+    tables = sorted((files[0].parent / "files" / "media" / "table" / "charts").glob("plan_*.table.json"))
+    assert tables, "no plan table file"
+    table = json.loads(tables[-1].read_text())
+    assert table["columns"] == PLAN_COLUMNS
+    assert {row[0] for row in table["data"]} == {0, 1}
     losses = run.column("train/loss")
     assert all(0 < x < 10 for x in losses)
     assert all(x > 0 for x in run.column("perf/tokens_per_s"))

@@ -1,16 +1,18 @@
-"""Launch paths and failure behaviour with real, separately started processes.
+"""Launch paths and failure behaviour with separately started processes.
 
-* Two "nodes" on this machine: two popen-launcher invocations with ``num_nodes=2``,
-  ``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``, loopback only.
-* A dead peer: one rank is SIGKILLed in the middle of a ring exchange or of the gradient
-  all-reduce; the survivors must exit with a clear error within the configured timeout and
-  leave no process behind.
+* Two "nodes" on this machine: two popen-launcher invocations (fresh interpreters) with
+  ``num_nodes=2``, ``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``, loopback only.
+* A dead peer: one process per rank, started like torchrun starts them (``LOCAL_RANK`` set,
+  forked here to save interpreter start-up); one rank is SIGKILLed in the middle of a ring
+  exchange or of the gradient all-reduce, and the survivors must exit with a clear error
+  within the configured timeout, leaving no process behind.
 * A stuck peer: the survivors give up after the process-group timeout, not later.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -18,9 +20,15 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
+import torch
+from test_strategy import CAPACITY, StepDataModule, TinyLM
+
+from lightning_bytescale import ByteScaleStrategy
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,7 +36,7 @@ TESTS = Path(__file__).resolve().parent
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, signal, sys, time
+    import json, os, sys
     sys.path.insert(0, {tests!r})
     import torch
     torch.set_num_threads(1)
@@ -36,24 +44,7 @@ SCRIPT = textwrap.dedent(
     import test_strategy as t
     from lightning_bytescale import ByteScaleStrategy
 
-    scenario, out = sys.argv[1], sys.argv[2]
-    world, devices, nodes = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-
-    class Model(t.TinyLM):
-        def training_step(self, mb, batch_idx):
-            ring = mb.layout.ring
-            if scenario == "kill_ring" and batch_idx == 1 and ring is not None and self.global_rank == ring[-1]:
-                # the other ring members are about to wait for this rank's first ring transfer
-                os.kill(os.getpid(), signal.SIGKILL)
-            return super().training_step(mb, batch_idx)
-
-        def on_after_backward(self):
-            # runs after this rank's micro-batches, right before the gradient all-reduce
-            if self.global_rank == world - 1 and self.trainer.global_step == 1:
-                if scenario == "kill_allreduce":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if scenario == "stuck_allreduce":
-                    time.sleep(3600)
+    out, devices, nodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
     class Report(pl.Callback):
         def on_train_end(self, trainer, pl_module):
@@ -64,12 +55,12 @@ SCRIPT = textwrap.dedent(
 
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, num_nodes=nodes,
-        strategy=ByteScaleStrategy(capacity=t.CAPACITY, timeout=float(os.environ.get("BS_TIMEOUT", "60"))),
+        strategy=ByteScaleStrategy(capacity=t.CAPACITY, timeout=60),
         precision="64-true", max_steps=3, gradient_clip_val=t.CLIP, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         callbacks=[Report()],
     )
-    trainer.fit(Model(), datamodule=t.StepDataModule("balance"))
+    trainer.fit(t.TinyLM(), datamodule=t.StepDataModule("balance"))
     """
 )
 
@@ -110,7 +101,7 @@ def test_two_nodes_on_loopback(tmp_path):
     script, port = _script(tmp_path), str(_free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), "ok", str(tmp_path), "2", "1", "2"],
+            [sys.executable, str(script), str(tmp_path), "1", "2"],
             env=_env(MASTER_PORT=port, NODE_RANK=str(node)),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -128,45 +119,106 @@ def test_two_nodes_on_loopback(tmp_path):
     assert done[0]["loss"] == pytest.approx(losses[-1], abs=1e-12)
 
 
+class _FailingLM(TinyLM):
+    """Kills (SIGKILL) or hangs one rank in step 1, in a ring exchange or before the all-reduce."""
+
+    scenario = ""
+
+    def training_step(self, mb, batch_idx):
+        ring = mb.layout.ring
+        if (
+            self.scenario == "kill_ring"
+            and batch_idx == 1
+            and ring is not None
+            and self.global_rank == ring[-1]
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)  # the other members wait for this rank's ring transfer
+        return super().training_step(mb, batch_idx)
+
+    def on_after_backward(self):
+        # runs after this rank's micro-batches, right before the gradient all-reduce
+        if self.global_rank == self.trainer.world_size - 1 and self.trainer.global_step == 1:
+            if self.scenario == "kill_allreduce":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.scenario == "stuck_allreduce":
+                time.sleep(3600)
+
+
+def _rank_main(scenario: str, rank: int, world: int, port: str, timeout: float, out: Path) -> None:
+    """One rank, started like torchrun does (LOCAL_RANK set, so Lightning launches nothing)."""
+    err = open(out / f"stderr_{rank}.txt", "w")  # noqa: SIM115 - kept open until os._exit
+    os.dup2(err.fileno(), 2)
+    sys.stderr = err
+    os.environ.update(_env(MASTER_PORT=port, NODE_RANK="0", LOCAL_RANK=str(rank), WORLD_SIZE=str(world)))
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        model = _FailingLM()
+        model.scenario = scenario
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=ByteScaleStrategy(capacity=CAPACITY, timeout=timeout),
+            precision="64-true",
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
+        trainer.fit(model, datamodule=StepDataModule("balance"))
+        (out / f"done_{rank}").write_text("finished")
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
+
+
 @pytest.mark.parametrize(
-    ("scenario", "timeout"), [("kill_ring", 20), ("kill_allreduce", 20), ("stuck_allreduce", 8)]
+    ("scenario", "timeout"), [("kill_ring", 20), ("kill_allreduce", 20), ("stuck_allreduce", 5)]
 )
 def test_dead_or_stuck_peer_gives_clear_error_within_timeout(tmp_path, scenario, timeout):
-    """torchrun-style: one process per rank (LOCAL_RANK set); in step 1 one rank dies or hangs."""
-    script, port, world = _script(tmp_path), str(_free_port()), 3
+    """In step 1 one rank of 3 dies (SIGKILL) or hangs; the others must fail fast and clearly."""
+    world, port = 3, str(_free_port())
+    ctx = multiprocessing.get_context("fork")
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), scenario, str(tmp_path), str(world), str(world), "1"],
-            env=_env(
-                MASTER_PORT=port,
-                NODE_RANK="0",
-                LOCAL_RANK=str(r),
-                WORLD_SIZE=str(world),
-                BS_TIMEOUT=str(timeout),
-            ),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        ctx.Process(target=_rank_main, args=(scenario, r, world, port, timeout, tmp_path))
         for r in range(world)
     ]
+    for p in procs:
+        p.start()
     start = time.monotonic()
-    # start-up (imports on a busy 2-core machine) + the timeout + tear-down
-    waited = procs if scenario.startswith("kill") else procs[:-1]  # the stuck rank never returns
-    results = _finish(waited, start + 90 + timeout)
+    stuck = procs[-1] if scenario.startswith("stuck") else None
+    for p in procs:
+        if p is not stuck:
+            p.join(timeout=max(0.1, start + 60 + timeout - time.monotonic()))
     elapsed = time.monotonic() - start
-    if scenario.startswith("kill"):
-        killed = [r for r, p in enumerate(procs) if p.poll() == -signal.SIGKILL]
-        assert len(killed) == 1, [p.poll() for p in procs]
+    alive = [r for r, p in enumerate(procs) if p.is_alive() and p is not stuck]
+    for p in procs:  # no process may outlive the test
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not alive, f"ranks {alive} still running {elapsed:.0f} s after start (hang)"
+    # a killed peer is noticed at once (connection closed); a stuck one after the timeout
+    assert elapsed < (timeout if stuck is None else timeout + 30), elapsed
+    if stuck is None:
+        killed = [r for r, p in enumerate(procs) if p.exitcode == -signal.SIGKILL]
+        assert len(killed) == 1, [p.exitcode for p in procs]
     else:
         killed = [world - 1]
-    survivors = [(r, res) for r, res in enumerate(results) if r not in killed]
-    assert len(survivors) == world - 1
-    for r in killed:
-        procs[r].kill()
-        procs[r].wait()
-    for rank, (code, err) in survivors:
-        assert code is not None, f"rank {rank} still running after {elapsed:.0f} s (hang): {err[-2000:]}"
-        assert code != 0, f"rank {rank} exited cleanly although its peer died"
-        assert "[ByteScale]" in err and "Another rank has most likely died or is stuck" in err, err[-3000:]
-    assert not list(tmp_path.glob("done_*.json"))
+    phases = []
+    for r in range(world):
+        if r in killed:
+            continue
+        err = (tmp_path / f"stderr_{r}.txt").read_text()
+        assert procs[r].exitcode == 1, f"rank {r} exited with {procs[r].exitcode}: {err[-2000:]}"
+        assert "Another rank has most likely died or is stuck" in err, err[-3000:]
+        ring = "[ByteScale] rank" in err and "communication failed during micro-batch" in err
+        allreduce = "communication failed during the gradient all-reduce of step 1" in err
+        assert ring or allreduce, err[-3000:]
+        phases.append("ring" if ring else "allreduce")
+    # ring partners of the killed rank fail inside the ring; ranks outside it at the all-reduce
+    assert ("ring" in phases) == (scenario == "kill_ring"), phases
+    assert not list(tmp_path.glob("done_*"))

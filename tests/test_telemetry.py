@@ -16,6 +16,7 @@ from lightning_bytescale.telemetry import (
     merge_plan_stats,
     plan_rows,
     rank_rows,
+    replan,
     step_metrics,
 )
 
@@ -211,3 +212,15 @@ def test_a_plan_in_the_batch_stats_gives_lengths_and_cp_degrees():
     for given in (plan, plan.to_json_dict()):
         merged = merge_plan_stats({"tokens": 13}, {"plan": given})
         assert merged["lengths"] == [10, 3] and merged["cp_degrees"] == [2, 1]
+
+
+def test_replan_returns_the_plan_only_when_the_digest_matches():
+    from lightning_bytescale.engine.packing import plan_digest
+
+    plan = _plan()
+    dataset = SimpleNamespace(plan=lambda epoch, step: plan)
+    trainer = SimpleNamespace(train_dataloader=SimpleNamespace(dataset=dataset), current_epoch=0)
+    good = SimpleNamespace(digest=plan_digest(plan), step=3, stats={"epoch": 0})
+    assert replan(trainer, good) is plan
+    assert replan(trainer, SimpleNamespace(digest="other", step=3, stats={})) is None
+    assert replan(SimpleNamespace(train_dataloader=None, current_epoch=0), good) is None

@@ -2,6 +2,7 @@
 
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.executor import (
+    DivergentPlanError,
     LocalResult,
     NonFiniteError,
     StepError,
@@ -24,6 +25,7 @@ from lightning_bytescale.engine.packing import (
 )
 
 __all__ = [
+    "DivergentPlanError",
     "EmptyBatchError",
     "LocalResult",
     "PackedMicroBatch",

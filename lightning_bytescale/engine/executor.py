@@ -1,11 +1,14 @@
 """Run one HDP step on plain ``torch.distributed``: this rank's micro-batches, then one all-reduce.
 
-Each rank runs forward and backward on *its own* micro-batches (their number differs between
-ranks), accumulating gradients locally, with no barrier between micro-batches; ring
-micro-batches synchronise only the members of their ring, through attention's P2P calls.
-Then every rank -- also one with no micro-batch at all -- joins exactly one all-reduce (sum)
-of all gradients, flattened into one buffer that can also carry extra scalars (the loss sum,
-token counts, per-rank busy time).  Because every micro-batch's loss is already divided by the
+First every rank of the group joins a tiny all-gather of the plan digest and step
+(:func:`~lightning_bytescale.strategy_sync.check_plan_agreement`, the check the strategy makes),
+so ranks that planned differently stop together before any ring exchange; a step planned for
+another number of ranks is refused too.  Then each rank runs forward and backward on *its own*
+micro-batches (their number differs between ranks), accumulating gradients locally, with no
+barrier between micro-batches; ring micro-batches synchronise only the members of their ring,
+through attention's P2P calls.  Then every rank -- also one with no micro-batch at all --
+joins exactly one all-reduce (sum) of all gradients, flattened into one buffer that can also
+carry extra scalars (the loss sum, token counts, per-rank busy time, non-finite flags).  Because every micro-batch's loss is already divided by the
 global token count (:func:`~lightning_bytescale.engine.loss.token_loss`), that sum is the
 gradient of the global token-mean loss.
 
@@ -30,6 +33,7 @@ from torch import nn
 
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
+from lightning_bytescale.strategy_sync import PlanDivergenceError, check_plan_agreement
 
 ForwardFn = Callable[[nn.Module, PackedMicroBatch], torch.Tensor]
 BackwardFn = Callable[[torch.Tensor], None]
@@ -38,6 +42,10 @@ ContextFactory = Callable[[PackedMicroBatch], AbstractContextManager]
 
 class StepError(RuntimeError):
     """The ranks disagree about a step (e.g. they ran different plans)."""
+
+
+class DivergentPlanError(StepError, PlanDivergenceError):
+    """The ranks hold different plans (digests) for this step; raised on every rank before any P2P."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -73,6 +81,7 @@ class MicroBatchResult:
     seconds: float
     ring_size: int
     seq_ids: tuple[int, ...] = ()
+    grads_finite: bool | None = None  # accumulated gradients finite after it (None: not checked)
 
 
 @dataclass
@@ -86,6 +95,11 @@ class LocalResult:
     @property
     def busy_seconds(self) -> float:
         return sum(m.seconds for m in self.micro_batches)
+
+    @property
+    def first_non_finite_gradient(self) -> MicroBatchResult | None:
+        """The micro-batch after which the accumulated gradients first held a NaN or inf."""
+        return next((m for m in self.micro_batches if m.grads_finite is False), None)
 
 
 @dataclass
@@ -146,6 +160,14 @@ def run_micro_batch(
     return loss.detach(), time.perf_counter() - start
 
 
+def _grads_finite(params: Sequence[nn.Parameter]) -> torch.Tensor | None:
+    """A 0-d bool on the device: every ``.grad`` is finite (one max-abs pass; no host sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    return torch.isfinite(torch.stack(torch._foreach_norm(grads, math.inf))).all()
+
+
 def run_micro_batches(
     model: nn.Module,
     micro_batches: Sequence[PackedMicroBatch],
@@ -155,15 +177,23 @@ def run_micro_batches(
     micro_batch_context: ContextFactory | None = None,
     sync_timing: bool = False,
     p2p_group: dist.ProcessGroup | None = None,
+    check_finite: bool = False,
+    params: Iterable[nn.Parameter] | None = None,
 ) -> LocalResult:
     """This rank's micro-batches in order, gradients accumulating locally, no barriers.
 
     Losses and token counts stay on the device until the loop ends (one host sync per step,
     not one per micro-batch), so the host can queue the next micro-batch's work early.
+    ``check_finite`` also checks the accumulated gradients of ``params`` (default: the model's)
+    after every micro-batch (one max-abs pass over them, kept on the device), so the
+    micro-batch that first made them non-finite is known
+    (:attr:`LocalResult.first_non_finite_gradient`).
     """
+    checked = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
     losses: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
     seconds: list[float] = []
+    finite: list[torch.Tensor] = []
     for mb in micro_batches:
         loss, sec = run_micro_batch(
             model,
@@ -177,13 +207,21 @@ def run_micro_batches(
         losses.append(loss.to(torch.float64))
         counts.append((mb.labels != IGNORE_INDEX).sum())
         seconds.append(sec)
+        if check_finite:
+            flag = _grads_finite(checked)
+            finite.append(flag if flag is not None else torch.ones((), dtype=torch.bool, device=loss.device))
     if not losses:
         return LocalResult(loss=torch.zeros((), dtype=torch.float64), loss_tokens=0)
     loss_values = torch.stack(losses).tolist()
     token_values = torch.stack(counts).tolist()
+    finite_values: list[bool | None] = (
+        [bool(f) for f in torch.stack([f.to(finite[0].device) for f in finite]).tolist()]
+        if finite
+        else [None] * len(losses)
+    )
     results = [
-        MicroBatchResult(mb.index, lv, int(tv), sec, mb.layout.ring_size, tuple(mb.seq_ids))
-        for mb, lv, tv, sec in zip(micro_batches, loss_values, token_values, seconds)
+        MicroBatchResult(mb.index, lv, int(tv), sec, mb.layout.ring_size, tuple(mb.seq_ids), fv)
+        for mb, lv, tv, sec, fv in zip(micro_batches, loss_values, token_values, seconds, finite_values)
     ]
     return LocalResult(
         loss=torch.stack(losses).sum(), loss_tokens=int(sum(token_values)), micro_batches=results
@@ -294,19 +332,27 @@ def _group_shape(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return 1, 0
 
 
-def _local_grads_finite(params: Sequence[nn.Parameter]) -> bool:
-    flags = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
-    return bool(torch.stack(flags).all()) if flags else True
+def _local_grads_finite(local: LocalResult, params: Sequence[nn.Parameter]) -> bool:
+    """Whether this rank's accumulated gradients are finite (from the micro-batch checks if made)."""
+    if local.micro_batches and local.micro_batches[-1].grads_finite is not None:
+        return local.micro_batches[-1].grads_finite
+    flag = _grads_finite(params)
+    return True if flag is None else bool(flag)
 
 
 def _raise_non_finite(
     local: LocalResult, bad_loss: list[int], bad_grad: list[int], named: Sequence[tuple[str, nn.Parameter]]
 ) -> None:
     mine = [
-        f"micro-batch {m.index} (sequences {list(m.seq_ids)})"
+        f"non-finite loss in micro-batch {m.index} (sequences {list(m.seq_ids)})"
         for m in local.micro_batches
         if not math.isfinite(m.loss)
     ]
+    first = local.first_non_finite_gradient
+    if first is not None:
+        mine.append(
+            f"gradients first non-finite after micro-batch {first.index} (sequences {list(first.seq_ids)})"
+        )
     params = [n for n, p in named if p.grad is not None and not bool(torch.isfinite(p.grad).all())][:5]
     raise NonFiniteError(
         f"non-finite values in this step: loss on rank(s) {bad_loss}, local gradients on rank(s) {bad_grad}"
@@ -330,21 +376,39 @@ def run_step(
     check_tokens: bool = True,
     check_finite: bool = True,
     p2p_group: dist.ProcessGroup | None = None,
+    check_plan: bool = True,
 ) -> StepResult:
     """Forward+backward on this rank's micro-batches, then one gradient all-reduce.
+
+    Before any micro-batch, ``check_plan`` all-gathers ``(step.digest, step.step)`` over
+    ``group`` (two int64 per rank) and raises :class:`DivergentPlanError` on every rank when
+    they differ, so no ring exchange starts on mismatched plans (turn it off when the caller
+    already made that check, as ``ByteScaleStrategy`` does); then a step whose
+    ``stats["world_size"]`` differs from the group's size is refused with :class:`StepError`.
 
     Gradients accumulate into ``p.grad`` (zero them before the step).  The same all-reduce
     carries the loss, the loss-token count (checked against ``step.num_global_tokens``: this
     catches ranks that ran different plans), every rank's busy time, per-rank non-finite flags
-    (``check_finite``: every rank then raises :class:`NonFiniteError` together, naming the
-    ranks, micro-batches and sequences; turn it off when a float16 grad scaler handles
-    overflow) and the caller's ``extra`` values.
+    (``check_finite``: the gradients are checked after every micro-batch, and every rank then
+    raises :class:`NonFiniteError` together, naming the ranks, micro-batches and sequences;
+    turn it off when a float16 grad scaler handles overflow) and the caller's ``extra`` values.
     """
     named = (
         list(model.named_parameters()) if params is None else [(f"param{i}", p) for i, p in enumerate(params)]
     )
     params = [p for _, p in named]
     world, me = _group_shape(group)
+    if check_plan and dist.is_available() and dist.is_initialized():
+        try:
+            check_plan_agreement(step.digest, step.step, world, group)
+        except PlanDivergenceError as err:
+            raise DivergentPlanError(str(err)) from err
+    planned = step.stats.get("world_size") if isinstance(step.stats, dict) else None
+    if planned is not None and int(planned) != world:
+        raise StepError(
+            f"this step was planned for {planned} ranks but the process group has {world}; "
+            "plan with world_size=dist.get_world_size(group)"
+        )
     local = run_micro_batches(
         model,
         step.micro_batches,
@@ -353,13 +417,15 @@ def run_step(
         micro_batch_context=micro_batch_context,
         sync_timing=sync_timing,
         p2p_group=p2p_group,
+        check_finite=check_finite,
+        params=params,
     )
     busy = torch.zeros(world, dtype=torch.float64)
     busy[me] = local.busy_seconds
     flags = torch.zeros(2, world, dtype=torch.float64)  # bad loss, bad local gradients
     if check_finite:
         flags[0, me] = float(any(not math.isfinite(m.loss) for m in local.micro_batches))
-        flags[1, me] = float(not _local_grads_finite(params))
+        flags[1, me] = float(not _local_grads_finite(local, params))
     floats = [local.loss.detach().to("cpu", torch.float64).reshape(1), busy]
     if extra is not None:
         floats.append(extra.detach().to("cpu", torch.float64).reshape(-1))

@@ -191,6 +191,7 @@ def build_step(plan: Plan, rank: int, tokens: TokenSource, step: int = 0) -> Ste
     ]
     stats_fn = getattr(plan, "stats", None)
     stats = dict(stats_fn()) if callable(stats_fn) else {}
+    stats.setdefault("world_size", plan.world_size)  # run_step and the strategy check it against the group
     return StepBatch(
         micro_batches=mbs,
         num_global_tokens=num_global,

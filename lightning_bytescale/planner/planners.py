@@ -30,10 +30,14 @@ Decisions where the paper is silent (bytescale-paper §4.5):
    ``num_buckets`` (default 8) buckets of about equal total work (work = ranks x member time);
    ``slack`` defaults to 0.05 (Megatron's 5%).  DP-Balance always draws from the first non-empty
    bucket, i.e. longest-processing-time-first over ranks.
-5. *PP-Balance.*  "Sequentially from all buckets" is read as round-robin: pipeline ``i`` starts on
-   bucket ``i mod num_buckets`` and keeps drawing from that length level until it is empty, then
-   moves to the next non-empty bucket; the least-loaded pipeline draws next.  A pipeline's load is
-   the 1F1B time ``sum(t)/p + (p-1) * max(t)/p``.
+5. *PP-Balance.*  Both readings of "sequentially from all buckets" are implemented
+   (``pp_reading``); the least-loaded pipeline draws next, and a pipeline's load is the 1F1B
+   time ``sum(t)/p + (p-1) * max(t)/p``.  ``"sequential"`` (default): draw from the first
+   non-empty bucket (longest level first).  ``"round_robin"``: pipeline ``i`` starts on bucket
+   ``i mod num_buckets`` and keeps its length level until it runs out (Insight 1).  Measured on
+   the simulator's 1F1B timelines (LLaMA-70B shape, PP = 4, 32 pipelines, 4M tokens, 256K
+   context): github 8.29 s sequential vs 8.25 s round-robin (naive 10.14 s); byted 12.01 s vs
+   14.58 s (naive 16.53 s), so sequential is the default.
 6. *Gradient accumulation.*  Every rank runs its own list; one gradient all-reduce per step.
 
 Issue-9 additions (communication-aware planning):
@@ -486,8 +490,11 @@ def plan_balance(
     pipeline_degree=1,
     ranks_per_node=None,
     comm_aware=True,
+    pp_reading="sequential",
     **_,
 ) -> Plan:
+    if pp_reading not in ("round_robin", "sequential"):
+        raise PlanError(f"pp_reading must be 'round_robin' or 'sequential', got {pp_reading!r}")
     off = resolve_offload(offload, cost_model, pipeline_degree, default_on=True)
     ctx = _Ctx(lengths, world_size, capacity, cost_model, ranks_per_node, off)
     items = _items(ctx)
@@ -500,7 +507,7 @@ def plan_balance(
     if pipeline_degree <= 1:
         assignment = _dp_balance(ctx, [x for b in buckets for x in b], slack, cm)
     else:
-        assignment = _pp_balance(ctx, buckets, slack, cm, pipeline_degree)
+        assignment = _pp_balance(ctx, buckets, slack, cm, pipeline_degree, pp_reading == "round_robin")
     return _emit(
         ctx,
         assignment,
@@ -511,6 +518,7 @@ def plan_balance(
             "num_buckets": num_buckets,
             "pipeline_degree": pipeline_degree,
             "comm_aware": bool(comm_aware),
+            "pp_reading": pp_reading,
         },
     )
 
@@ -617,7 +625,9 @@ def _dp_balance(ctx: _Ctx, seq: list[tuple[_Item, float]], slack: float, cm: boo
     return assignment
 
 
-def _pp_balance(ctx: _Ctx, buckets, slack: float, cm: bool, p: int):
+def _pp_balance(ctx: _Ctx, buckets, slack: float, cm: bool, p: int, round_robin: bool):
+    """PP-Balance: the least-loaded pipeline draws next, from its own bucket (``round_robin``)
+    or from the first non-empty bucket (``sequential``, the other reading of §4.5 item 5)."""
     nb = len(buckets)
     queues = [list(reversed(b)) for b in buckets]  # pop() from the end = next item of the bucket
     remaining = sum(len(b) for b in buckets)
@@ -628,7 +638,7 @@ def _pp_balance(ctx: _Ctx, buckets, slack: float, cm: bool, p: int):
     assignment = []
     while remaining:
         load, r0 = heap[0]
-        b = cur[r0]
+        b = cur[r0] if round_robin else 0
         for step in range(nb):
             if queues[(b + step) % nb]:
                 b = (b + step) % nb
