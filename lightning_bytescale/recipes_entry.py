@@ -52,6 +52,15 @@ def _prepare(cfg: DictConfig) -> None:
                 logger.offline = wandb_offline_by_default()
             if logger.get("name") is None:
                 logger.name = cfg.name
+                if _is_multirun():  # one run per sweep job, grouped by the sweep's name
+                    from hydra.core.hydra_config import HydraConfig
+
+                    job = HydraConfig.get().job
+                    logger.name = (
+                        f"{cfg.name}/{job.get('num', 0)}:{job.get('override_dirname') or 'defaults'}"
+                    )
+                    if logger.get("group") is None:
+                        logger.group = cfg.name
         strategy = cfg.strategy
         if (
             _is_multirun()
@@ -161,7 +170,9 @@ def train(cfg: DictConfig) -> float | None:
 
 
 def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: float) -> None:
-    lines = [f"[bytescale-train] {cfg.name}: {trainer.global_step} steps in {seconds:.1f} s"]
+    # With the spawn launcher the fitted state stays in the worker processes: no step count here.
+    steps = f"{trainer.global_step} steps" if trainer.global_step else "finished"
+    lines = [f"[bytescale-train] {cfg.name}: {steps} in {seconds:.1f} s"]
     if loss is not None:
         lines[0] += f", last loss {float(loss):.4f}"
     lines.append(f"  outputs: {cfg.run_dir}")

@@ -16,7 +16,6 @@ and ``bytescale_fork``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 import math
@@ -29,6 +28,7 @@ import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -74,8 +74,12 @@ class ByteScaleStrategy(DDPStrategy):
             micro-batch counts) or ``"static"`` (the fixed DP x CP baseline).
         capacity: tokens one rank holds resident in one micro-batch (C).
         cp_size: context-parallel degree of the ``static`` planner (``None``: the planner's default).
-        offload: activation-offload configuration (``None``: off).  When set, every micro-batch
-            with a non-zero ``offload_ratio`` runs inside ``lightning_bytescale.offload``'s context.
+        offload: selective activation offload: ``False`` (default, off), ``True``, the planner's
+            ``OffloadConfig`` (or its dict), or a ready ``ActivationOffloader``.  The planner gets
+            it to choose per-micro-batch offload ratios; micro-batches with a non-zero
+            ``offload_ratio`` then run inside the offloader's context.
+        offloader_options: keyword arguments for the ``ActivationOffloader`` the strategy builds
+            (``keep_last``, ``min_bytes``, ``prefetch``, ...).
         slack: balance-scheduler slack (fraction of the ideal per-rank time it may exceed).
         seed: planning seed, identical on every rank (``None``: the data module's own seed).
         cost_model: cost model for the planner (``None``: the planner's default).
@@ -97,7 +101,8 @@ class ByteScaleStrategy(DDPStrategy):
         planner: str = "balance",
         capacity: int = 8192,
         cp_size: int | None = None,
-        offload: Any = None,
+        offload: Any = False,
+        offloader_options: dict[str, Any] | None = None,
         slack: float = 0.05,
         seed: int | None = None,
         cost_model: Any = None,
@@ -126,7 +131,12 @@ class ByteScaleStrategy(DDPStrategy):
         self.planner = planner
         self.capacity = capacity
         self.cp_size = cp_size
+        if offloader_options is not None and not isinstance(offloader_options, dict):
+            raise ByteScaleConfigError(
+                f"offloader_options must be a dict, got {type(offloader_options).__name__}"
+            )
         self.offload = offload
+        self.offloader_options = dict(offloader_options or {})
         self.slack = float(slack)
         self.seed = None if seed is None else int(seed)
         self.cost_model = cost_model
@@ -144,11 +154,14 @@ class ByteScaleStrategy(DDPStrategy):
     # ------------------------------------------------------------------ options
     def planner_options(self) -> dict[str, Any]:
         """The planning options a DataModule needs to build this strategy's plans."""
+        offload = self.offload
+        if hasattr(offload, "micro_batch_context"):  # an ActivationOffloader: the planner only needs "on"
+            offload = True
         return {
             "planner": self.planner,
             "capacity": self.capacity,
             "cp_size": self.cp_size,
-            "offload": self.offload,
+            "offload": False if offload is None else offload,
             "slack": self.slack,
             "cost_model": self.cost_model,
             "seed": self.seed,
@@ -164,7 +177,7 @@ class ByteScaleStrategy(DDPStrategy):
                 "micro-batches. Set accumulate_grad_batches=1 and raise the data module's tokens per step instead."
             )
         module = trainer.lightning_module
-        if trainer.training and not module.automatic_optimization:
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
             raise ByteScaleConfigError(
                 "ByteScaleStrategy runs the micro-batch loop and the gradient all-reduce itself and needs "
                 "automatic optimization; remove `self.automatic_optimization = False` from the LightningModule."
@@ -232,32 +245,13 @@ class ByteScaleStrategy(DDPStrategy):
             return self._offloader
         from lightning_bytescale.offload import ActivationOffloader
 
-        if self.offload is True:
-            options: dict[str, Any] = {}
-        elif isinstance(self.offload, dict):
-            options = dict(self.offload)
-        elif dataclasses.is_dataclass(self.offload):
-            options = dataclasses.asdict(self.offload)
-        else:
-            raise ByteScaleConfigError(
-                f"offload must be None, True, a dict or dataclass of ActivationOffloader options, or an "
-                f"ActivationOffloader; got {type(self.offload).__name__}"
-            )
-        options.pop("enabled", None)
-        accepted = {"keep_last", "min_bytes", "prefetch", "fallback_group", "trace"}
-        self._offloader = ActivationOffloader(
-            _find_blocks(self.lightning_module), **{k: v for k, v in options.items() if k in accepted}
-        )
+        self._offloader = ActivationOffloader(_find_blocks(self.lightning_module), **self.offloader_options)
         return self._offloader
 
     def _check_step_batch(self, batch: StepBatch) -> None:
-        plan_world = batch.stats.get("world_size") if isinstance(batch.stats, dict) else None
-        if plan_world is not None and int(plan_world) != self.world_size:
-            raise ByteScaleConfigError(
-                f"This step's plan was made for {plan_world} ranks but the run has {self.world_size}; "
-                "the data module must plan with the trainer's world size (it reads it from the trainer at setup)."
-            )
-        check_plan_agreement(batch.digest, batch.step, self.world_size)
+        stats = batch.stats if isinstance(batch.stats, dict) else {}
+        plan_world = stats.get("world_size") or len(stats.get("micro_batch_counts", ())) or None
+        check_plan_agreement(batch.digest, batch.step, self.world_size, plan_world)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -502,7 +496,7 @@ class ByteScaleStrategy(DDPStrategy):
             return base(*args, **kwargs)
         module = self.lightning_module
         assert module is not None
-        check_plan_agreement(batch.digest, batch.step, self.world_size)
+        self._check_step_batch(batch)
         outputs = []
         context = (
             self.precision_plugin.val_step_context

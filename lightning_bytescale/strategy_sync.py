@@ -28,6 +28,10 @@ class PlanDivergenceError(RuntimeError):
     """Ranks hold different plans for the same step."""
 
 
+class PlanWorldSizeError(PlanDivergenceError, ValueError):
+    """A plan was made for a different number of ranks than the run has."""
+
+
 class NonFiniteError(FloatingPointError):
     """A micro-batch produced a non-finite loss or gradient."""
 
@@ -37,14 +41,26 @@ def digest_key(digest: str) -> int:
     return int(hashlib.sha256(digest.encode()).hexdigest()[:15], 16)
 
 
-def check_plan_agreement(digest: str, step: int, world_size: int, group: object | None = None) -> None:
-    """All-gather ``(digest, step)`` and raise :class:`PlanDivergenceError` naming the ranks that differ.
+def check_plan_agreement(
+    digest: str, step: int, world_size: int, plan_world: int | None = None, group: object | None = None
+) -> None:
+    """All-gather ``(digest, step, plan world size)``; raise on every rank if they disagree.
 
-    Runs before any point-to-point exchange of the step, on every rank.
+    Runs before any point-to-point exchange of the step, on every rank, so all ranks stop
+    together (no rank is left waiting in a ring).  Raises :class:`PlanWorldSizeError` if a plan
+    was made for another world size, :class:`PlanDivergenceError` naming the ranks that differ.
     """
-    mine = torch.tensor([digest_key(digest), int(step)], dtype=torch.long)
+    mine = torch.tensor([digest_key(digest), int(step), int(plan_world or 0)], dtype=torch.long)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)
+    worlds = [int(t[2]) for t in gathered]
+    wrong = [r for r, w in enumerate(worlds) if w and w != world_size]
+    if wrong:
+        raise PlanWorldSizeError(
+            f"Ranks {wrong} hold plans made for {sorted({worlds[r] for r in wrong})} ranks, but the run has "
+            f"{world_size}. The data module must plan with the trainer's world size (ByteScaleDataModule reads "
+            "it from the trainer); when resuming on another world size, let it re-plan instead of reusing plans."
+        )
     keys = [(int(t[0]), int(t[1])) for t in gathered]
     if len(set(keys)) == 1:
         return

@@ -156,7 +156,7 @@ def _per_mb_mean_forward(model, mb):
     return F.cross_entropy(logits[keep], mb.labels[keep], reduction="sum") / max(int(keep.sum()), 1)
 
 
-def _run_case(model, plan, rank, tokens, group, counters, ref_grads, ref_loss, forward=None):
+def _run_case(model, plan, rank, tokens, group, counters, ref_grads, ref_loss, forward=None, **options):
     from lightning_bytescale.attention import comm_stats
     from lightning_bytescale.engine import build_step, run_step
 
@@ -180,7 +180,7 @@ def _run_case(model, plan, rank, tokens, group, counters, ref_grads, ref_loss, f
 
     before = counters.snapshot()
     start = time.perf_counter()
-    result = run_step(model, step, group=group, micro_batch_context=watch, forward=forward)
+    result = run_step(model, step, group=group, micro_batch_context=watch, forward=forward, **options)
     seconds = time.perf_counter() - start
     calls = _diff(counters.snapshot(), before)
     grad_err = max((p.grad - ref_grads[n]).abs().max().item() for n, p in model.named_parameters())
@@ -271,16 +271,33 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         ref_loss,
         _per_mb_mean_forward,
     )
-    # Ranks that run different plans fail together, fast, with a clear error (no hang).
+    # Without the digest check a step makes the gradient all-reduce and no other collective.
+    report["unchecked"] = _run_case(
+        model,
+        hand_plans(WORLD)["unequal"],
+        rank,
+        tokens,
+        None,
+        counters,
+        ref_grads,
+        ref_loss,
+        check_plan=False,
+    )
+    # Ranks that run different plans fail together, fast, with a clear error (no hang): at the
+    # digest check, and (with the check off) at the token count the all-reduce carries.
     ranks = [[_local([j for j in range(len(LENGTHS)) if j % WORLD == r])] for r in range(WORLD)]
     if rank == 1:  # rank 1's copy of the plan also lists sequence 0, which rank 0 holds
         ranks[1][0].pieces.append(Piece(0, ((0, LENGTHS[0]),)))
-    try:
-        _run_case(
-            model, Plan(WORLD, 256, "hand", LENGTHS, ranks), rank, tokens, None, counters, ref_grads, ref_loss
-        )
-    except StepError as err:
-        report["errors"]["diverged"] = str(err)
+    diverged = Plan(WORLD, 256, "hand", LENGTHS, ranks)
+    for key, check_plan in (("diverged", True), ("diverged_unchecked", False)):
+        before = counters.snapshot()
+        try:
+            _run_case(
+                model, diverged, rank, tokens, None, counters, ref_grads, ref_loss, check_plan=check_plan
+            )
+        except StepError as err:
+            report["errors"][key] = f"{type(err).__name__}: {err}"
+        report["errors"][key + "_calls"] = _diff(counters.snapshot(), before)
 
     # A non-finite loss on one rank stops every rank with the same clear error.
     def poisoned(m, mb):
@@ -375,13 +392,17 @@ def test_planner_plans_match_single_process(reports, planner):
         assert case["loss_err"] <= 1e-12, f"{name} rank {rank}: loss error {case['loss_err']:.3e}"
 
 
-def test_exactly_one_all_reduce_and_no_other_collective_per_step(reports):
+def test_exactly_one_gradient_all_reduce_and_one_digest_all_gather_per_step(reports):
     n = 0
     for rank, name, case in _cases(reports):
-        assert case["collectives"] == {"all_reduce": 1}, f"{name} rank {rank}: {case['collectives']}"
+        expected = {"all_gather": 1, "all_reduce": 1}
+        assert case["collectives"] == expected, f"{name} rank {rank}: {case['collectives']}"
         assert case["busy_len"] == int(name.split("/")[1])
         n += 1
     assert n > 0
+    for rank, rep in enumerate(reports):  # check_plan=False: the gradient all-reduce alone
+        assert rep["unchecked"]["collectives"] == {"all_reduce": 1}, (rank, rep["unchecked"])
+        assert rep["unchecked"]["grad_err"] <= TOLERANCE
 
 
 def test_local_micro_batches_make_no_p2p_and_rings_do(reports):
@@ -411,8 +432,15 @@ def test_per_micro_batch_mean_breaks_the_equivalence(reports):
 
 def test_ranks_running_different_plans_or_non_finite_losses_fail_together(reports):
     for rep in reports:
-        assert "different plans" in rep["errors"].get("diverged", "")
-        assert "loss on rank(s) [2]" in rep["errors"].get("non_finite", "")
+        errors = rep["errors"]
+        # the digest check stops them before any micro-batch (no P2P, no all-reduce) ...
+        assert errors.get("diverged", "").startswith("DivergentPlanError: "), errors
+        assert "ranks [1] differ from ranks [0, 2, 3]" in errors["diverged"]
+        assert errors["diverged_calls"] == {"all_gather": 1}, errors
+        # ... and without it, the token count in the one all-reduce does
+        assert "different plans" in errors.get("diverged_unchecked", ""), errors
+        assert errors["diverged_unchecked_calls"] == {"all_reduce": 1}, errors
+        assert "loss on rank(s) [2]" in errors.get("non_finite", "")
 
 
 def test_several_optimizer_steps_track_single_process_training(reports):

@@ -122,6 +122,67 @@ def test_run_step_reports_non_finite_loss_with_micro_batch_and_sequences():
     assert result.extra.tolist() == [2.0, 3.0]
 
 
+def _three_micro_batch_step(world_size: int = 1):
+    lengths = (4, 6, 5)
+    ranks = [[MicroBatch([Piece(0, ((0, 4),))]), MicroBatch([Piece(1, ((0, 6),)), Piece(2, ((0, 5),))])]]
+    ranks += [[] for _ in range(world_size - 1)]
+    plan = Plan(world_size, 16, "hand", lengths, ranks)
+    return build_step(plan, 0, lambda j: torch.arange(lengths[j]))
+
+
+def test_run_step_names_the_micro_batch_that_made_the_gradients_non_finite():
+    from lightning_bytescale.engine import NonFiniteError, default_forward, run_micro_batches
+
+    step = _three_micro_batch_step()
+    model = tiny_model()
+
+    def poisoned(m, mb):  # finite loss, NaN gradient from micro-batch 1 on
+        if mb.index != 1:
+            return default_forward(m, mb)
+        logits = m(mb.input_ids, mb.position_ids)
+        logits.register_hook(lambda g: torch.full_like(g, float("nan")))
+        return token_loss(logits, mb.labels, mb.num_global_tokens)
+
+    with pytest.raises(NonFiniteError) as info:
+        run_step(model, step, forward=poisoned)
+    message = str(info.value)
+    assert "local gradients on rank(s) [0]" in message and "loss on rank(s) []" in message
+    assert "gradients first non-finite after micro-batch 1 (sequences [1, 2])" in message
+    assert "non-finite loss" not in message
+
+    model.zero_grad(set_to_none=True)
+    local = run_micro_batches(model, step.micro_batches, forward=poisoned, check_finite=True)
+    assert [m.grads_finite for m in local.micro_batches] == [True, False]
+    assert local.first_non_finite_gradient.index == 1
+    model.zero_grad(set_to_none=True)
+    unchecked = run_micro_batches(model, step.micro_batches, forward=poisoned)
+    assert [m.grads_finite for m in unchecked.micro_batches] == [None, None]
+    assert unchecked.first_non_finite_gradient is None
+    model.zero_grad(set_to_none=True)
+    assert run_step(model, step, forward=poisoned, check_finite=False).num_micro_batches == 2
+
+
+def test_run_step_refuses_a_step_planned_for_another_world_size_before_any_micro_batch():
+    from lightning_bytescale.engine import StepError
+
+    step = _three_micro_batch_step(world_size=2)
+    assert step.stats["world_size"] == 2
+    calls = []
+
+    def forward(m, mb):
+        calls.append(mb.index)
+        raise AssertionError("no micro-batch may run")
+
+    with pytest.raises(
+        StepError, match=r"planned for 2 ranks but the process group has 1; plan with world_size="
+    ):
+        run_step(tiny_model(), step, forward=forward)
+    assert calls == []
+    step.stats.pop("world_size")  # a hand-built step without the entry is not checked
+    with pytest.raises(AssertionError, match="no micro-batch may run"):
+        run_step(tiny_model(), step, forward=forward)
+
+
 def test_allreduce_is_one_call_for_mixed_dtypes_on_a_one_rank_group(monkeypatch):
     import torch.distributed as dist
 

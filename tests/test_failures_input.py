@@ -195,13 +195,27 @@ def _strategy(world: int):
     return ByteScaleStrategy(capacity=24, cluster_environment=env)
 
 
-def test_strategy_refuses_a_step_planned_for_another_world_size():
-    """The check runs before the digest all-gather, so it needs no process group."""
-    from lightning_bytescale.strategy import ByteScaleConfigError
+def test_strategy_refuses_a_step_planned_for_another_world_size(monkeypatch):
+    """Four ranks that all hold a plan for two are refused, naming both numbers.
 
+    The digest all-gather is emulated in one process (every rank sent this rank's values), so
+    the check may run before it or inside it.
+    """
+    import torch.distributed as dist
+
+    from lightning_bytescale.strategy import ByteScaleConfigError
+    from lightning_bytescale.strategy_sync import PlanDivergenceError
+
+    def all_gather(gathered, mine, group=None):
+        for t in gathered:
+            t.copy_(mine)
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
     step = build_step(_two_rank_plan(), 0, _tokens([5, 40, 7]))
-    step.stats["world_size"] = 2
-    with pytest.raises(ByteScaleConfigError, match=r"made for 2 ranks but the run has 4"):
+    assert step.stats["world_size"] == 2
+    with pytest.raises(
+        (ByteScaleConfigError, PlanDivergenceError), match=r"made for \[?2\]? ranks,? but the run has 4"
+    ):
         _strategy(4)._check_step_batch(step)
 
 

@@ -229,9 +229,13 @@ def test_a_sweep_never_uses_the_popen_launcher(tmp_path):
     assert cfg.strategy.start_method.value == "popen"
     _prepare(cfg)
     assert cfg.strategy.start_method.value == "spawn"
+    assert cfg.logger.group == "cpu_quickstart" and cfg.logger.name.startswith(
+        "cpu_quickstart/"
+    )  # W&B run per job
     cfg = _compose(tmp_path, "hydra.mode=MULTIRUN", "trainer.devices=1")
     _prepare(cfg)
     assert cfg.strategy.start_method.value == "popen"  # one process: nothing is launched
     cfg = _compose(tmp_path)
     _prepare(cfg)
     assert cfg.strategy.start_method.value == "popen"  # single runs keep popen
+    assert cfg.logger.name == "cpu_quickstart" and cfg.logger.group is None

@@ -115,3 +115,21 @@ def test_ring_allreduce_formula():
     assert ring_allreduce_seconds(1e9, 4, 1e9) == pytest.approx(1.5)
     assert ring_allreduce_seconds(1e9, 1, 1e9) == 0.0
     assert ring_allreduce_seconds(1e9, 2, 1e9, latency=1e-3) == pytest.approx(1.0 + 2e-3)
+
+
+def test_pipelines_with_barrier_rounds_run_in_lock_step():
+    # round 0: pipeline 0 runs 6 s, pipeline 1 runs 3 s; round 1: pipeline 1 only (3 s).
+    plan = Plan(
+        2,
+        8,
+        "hand",
+        (6, 3, 3),
+        [[_local(0, 6)], [_local(1, 3), _local(2, 3)]],
+        options={"rounds": [[0], [0, 1]]},
+    )
+    tl = simulate_pipelines(plan, _by_tokens, stages=2)
+    # slots [6, 3] on 2 stages: f0=1 b0=2 f1=0.5 b1=1 -> S0 F0 0-1, F1 1-1.5, B0 4-6, B1 6-7;
+    # S1 F0 1-2, B0 2-4, F1 4-4.5, B1 4.5-5.5 -> 7 for both pipelines (pipeline 0's empty
+    # round-1 slot waits for pipeline 1's 3 s micro-batch)
+    assert [t.finish for t in tl] == [pytest.approx(7.0), pytest.approx(7.0)]
+    assert tl[0].busy == pytest.approx(3.0) and tl[1].busy == pytest.approx(3.0)

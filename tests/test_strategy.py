@@ -89,6 +89,7 @@ class StepData(Dataset):
 
     def __init__(self, world: int, rank: int, planner: str, seed: int = 0, plan_seed: int = 0) -> None:
         self.world, self.rank, self.planner, self.seed, self.plan_seed = world, rank, planner, seed, plan_seed
+        self.offload_ratio = 0.0
 
     def __len__(self) -> int:
         return STEPS_PER_EPOCH
@@ -96,21 +97,33 @@ class StepData(Dataset):
     def __getitem__(self, k: int):
         seqs = global_batch(k, self.seed)
         plan = make_plan([len(s) for s in seqs], self.world, self.planner, self.plan_seed)
-        return build_step(plan, self.rank, lambda j: seqs[j], step=k)
+        batch = build_step(plan, self.rank, lambda j: seqs[j], step=k)
+        for mb in batch.micro_batches:
+            mb.offload_ratio = self.offload_ratio
+        return batch
 
 
 class StepDataModule(pl.LightningDataModule):
-    def __init__(self, planner: str, diverge_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        planner: str,
+        diverge_rank: int | None = None,
+        offload_ratio: float = 0.0,
+        plan_world: int | None = None,
+    ) -> None:
         super().__init__()
-        self.planner, self.diverge_rank = planner, diverge_rank
+        self.planner, self.diverge_rank, self.offload_ratio = planner, diverge_rank, offload_ratio
+        self.plan_world = plan_world
 
     def train_dataloader(self):
         t = self.trainer
         plan_seed = 1 if t.global_rank == self.diverge_rank else 0
         data = StepData(t.world_size, t.global_rank, self.planner, plan_seed=plan_seed)
         if plan_seed:  # a divergent rank: same lengths, a different plan
-            data.world = t.world_size
             data.__class__ = _ReversedPlanData
+        data.offload_ratio = self.offload_ratio
+        if self.plan_world:  # plans made for another world size
+            data.world = self.plan_world
         return StatefulDataLoader(data, batch_size=None, shuffle=False, num_workers=0)
 
 
@@ -197,8 +210,10 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stats = dict(trainer.strategy.step_stats)
+        offloader = trainer.strategy._offloader
         self.rows.append(
             {
+                "offloaded_bytes": offloader.stats.offloaded_bytes if offloader is not None else 0,
                 "step": batch.step,
                 "logged": float(trainer.callback_metrics["train/loss"]),
                 "output": float(outputs["loss"]),
@@ -243,6 +258,8 @@ def fit(
     diverge_rank: int | None = None,
     timeout: float = 60,
     module: pl.LightningModule | None = None,
+    offload: bool = False,
+    offload_ratio: float = 0.0,
 ) -> pl.Trainer:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MASTER_PORT", None)
@@ -255,7 +272,13 @@ def fit(
         accelerator="cpu",
         devices=world,
         strategy=ByteScaleStrategy(
-            planner=planner, capacity=CAPACITY, zero1=zero1, start_method="fork", timeout=timeout
+            planner=planner,
+            capacity=CAPACITY,
+            zero1=zero1,
+            start_method="fork",
+            timeout=timeout,
+            offload=bool(offload),
+            offloader_options={"keep_last": 0, "min_bytes": 0} if offload else None,
         ),
         precision="64-true",
         max_steps=max_steps,
@@ -269,7 +292,9 @@ def fit(
         callbacks=callbacks,
         default_root_dir=out,
     )
-    trainer.fit(module or TinyLM(), datamodule=StepDataModule(planner, diverge_rank), ckpt_path=resume)
+    trainer.fit(
+        module or TinyLM(), datamodule=StepDataModule(planner, diverge_rank, offload_ratio), ckpt_path=resume
+    )
     return trainer
 
 
@@ -310,7 +335,7 @@ def test_options_validated():
         "planner": "static",
         "capacity": 128,
         "cp_size": 2,
-        "offload": None,
+        "offload": False,
         "slack": 0.05,
         "cost_model": None,
         "seed": 3,
@@ -319,11 +344,17 @@ def test_options_validated():
 
 
 @pytest.mark.parametrize(
-    ("planner", "world", "zero1"),
-    [("balance", 3, False), ("naive", 2, False), ("static", 4, False), ("balance", 4, True)],
+    ("planner", "world", "zero1", "offload"),
+    [
+        ("balance", 3, False, False),
+        ("naive", 2, False, False),
+        ("static", 4, False, False),
+        ("balance", 4, True, False),
+        ("balance", 2, False, True),
+    ],
 )
-def test_equals_single_process(tmp_path, planner, world, zero1):
-    fit(tmp_path, world, planner, zero1=zero1)
+def test_equals_single_process(tmp_path, planner, world, zero1, offload):
+    fit(tmp_path, world, planner, zero1=zero1, offload=offload, offload_ratio=0.5 if offload else 0.0)
     expected, losses = reference(5)
     assert_params_equal(tmp_path, world, expected)
     for r in range(world):
@@ -332,6 +363,8 @@ def test_equals_single_process(tmp_path, planner, world, zero1):
         for row, want in zip(rows, losses):
             assert abs(row["logged"] - want) <= 1e-12, (row["logged"], want)
             assert abs(row["output"] - want) <= 1e-12
+    if offload:  # activations really went through the offloader (bit-identical gradients above)
+        assert all(row["offloaded_bytes"] > 0 for r in range(world) for row in read_rows(tmp_path, r))
     stats = read_rows(tmp_path)[-1]["stats"]
     seqs = global_batch(4)
     assert stats["tokens"] == sum(len(s) for s in seqs)
@@ -366,20 +399,46 @@ def test_divergent_plans_name_the_ranks(tmp_path):
         fit(tmp_path, 3, diverge_rank=2, max_steps=2)
 
 
-def test_accumulate_grad_batches_rejected(tmp_path):
+def test_plan_for_another_world_size_rejected(tmp_path):
+    os.environ.pop("MASTER_PORT", None)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ByteScaleStrategy(capacity=CAPACITY, start_method="fork", timeout=30),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        max_steps=1,
+    )
+    with pytest.raises(Exception, match=r"hold plans made for \[3\] ranks, but the run has 2"):
+        trainer.fit(TinyLM(), datamodule=StepDataModule("balance", plan_world=3))
+
+
+class ManualLM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "module", "message"),
+    [(2, TinyLM, "accumulate_grad_batches=2"), (1, ManualLM, "needs automatic optimization")],
+)
+def test_unsupported_trainer_settings_rejected(tmp_path, accumulate, module, message):
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=ByteScaleStrategy(start_method="fork"),
-        accumulate_grad_batches=2,
+        accumulate_grad_batches=accumulate,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
     os.environ.pop("MASTER_PORT", None)
-    with pytest.raises(Exception, match="accumulate_grad_batches=2"):
-        trainer.fit(TinyLM(), datamodule=StepDataModule("balance"))
+    with pytest.raises(Exception, match=message):
+        trainer.fit(module(), datamodule=StepDataModule("balance"))
 
 
 @pytest.mark.parametrize("kind", ["loss", "gradient"])
@@ -389,3 +448,49 @@ def test_non_finite_names_micro_batch_and_sequences(tmp_path, kind):
     pattern = rf"Non-finite values at step 1.*rank \d: non-finite {kind} in micro-batch \d+ \(global-batch sequence ids \[[\d, ]*\b{POISON_SEQ}\b"
     with pytest.raises(Exception, match=pattern):
         fit(tmp_path, 2, module=module, max_steps=3)
+
+
+def test_ranks_without_micro_batches(tmp_path, monkeypatch):
+    """Global batches of one or two short sequences: most ranks have no work and still join
+    the one all-reduce; parameters still equal the single-process run."""
+    this = __import__(__name__)
+
+    def tiny_batch(step: int, seed: int = 0) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(500 + step)
+        return [
+            torch.randint(0, 64, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g)
+            for _ in range(1 + step % 2)
+        ]
+
+    monkeypatch.setattr(this, "global_batch", tiny_batch)
+    fit(tmp_path, 4, "balance", max_steps=4)
+    expected, losses = reference(4)
+    assert_params_equal(tmp_path, 4, expected)
+    rows = read_rows(tmp_path)
+    assert [row["logged"] for row in rows] == pytest.approx(losses, abs=1e-12)
+    assert all(sorted(row["stats"]["num_micro_batches"])[0] == 0 for row in rows)
+
+
+def test_rank_report_round_trip_and_messages():
+    from lightning_bytescale.strategy_sync import (
+        SLOT,
+        RankReport,
+        describe_divergence,
+        describe_non_finite,
+        digest_key,
+    )
+
+    rep = RankReport(
+        busy_s=0.25, ring_bytes=4096, num_micro_batches=3, bad_micro_batch=2, bad_kind=2, bad_seq_ids=(0, 7)
+    )
+    slot = rep.encode()
+    assert len(slot) == SLOT
+    assert RankReport.decode(slot) == rep
+    assert RankReport.decode(RankReport(num_micro_batches=1).encode()).bad_micro_batch is None
+    msg = describe_non_finite([RankReport(), rep], step=5)
+    assert "step 5" in msg and "rank 1: non-finite gradient in micro-batch 2" in msg and "[0, 7]" in msg
+    assert "rank 0" not in msg
+    a, b = digest_key("abc"), digest_key("abd")
+    assert a != b and 0 <= a < 2**60
+    msg = describe_divergence([(a, 3), (a, 3), (b, 3), (a, 3)])
+    assert "ranks [2] differ from ranks [0, 1, 3]" in msg and "same seed" in msg

@@ -400,7 +400,7 @@ def run_step(
     world, me = _group_shape(group)
     if check_plan and dist.is_available() and dist.is_initialized():
         try:
-            check_plan_agreement(step.digest, step.step, world, group)
+            check_plan_agreement(step.digest, step.step, world, group=group)
         except PlanDivergenceError as err:
             raise DivergentPlanError(str(err)) from err
     planned = step.stats.get("world_size") if isinstance(step.stats, dict) else None

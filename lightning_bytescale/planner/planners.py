@@ -370,6 +370,13 @@ def _emit(
 
 # ====================================================================== naive (Alg. 1)
 
+#: How ``naive`` sizes rings with offload on.  ``"pays"`` (default): the fewest ranks Eq. 3
+#: allows whose member time stays within the step's mean load (the load level ``T`` of
+#: :func:`_choose_ring_sizes`, the rule ``balance`` uses), i.e. offload shrinks a ring only
+#: where the sequence does not become the step's critical path.  ``"paper_min_ranks"``: Eq. 3
+#: read literally, the fewest ranks (largest hidden ratio) for every long sequence.
+OFFLOAD_POLICIES = ("pays", "paper_min_ranks")
+
 
 def plan_naive(
     lengths,
@@ -381,13 +388,20 @@ def plan_naive(
     offload=None,
     ranks_per_node=None,
     pipeline_degree=1,
+    comm_aware=True,
+    offload_policy="pays",
     **_,
 ) -> Plan:
+    if offload_policy not in OFFLOAD_POLICIES:
+        raise PlanError(f"offload_policy must be one of {OFFLOAD_POLICIES}, got {offload_policy!r}")
     off = resolve_offload(offload, cost_model, pipeline_degree, default_on=False)
     ctx = _Ctx(lengths, world_size, capacity, cost_model, ranks_per_node, off)
     items = _items(ctx)
-    for it in items:
-        it.choose(0)  # Eq. 3's optimum (fewest ranks); D(s) without offload
+    if offload_policy == "paper_min_ranks":
+        for it in items:
+            it.choose(0)  # Eq. 3's optimum (fewest ranks); D(s) without offload
+    else:  # "pays": shrink a ring only while its member time stays within the mean load
+        _choose_ring_sizes(ctx, items, comm_aware and cost_model.models_comm, pipeline_degree)
     random.Random(seed).shuffle(items)
     heap = [(0, r) for r in range(world_size)]  # (micro-batch count, rank)
     assignment = []
@@ -398,7 +412,10 @@ def plan_naive(
         for cnt, r in got:
             heapq.heappush(heap, (cnt + 1, r))
         assignment.append((it, members, (len(assignment), 0)))
-    return _emit(ctx, assignment, "naive", {"seed": seed, "pipeline_degree": pipeline_degree})
+    opts = {"seed": seed, "pipeline_degree": pipeline_degree}
+    if off is not None:
+        opts["offload_policy"] = offload_policy
+    return _emit(ctx, assignment, "naive", opts)
 
 
 # ====================================================================== balance (Alg. 2)
@@ -415,28 +432,23 @@ def _likely_intra(ctx: _Ctx, size: int) -> bool:
     return ctx.rpn is not None and size <= ctx.rpn
 
 
-def _choose_ring_sizes(ctx: _Ctx, items: list[_Item], cm: bool) -> list[float]:
-    """Pick each item's ring size; return its planned member time.
+def _ring_choice_times(
+    ctx: _Ctx, items: list[_Item], cm: bool
+) -> tuple[list[float], list[tuple[int, list[float], list[float]]], float]:
+    """Fix single-choice items; list the member times of every choice of the others.
 
-    Without offload an item has one choice, ``D(s)``.  With offload, choose a load level ``T``
-    and give every sequence the fewest ranks whose member time is at most ``T``: a larger ``T``
-    means fewer ranks and less total work (the mean load ``M(T)`` falls) but coarser items.
-    ``T`` is the crossing ``M(T) = T`` (bisection), which minimises ``max(M(T), T)``, a lower
-    bound on the step time.  A sequence that cannot get within ``T`` (a comm-bound ring's member
-    time stops falling with more ranks) takes the fewest ranks whose member time is within the
-    step-time bound ``max(T, largest smallest-member-time)``: beyond its own floor it cannot go,
-    and fewer ranks cost less work.
+    Returns ``(cost_of, multi, floor)``: ``cost_of[k]`` is the member time of fixed item ``k``;
+    ``multi`` holds ``(item index, member time of each choice, -prefix minimum)``; ``floor`` is
+    the largest member time no ring size can go below.
     """
-    fixed = 0.0
-    floor = 0.0  # the largest member time no ring size can go below
+    floor = 0.0
     cost_of: list[float] = [0.0] * len(items)
-    multi: list[tuple[int, list[float], list[float]]] = []  # (item index, times, -prefix min)
+    multi: list[tuple[int, list[float], list[float]]] = []
     for k, it in enumerate(items):
         if len(it.choices) == 1:
             it.choose(0)
             d = it.size
             cost_of[k] = _member_time(ctx, it, d, _likely_intra(ctx, d), cm)
-            fixed += d * cost_of[k]
             floor = max(floor, cost_of[k])
             continue
         ts = [_member_time(ctx, it, d, _likely_intra(ctx, d), cm) for d, _ in it.choices]
@@ -446,17 +458,48 @@ def _choose_ring_sizes(ctx: _Ctx, items: list[_Item], cm: bool) -> list[float]:
             neg_pm.append(-m)
         floor = max(floor, m)
         multi.append((k, ts, neg_pm))
+    return cost_of, multi, floor
+
+
+def _pick_at(multi, level: float, bound: float | None = None) -> list[int]:
+    """Per multi-choice item: the fewest ranks whose member time is at most ``level`` (else
+    at most ``bound``; with no bound, ``D(s)``)."""
+    out = []
+    for _, ts, neg_pm in multi:
+        j = bisect.bisect_left(neg_pm, -level)  # first j with prefix-min <= level
+        if j == len(ts):
+            j = len(ts) - 1 if bound is None else bisect.bisect_left(neg_pm, -bound)
+        out.append(min(j, len(ts) - 1))
+    return out
+
+
+def _apply_picks(items: list[_Item], multi, picks: list[int], cost_of: list[float]) -> list[float]:
+    for (k, ts, _), j in zip(multi, picks):
+        items[k].choose(j)
+        cost_of[k] = ts[j]
+    return cost_of
+
+
+def _choose_ring_sizes(ctx: _Ctx, items: list[_Item], cm: bool, pipeline_degree: int = 1) -> list[float]:
+    """Pick each item's ring size; return its planned member time.
+
+    Without offload an item has one choice, ``D(s)``.  With offload, choose a load level ``T``
+    and give every sequence the fewest ranks whose member time is at most ``T``: a larger ``T``
+    means fewer ranks and less total work (the mean load ``M(T)`` falls) but coarser items.
+    Data parallel (``pipeline_degree`` 1): ``T`` is the crossing ``M(T) = T`` (bisection), which
+    minimises ``max(M(T), T)``, a lower bound on the step time.  A sequence that cannot get
+    within ``T`` (a comm-bound ring's member time stops falling with more ranks) takes the
+    fewest ranks whose member time is within the step-time bound ``max(T, largest
+    smallest-member-time)``: beyond its own floor it cannot go, and fewer ranks cost less work.
+    Pipelines: :func:`_choose_ring_sizes_pp`.
+    """
+    if pipeline_degree > 1:
+        return _choose_ring_sizes_pp(ctx, items, cm, pipeline_degree)
+    cost_of, multi, floor = _ring_choice_times(ctx, items, cm)
     if not multi:
         return cost_of
-
-    def pick(level: float, bound: float | None = None) -> list[int]:
-        out = []
-        for _, ts, neg_pm in multi:
-            j = bisect.bisect_left(neg_pm, -level)  # first j with prefix-min <= level
-            if j == len(ts):
-                j = len(ts) - 1 if bound is None else bisect.bisect_left(neg_pm, -bound)
-            out.append(min(j, len(ts) - 1))
-        return out
+    multi_ks = {k for k, _, _ in multi}
+    fixed = sum(items[k].size * cost_of[k] for k in range(len(items)) if k not in multi_ks)
 
     def mean_load(picks: list[int]) -> float:
         work = fixed
@@ -464,17 +507,90 @@ def _choose_ring_sizes(ctx: _Ctx, items: list[_Item], cm: bool) -> list[float]:
             work += items[k].choices[j][0] * ts[j]
         return work / ctx.world
 
-    lo, hi = 0.0, mean_load(pick(0.0))
+    lo, hi = 0.0, mean_load(_pick_at(multi, 0.0))
     for _ in range(40):
         mid = 0.5 * (lo + hi)
-        if mean_load(pick(mid)) > mid:
+        if mean_load(_pick_at(multi, mid)) > mid:
             lo = mid
         else:
             hi = mid
-    for (k, ts, _), j in zip(multi, pick(hi, max(hi, floor))):
-        items[k].choose(j)
-        cost_of[k] = ts[j]
-    return cost_of
+    return _apply_picks(items, multi, _pick_at(multi, hi, max(hi, floor)), cost_of)
+
+
+PP_LEVELS = 48  # load levels tried by the pipeline ring-size choice
+
+
+def _choose_ring_sizes_pp(ctx: _Ctx, items: list[_Item], cm: bool, p: int) -> list[float]:
+    """Ring sizes under pipelines: offload shrinks rings only where the 1F1B load model says it pays.
+
+    A pipeline's load is ``sum(t) / p + (p - 1) max(t) / p``: its longest micro-batch counts
+    almost fully, so a shrunk ring (longer member time) costs every pipeline it lands on a
+    bigger bubble even when the total work ``W`` does not fall (attention-bound rings do the
+    same work on any number of ranks).  For a set of ring sizes the planner estimates the step
+    time as ``max(M, t_max)`` with the mean pipeline load
+    ``M = W / (world p) + (p - 1) / p x mean of the world longest member-time slots``
+    (balanced placement gives each pipeline one of the longest slots as its maximum; an item of
+    ``D`` ranks fills ``D`` slots) and ``t_max`` the longest member time (an item costs its
+    pipeline at least its own time).  Candidates: no shrinking at all (``D(s)`` for every
+    sequence) and ``PP_LEVELS`` load levels ``T`` (every sequence on the fewest ranks whose
+    member time is at most ``T``, as in the data-parallel rule) spaced geometrically between the
+    floor and the longest fewest-ranks member time.  The lowest estimate wins; ties keep the
+    larger rings (no offload), so offload is used only where it lowers the estimate.
+    """
+    cost_of, multi, floor = _ring_choice_times(ctx, items, cm)
+    if not multi:
+        return cost_of
+    multi_ks = {k for k, _, _ in multi}
+    fixed_work = 0.0
+    fixed_slots: list[tuple[float, int]] = []  # (member time, ranks) of the fixed items
+    for k, it in enumerate(items):
+        if k not in multi_ks:
+            fixed_work += it.size * cost_of[k]
+            fixed_slots.append((cost_of[k], it.size))
+    fixed_slots.sort(reverse=True)
+    world = ctx.world
+
+    def estimate(picks: list[int]) -> float:
+        work = fixed_work
+        slots = []
+        t_max = 0.0
+        for (k, ts, _), j in zip(multi, picks):
+            d = items[k].choices[j][0]
+            work += d * ts[j]
+            slots.append((ts[j], d))
+            t_max = max(t_max, ts[j])
+        slots.sort(reverse=True)
+        # sum of the world longest slots: merge the two sorted lists
+        need, top, a, b = world, 0.0, 0, 0
+        while need > 0 and (a < len(slots) or b < len(fixed_slots)):
+            if b >= len(fixed_slots) or (a < len(slots) and slots[a][0] >= fixed_slots[b][0]):
+                t, n = slots[a]
+                a += 1
+            else:
+                t, n = fixed_slots[b]
+                b += 1
+            n = min(n, need)
+            top += t * n
+            need -= n
+        if fixed_slots:
+            t_max = max(t_max, fixed_slots[0][0])
+        mean = work / (world * p) + (p - 1) * top / (world * p)
+        return max(mean, t_max)
+
+    best_picks = [len(ts) - 1 for _, ts, _ in multi]  # D(s) for every sequence: no offload
+    best = estimate(best_picks)
+    lo = max(floor, 1e-12)
+    hi = max(ts[0] for _, ts, _ in multi)
+    if hi > lo:
+        ratio = (hi / lo) ** (1.0 / PP_LEVELS)
+        level = lo
+        for _ in range(PP_LEVELS + 1):
+            picks = _pick_at(multi, level, max(level, floor))
+            e = estimate(picks)
+            if e < best * (1.0 - 1e-9):
+                best, best_picks = e, picks
+            level *= ratio
+    return _apply_picks(items, multi, best_picks, cost_of)
 
 
 def plan_balance(
@@ -500,7 +616,7 @@ def plan_balance(
     items = _items(ctx)
     cm = comm_aware and cost_model.models_comm
 
-    cost_of = _choose_ring_sizes(ctx, items, cm)
+    cost_of = _choose_ring_sizes(ctx, items, cm, pipeline_degree)
 
     order = sorted(range(len(items)), key=lambda k: (-cost_of[k], -items[k].size, items[k].seqs[0]))
     buckets = _buckets([(items[k], cost_of[k]) for k in order], num_buckets)

@@ -29,7 +29,8 @@ from lightning_bytescale.sim.timeline import (
 VARIANTS: dict[str, tuple[str, dict]] = {
     "static": ("static", {}),
     "naive": ("naive", {"offload": False}),
-    "naive_offload": ("naive", {"offload": True}),
+    "naive_offload": ("naive", {"offload": True}),  # offload_policy "pays" (the default)
+    "naive_offload_min_ranks": ("naive", {"offload": True, "offload_policy": "paper_min_ranks"}),
     "balance": ("balance", {"offload": True}),
     "balance_no_offload": ("balance", {"offload": False}),
     "balance_compute_only": ("balance", {"offload": True, "comm_aware": False}),

@@ -224,22 +224,32 @@ def simulate_pipelines(plan: Plan, cost: CostFn, stages: int) -> list[RankTimeli
     Each pipeline runs its own micro-batches (its own count); ``busy`` is one stage's
     share of the work, ``finish`` the pipeline's 1F1B makespan, so ``finish - busy``
     holds both the pipeline bubble and the wait for slower pipelines.  Ring partners are
-    not synchronised across pipelines here: each pipeline is timed on its own.
+    not synchronised across pipelines here: each pipeline is timed on its own.  A plan with
+    barrier rounds runs in lock step instead: every pipeline has one slot per round, as
+    long as that round's longest micro-batch anywhere (an empty slot waits for it too).
     """
+    rounds = _rounds(plan)
+    costs = [[cost(r, mb) for mb in mbs] for r, mbs in enumerate(plan.ranks)]
+    slots = None
+    if rounds is not None:
+        num_rounds = 1 + max((max(r) for r in rounds if r), default=-1)
+        longest = [0.0] * num_rounds
+        for r, cs in enumerate(costs):
+            for k, c in zip(rounds[r], cs):
+                longest[k] = max(longest[k], c.duration)
+        slots = longest
     tls = []
     for r, mbs in enumerate(plan.ranks):
         tl = RankTimeline()
-        durations = []
-        for mb in mbs:
-            c = cost(r, mb)
-            durations.append(c.duration)
+        durations = [c.duration for c in costs[r]]
+        for c in costs[r]:
             tl.compute += c.compute / stages
             tl.exposed_comm += c.exposed_comm / stages
             tl.exposed_offload += c.exposed_offload / stages
             tl.ring_bytes += c.ring_bytes
         tl.num_micro_batches = len(mbs)
         tl.busy = sum(durations) / stages
-        tl.finish = one_f_one_b(durations, stages)
+        tl.finish = one_f_one_b(slots if slots is not None else durations, stages)
         tl.spans = [(0.0, tl.finish)] if mbs else []
         tls.append(tl)
     return tls
