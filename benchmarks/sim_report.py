@@ -10,7 +10,7 @@ Writes under ``benchmarks/results/``:
 * ``sim_case_load_bars.png``      per-rank busy time of one step per planner (case study);
 * ``sim_plan_time.png``           planning time against ranks (32M tokens).
 
-Run: ``.venv/bin/python benchmarks/sim_report.py`` (about 30-40 minutes on 2 busy cores; the
+Run: ``.venv/bin/python benchmarks/sim_report.py`` (about 10 minutes on 2 busy cores; the
 scenario cache makes re-runs fast).  ``--only case,comm,plantime,paper`` picks parts.
 """
 
@@ -30,8 +30,17 @@ from lightning_bytescale.sim.scenario import CONTEXTS, DATASETS, MODELS, SCENARI
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = RESULTS / "sim_scenarios"
 PAPER_PLANNERS = ("static", "naive", "balance", "balance_no_offload", "megatron_dcp", "verl_kk")
-CASE_PLANNERS = ("static", "naive", "naive_offload", "balance_no_offload", "balance")
+CASE_PLANNERS = (
+    "static",
+    "naive",
+    "naive_offload_min_ranks",
+    "naive_offload",
+    "balance_no_offload",
+    "balance",
+)
 COMM_PLANNERS = ("static", "megatron_dcp", "balance_compute_only", "balance")
+# naive's two offload readings (paper Fig. 20's "+offload" step), also run on the comm scenarios
+ABLATION_PLANNERS = ("static", "naive", "naive_offload_min_ranks", "naive_offload", "balance")
 PLAN_TIME_RANKS = (1024, 2048, 4096, 8192, 16384)
 PLAN_TIME_PLANNERS = ("naive", "balance", "megatron_dcp")
 
@@ -124,7 +133,7 @@ def comm_part(force: bool) -> dict:
     for ds in DATASETS:
         for cap in (4, 8):
             sc = SCENARIOS[f"comm-7b-{ds}-{cap}k"]
-            out[sc.name] = cached_run(sc, COMM_PLANNERS, force)
+            out[sc.name] = cached_run(sc, COMM_PLANNERS + ABLATION_PLANNERS[1:4], force)
     return out
 
 
@@ -265,6 +274,15 @@ def tables(report: dict) -> str:
         out.append(
             "| paper (static / naive / +offload / balance) | 520 / 272 / - / 157 | 1.00 / 1.59 / 2.01 / 3.69x | naive 60 / 279 / 68 | naive 171 | static 8 each | static 97.6% |"
         )
+    if "case" in report and "comm" in report:
+        out.append("\n#### naive + offload, both readings (speedup over static)\n")
+        out.append("| scenario | " + " | ".join(ABLATION_PLANNERS) + " |")
+        out.append("|---|" + "---|" * len(ABLATION_PLANNERS))
+        runs = {"case-7b-byted-2m": report["case"]["summary"], **report["comm"]}
+        for name, r in runs.items():
+            pl = r["planners"]
+            cells = [_f(pl[p]["speedup_vs_static"]) + "x" if p in pl else "-" for p in ABLATION_PLANNERS]
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
     if "comm" in report:
         out.append(
             "\n#### Communication-aware vs compute-only balance (LLaMA-7B, 256 ranks, 4M tokens, 256K context)\n"

@@ -15,7 +15,6 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "attention": ("lightning_bytescale.attention", "attention"),
     "attention_context": ("lightning_bytescale.attention", "attention_context"),
     "token_loss": ("lightning_bytescale.engine.loss", "token_loss"),
     "ByteScaleStrategy": ("lightning_bytescale.strategy", "ByteScaleStrategy"),

@@ -37,6 +37,7 @@ from typing_extensions import override
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.executor import allreduce_gradients
 from lightning_bytescale.engine.loss import IGNORE_INDEX
+from lightning_bytescale.failures import is_peer_failure
 from lightning_bytescale.strategy_sync import (
     SLOT,
     NonFiniteError,
@@ -115,8 +116,10 @@ class ByteScaleStrategy(DDPStrategy):
     ) -> None:
         if planner not in PLANNERS:
             raise ByteScaleConfigError(f"planner must be one of {PLANNERS}, got {planner!r}")
-        if not isinstance(capacity, int) or capacity < 1:
-            raise ByteScaleConfigError(f"capacity must be a positive number of tokens, got {capacity!r}")
+        if not isinstance(capacity, int) or capacity < 2:
+            raise ByteScaleConfigError(
+                f"capacity must be at least 2 tokens (a ring member holds two zigzag chunks), got {capacity!r}"
+            )
         if cp_size is not None and (not isinstance(cp_size, int) or cp_size < 1):
             raise ByteScaleConfigError(f"cp_size must be a positive integer or None, got {cp_size!r}")
         if slack < 0:
@@ -402,26 +405,41 @@ class ByteScaleStrategy(DDPStrategy):
         world, rank = self.world_size, self.global_rank
         params = self._params()
         n = len(params)
-        # extra = [has-grad flag per parameter | loss sum | loss tokens | per-rank slots]
-        extra = torch.zeros(n + 2 + world * SLOT, dtype=torch.float64)
+        # extra = [has-grad flag per parameter | loss sum | per-rank slots |
+        #          per-sequence length and ring size, written by the sequence's first holder]
+        num_seqs = max(
+            int(batch.num_tokens) - int(batch.num_global_tokens), 0
+        )  # each sequence: s - 1 loss tokens
+        head = n + 1 + world * SLOT
+        extra = torch.zeros(head + 2 * num_seqs, dtype=torch.float64)
+        for mb in batch.micro_batches:
+            if mb.layout.member != 0:
+                continue
+            for seq, length in zip(mb.seq_ids, mb.layout.seq_lens):
+                if 0 <= seq < num_seqs:
+                    extra[head + seq] = float(length)
+                    extra[head + num_seqs + seq] = float(mb.layout.ring_size)
         extra[:n] = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
         extra[n] = float(pending["loss"])
-        extra[n + 1] = float(pending["loss_tokens"])
-        extra[n + 2 + rank * SLOT : n + 2 + (rank + 1) * SLOT] = torch.tensor(
+        extra[n + 1 + rank * SLOT : n + 1 + (rank + 1) * SLOT] = torch.tensor(
             report.encode(), dtype=torch.float64
         )
         self._phase = f"the gradient all-reduce of step {batch.step}"
         t0 = time.perf_counter()
-        reduced = allreduce_gradients(params, extra=extra.to(self.root_device))
+        # the loss-token count travels as exact integer limbs (a float32 buffer would round it
+        # above 2**24 tokens a step)
+        counts = torch.tensor([int(pending["loss_tokens"])], dtype=torch.long)
+        reduced = allreduce_gradients(params, extra=extra.to(self.root_device), counts=counts)
         allreduce_s = time.perf_counter() - t0
         assert reduced is not None
         values = reduced.double().tolist()
         for p, count in zip(params, values[:n]):
             if count == 0:  # no rank produced a gradient: leave it None, as a single process would
                 p.grad = None
-        loss_value, loss_tokens = values[n], values[n + 1]
-        slots = values[n + 2 :]
+        loss_value, loss_tokens = values[n], values[-1]
+        slots = values[n + 1 : head]
         reports = [RankReport.decode(slots[r * SLOT : (r + 1) * SLOT]) for r in range(world)]
+        sequences = values[head:-1]
         if any(r.bad_micro_batch is not None for r in reports):
             raise NonFiniteError(describe_non_finite(reports, batch.step))
         expected = int(batch.num_global_tokens)
@@ -433,6 +451,9 @@ class ByteScaleStrategy(DDPStrategy):
             )
         global_loss = torch.tensor(loss_value, dtype=torch.float64, device=self.root_device)
         pending["stats"] = self._build_stats(batch, reports, loss_value, allreduce_s)
+        pending["stats"]["lengths"] = [int(round(x)) for x in sequences[:num_seqs]]
+        pending["stats"]["cp_degrees"] = [int(round(x)) for x in sequences[num_seqs:]]
+        pending["stats"]["num_sequences"] = num_seqs
         if self.log_loss:
             self._log_loss(global_loss, batch)
         return global_loss
@@ -449,10 +470,6 @@ class ByteScaleStrategy(DDPStrategy):
             max_over_mean_planned = max(planned) / (sum(planned) / len(planned))
         else:
             max_over_mean_planned = float(plan.get("max_over_mean", float("nan")))
-        cp_degrees = list(plan.get("cp_degrees", []))
-        if not cp_degrees and isinstance(plan.get("cp_degree_histogram"), dict):
-            hist = plan["cp_degree_histogram"]
-            cp_degrees = [int(k) for k in sorted(hist, key=int) for _ in range(int(hist[k]))]
         return {
             "loss": loss,
             "tokens": int(batch.num_tokens),
@@ -468,8 +485,6 @@ class ByteScaleStrategy(DDPStrategy):
             "ring_bytes_per_rank": [r.ring_bytes for r in reports],
             "allreduce_s": allreduce_s,
             "plan_ms": float(plan.get("plan_ms", float("nan"))),
-            "lengths": list(plan.get("lengths", [])),
-            "cp_degrees": cp_degrees,
             "step": int(batch.step),
         }
 
@@ -548,8 +563,7 @@ class ByteScaleStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         text = str(exception)
-        markers = ("Timed out", "Connection closed by peer", "Connection reset", "timeout", "Socket Timeout")
-        if isinstance(exception, RuntimeError) and any(m in text for m in markers):
+        if isinstance(exception, RuntimeError) and is_peer_failure(exception):
             timeout = self._timeout.total_seconds() if self._timeout is not None else None
             hint = (
                 f"\n[ByteScale] rank {self.global_rank}: communication failed during {self._phase} "

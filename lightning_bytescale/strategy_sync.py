@@ -50,7 +50,12 @@ def check_plan_agreement(
     together (no rank is left waiting in a ring).  Raises :class:`PlanWorldSizeError` if a plan
     was made for another world size, :class:`PlanDivergenceError` naming the ranks that differ.
     """
-    mine = torch.tensor([digest_key(digest), int(step), int(plan_world or 0)], dtype=torch.long)
+    # NCCL gathers device tensors only; gloo (and the CPU path) gathers host tensors
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = torch.tensor(
+        [digest_key(digest), int(step), int(plan_world or 0)], dtype=torch.long, device=device
+    )
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)
     worlds = [int(t[2]) for t in gathered]

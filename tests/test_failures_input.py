@@ -4,8 +4,7 @@ One process, no process group.  Each case below is listed in docs/troubleshootin
 message the user sees.  Cases the owning modules already test in depth (the token store's
 corruption checks, the long/empty policies on a real corpus, Hydra's unknown keys and wrong
 types) are only exercised here through the paths a user takes (DataModule, recipes), not
-repeated.  Tests marked ``xfail(strict=True)`` describe a missing check; each reason names the
-proposed fix, and the marker goes once the fix is in.
+repeated.
 """
 
 from __future__ import annotations
@@ -138,11 +137,6 @@ def test_capacity_below_the_minimum(capacity):
             ByteScaleDataModule(capacity=capacity, world_size=2, num_workers=0).pool_tokens()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proposed fix: strategy.py ByteScaleStrategy.__init__ rejects capacity < 2 (the planner's minimum), "
-    "not only < 1",
-)
 def test_strategy_rejects_the_capacity_the_planner_rejects():
     from lightning_bytescale.strategy import ByteScaleStrategy
 

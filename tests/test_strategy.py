@@ -367,6 +367,10 @@ def test_equals_single_process(tmp_path, planner, world, zero1, offload):
         assert all(row["offloaded_bytes"] > 0 for r in range(world) for row in read_rows(tmp_path, r))
     stats = read_rows(tmp_path)[-1]["stats"]
     seqs = global_batch(4)
+    assert stats["lengths"] == [len(s) for s in seqs]
+    assert stats["cp_degrees"][-1] >= 2 and all(1 <= d <= world for d in stats["cp_degrees"])
+    if planner == "static":  # every packed sequence is sharded over the whole CP group
+        assert set(stats["cp_degrees"]) == {world}
     assert stats["tokens"] == sum(len(s) for s in seqs)
     assert stats["loss_tokens"] == sum(len(s) - 1 for s in seqs)
     assert len(stats["busy_s"]) == world and all(b > 0 for b in stats["busy_s"] if b)

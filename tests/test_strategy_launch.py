@@ -222,3 +222,28 @@ def test_dead_or_stuck_peer_gives_clear_error_within_timeout(tmp_path, scenario,
     # ring partners of the killed rank fail inside the ring; ranks outside it at the all-reduce
     assert ("ring" in phases) == (scenario == "kill_ring"), phases
     assert not list(tmp_path.glob("done_*"))
+
+
+def test_spawn_launcher(tmp_path):
+    """``bytescale_spawn``: fresh interpreters receive the pickled trainer, module and data."""
+    from test_strategy import CLIP, Recorder, read_rows, reference
+
+    os.environ.pop("MASTER_PORT", None)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="bytescale_spawn",
+        precision="64-true",
+        max_steps=2,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[Recorder(tmp_path)],
+    )
+    trainer.strategy.capacity = CAPACITY
+    trainer.fit(TinyLM(), datamodule=StepDataModule("balance"))
+    _, losses = reference(2)
+    assert [row["logged"] for row in read_rows(tmp_path, 1)] == pytest.approx(losses, abs=1e-12)

@@ -3,7 +3,13 @@
 A model calls :func:`attention`; the engine sets the micro-batch's layout with
 :func:`attention_context`.  Local micro-batches run varlen attention with no communication;
 sharded ones run zigzag ring attention over P2P on the global process group.
+
+The package itself is callable, so ``lightning_bytescale.attention(q, k, v)`` and
+``from lightning_bytescale.attention import attention`` are the same function.
 """
+
+import sys
+import types
 
 from lightning_bytescale.attention.api import AttentionShapeError, attention
 from lightning_bytescale.attention.comm import comm_stats, reset_comm_stats
@@ -23,3 +29,13 @@ __all__ = [
     "ring_attention",
     "set_overlap",
 ]
+
+
+class _CallableModule(types.ModuleType):
+    """``lightning_bytescale.attention`` is both this package and the public function."""
+
+    def __call__(self, q, k, v, *, scale=None):
+        return attention(q, k, v, scale=scale)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -52,7 +52,9 @@ class GlobalBatching:
         if self.budget_mode not in BUDGET_MODES:
             raise DataError(f"budget_mode={self.budget_mode!r}; use one of {BUDGET_MODES}")
         if self.lengths.size == 0:
-            raise DataError("no samples to batch")
+            raise DataError(
+                "no samples to batch: the source is empty or every document was dropped; check the source and the long_document_policy / empty_sample_policy / min_tokens settings"
+            )
         longest = int(self.lengths.max())
         if self.tokens_per_step < longest:
             raise DataError(

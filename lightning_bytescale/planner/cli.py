@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     off.add_argument("--no-offload", dest="offload", action="store_false", help="force offload off")
     ap.add_argument("--compute-only", action="store_true", help="balance on the paper's compute-only model")
+    ap.add_argument(
+        "--offload-policy",
+        choices=("paper_min_ranks", "pays"),
+        default=None,
+        help="naive with offload: Eq. 3's fewest ranks (default) or shrink rings only where it pays",
+    )
     return ap
 
 
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             pipeline_degree=args.pipeline_degree,
             ranks_per_node=args.ranks_per_node,
             comm_aware=not args.compute_only,
+            **({} if args.offload_policy is None else {"offload_policy": args.offload_policy}),
         )
         plan_ms = (time.perf_counter() - t0) * 1e3
         plan.validate()

@@ -36,8 +36,8 @@ Decisions where the paper is silent (bytescale-paper §4.5):
    non-empty bucket (longest level first).  ``"round_robin"``: pipeline ``i`` starts on bucket
    ``i mod num_buckets`` and keeps its length level until it runs out (Insight 1).  Measured on
    the simulator's 1F1B timelines (LLaMA-70B shape, PP = 4, 32 pipelines, 4M tokens, 256K
-   context): github 8.29 s sequential vs 8.25 s round-robin (naive 10.14 s); byted 12.01 s vs
-   14.58 s (naive 16.53 s), so sequential is the default.
+   context): github 8.08 s sequential vs 8.31 s round-robin (naive 10.14 s); byted 11.63 s for
+   both (naive 16.53 s), so sequential is the default.
 6. *Gradient accumulation.*  Every rank runs its own list; one gradient all-reduce per step.
 
 Issue-9 additions (communication-aware planning):
@@ -51,7 +51,13 @@ Issue-9 additions (communication-aware planning):
   more hidden transfer and less total work, but an item longer than the mean load would set the
   step time).  A sequence whose member time cannot get under ``T`` (a comm-bound ring stops
   getting faster with more ranks) takes the fewest ranks within the step-time bound
-  ``max(T, largest floor)``.  ``naive`` takes Eq. 3's optimum.
+  ``max(T, largest floor)``.  Under pipelines (``pipeline_degree > 1``) the ring sizes are the
+  candidate (no shrinking, or one of ``PP_LEVELS`` load levels) with the lowest estimated step
+  time in the 1F1B load model, and a shrinking must gain ``PP_MIN_GAIN``: a pipeline pays
+  about ``(p - 1) / p`` of its longest micro-batch once more, so a shrunk ring pays only where
+  it saves real work (see :func:`_choose_ring_sizes_pp`).  ``naive`` takes Eq. 3's optimum
+  (``offload_policy="paper_min_ranks"``, default) or shrinks only where that saves work at
+  about the same member time (``offload_policy="pays"``, see :func:`_naive_pays`).
 * Placement: rings inside one node when that ends earlier (item 2 above); the exposed ring time
   of every micro-batch is in ``exposed_time`` and summed in ``Plan.stats()``.
 * Offload default (``offload=None``): on for ``balance`` when the cost model has activation
@@ -76,6 +82,7 @@ from dataclasses import dataclass
 from lightning_bytescale.planner.cost_model import (
     CostModel,
     OffloadConfig,
+    max_offload_ratio,
     member_slots,
     offload_options,
 )
@@ -187,12 +194,32 @@ class _Ctx:
         n0 = ring[0] // self.rpn
         return all(x // self.rpn == n0 for x in ring)
 
+    def pool_limit(self, i: int) -> str:
+        """The pool's size for sequence ``i``, offload-aware: what the error message quotes."""
+        plain = self.world * self.cap
+        if self.offload is None or self.offload.layers_per_rank <= 2:
+            return f"the pool holds {plain} tokens"
+        d_off, ratio = offload_options(self.lengths[i], self.cap, self.cost, self.offload)[0]
+        if ratio == 0.0:  # Eq. 3's fallback: no hidden ratio saves a rank for this sequence
+            r_star = max_offload_ratio(self.lengths[i], self.cost, self.offload)
+            return (
+                f"the pool holds {plain} tokens; offload cannot shrink this sequence: its hidden "
+                f"ratio r* = {r_star:.3f} is below Eq. 3's lower bound"
+            )
+        r_star = max_offload_ratio(self.lengths[i], self.cost, self.offload)
+        frac = self.offload.resident_fraction(r_star)
+        return (
+            f"with offload at this sequence's largest hidden ratio r* = {r_star:.3f} a rank holds "
+            f"{self.cap / frac:.0f} of its tokens, so the pool holds about {plain / frac:.0f} tokens "
+            f"of it; {plain} without offload"
+        )
+
     def too_long(self, i: int, need: int, what: str) -> PlanError:
         s = self.lengths[i]
         fixes = "add ranks, raise capacity, " + ("" if self.offload else "enable offload, ")
         return PlanError(
             f"sequence {i} has length {s} and needs {need} ranks of capacity {self.cap} ({what}), but "
-            f"world_size is {self.world} (the pool holds {self.world * self.cap} tokens); {fixes}"
+            f"world_size is {self.world} ({self.pool_limit(i)}); {fixes}"
             "or split/truncate documents to the context length"
         )
 
@@ -370,11 +397,11 @@ def _emit(
 
 # ====================================================================== naive (Alg. 1)
 
-#: How ``naive`` sizes rings with offload on.  ``"pays"`` (default): the fewest ranks Eq. 3
-#: allows whose member time stays within the step's mean load (the load level ``T`` of
-#: :func:`_choose_ring_sizes`, the rule ``balance`` uses), i.e. offload shrinks a ring only
-#: where the sequence does not become the step's critical path.  ``"paper_min_ranks"``: Eq. 3
-#: read literally, the fewest ranks (largest hidden ratio) for every long sequence.
+#: How ``naive`` sizes rings with offload on.  ``"paper_min_ranks"`` (``make_plan``'s default,
+#: Alg. 1 with Eq. 3 read literally): the fewest ranks (the largest hidden ratio) for every long
+#: sequence.  ``"pays"`` (the simulator's ``naive_offload``, the ablation's "+offload" step): a
+#: ring shrinks only where that saves work without lengthening the member's micro-batch by more
+#: than ``slack`` (:func:`_naive_pays`).
 OFFLOAD_POLICIES = ("pays", "paper_min_ranks")
 
 
@@ -389,7 +416,8 @@ def plan_naive(
     ranks_per_node=None,
     pipeline_degree=1,
     comm_aware=True,
-    offload_policy="pays",
+    offload_policy="paper_min_ranks",
+    slack=0.05,
     **_,
 ) -> Plan:
     if offload_policy not in OFFLOAD_POLICIES:
@@ -400,8 +428,8 @@ def plan_naive(
     if offload_policy == "paper_min_ranks":
         for it in items:
             it.choose(0)  # Eq. 3's optimum (fewest ranks); D(s) without offload
-    else:  # "pays": shrink a ring only while its member time stays within the mean load
-        _choose_ring_sizes(ctx, items, comm_aware and cost_model.models_comm, pipeline_degree)
+    else:
+        _naive_pays(ctx, items, comm_aware and cost_model.models_comm, slack)
     random.Random(seed).shuffle(items)
     heap = [(0, r) for r in range(world_size)]  # (micro-batch count, rank)
     assignment = []
@@ -416,6 +444,31 @@ def plan_naive(
     if off is not None:
         opts["offload_policy"] = offload_policy
     return _emit(ctx, assignment, "naive", opts)
+
+
+def _naive_pays(ctx: _Ctx, items: list[_Item], cm: bool, slack: float) -> None:
+    """``offload_policy="pays"``: shrink a ring only where it pays for a planner blind to time.
+
+    ``naive`` gives every rank the same number of micro-batches whatever they cost, so a ring
+    member whose micro-batch gets longer finishes later by that much.  Each long sequence
+    therefore takes the fewest ranks Eq. 3 allows whose member time ``t(D)`` is within
+    ``1 + slack`` of its time on ``D(s)`` ranks *and* whose work ``D t(D)`` is at least ``slack``
+    below the work on ``D(s)`` ranks; with no such size it keeps ``D(s)`` without offload.
+    Attention-bound rings do about the same work on any number of ranks (``a s^2`` split
+    ``D`` ways) and stay as they are; communication-bound rings (a member's transfer hardly
+    shrinks with more members) do much less work on fewer ranks and shrink.
+    """
+    cost_of, multi, _ = _ring_choice_times(ctx, items, cm)
+    picks = []
+    for k, ts, _ in multi:
+        t0, d0 = ts[-1], items[k].choices[-1][0]
+        j = len(ts) - 1
+        for i, t in enumerate(ts):
+            if t <= (1.0 + slack) * t0 and items[k].choices[i][0] * t <= (1.0 - slack) * d0 * t0:
+                j = i
+                break
+        picks.append(j)
+    _apply_picks(items, multi, picks, cost_of)
 
 
 # ====================================================================== balance (Alg. 2)
@@ -518,6 +571,7 @@ def _choose_ring_sizes(ctx: _Ctx, items: list[_Item], cm: bool, pipeline_degree:
 
 
 PP_LEVELS = 48  # load levels tried by the pipeline ring-size choice
+PP_MIN_GAIN = 0.01  # shrink rings under pipelines only for an estimated gain above 1%
 
 
 def _choose_ring_sizes_pp(ctx: _Ctx, items: list[_Item], cm: bool, p: int) -> list[float]:
@@ -534,8 +588,9 @@ def _choose_ring_sizes_pp(ctx: _Ctx, items: list[_Item], cm: bool, p: int) -> li
     pipeline at least its own time).  Candidates: no shrinking at all (``D(s)`` for every
     sequence) and ``PP_LEVELS`` load levels ``T`` (every sequence on the fewest ranks whose
     member time is at most ``T``, as in the data-parallel rule) spaced geometrically between the
-    floor and the longest fewest-ranks member time.  The lowest estimate wins; ties keep the
-    larger rings (no offload), so offload is used only where it lowers the estimate.
+    floor and the longest fewest-ranks member time.  The lowest estimate wins, but a shrinking
+    must beat no shrinking by ``PP_MIN_GAIN`` (1%, below the estimate's accuracy the larger
+    rings are kept): offload is used only where it pays.
     """
     cost_of, multi, floor = _ring_choice_times(ctx, items, cm)
     if not multi:
@@ -587,7 +642,7 @@ def _choose_ring_sizes_pp(ctx: _Ctx, items: list[_Item], cm: bool, p: int) -> li
         for _ in range(PP_LEVELS + 1):
             picks = _pick_at(multi, level, max(level, floor))
             e = estimate(picks)
-            if e < best * (1.0 - 1e-9):
+            if e < best * (1.0 - PP_MIN_GAIN):
                 best, best_picks = e, picks
             level *= ratio
     return _apply_picks(items, multi, best_picks, cost_of)

@@ -29,7 +29,7 @@ from lightning_bytescale.sim.timeline import (
 VARIANTS: dict[str, tuple[str, dict]] = {
     "static": ("static", {}),
     "naive": ("naive", {"offload": False}),
-    "naive_offload": ("naive", {"offload": True}),  # offload_policy "pays" (the default)
+    "naive_offload": ("naive", {"offload": True, "offload_policy": "pays"}),
     "naive_offload_min_ranks": ("naive", {"offload": True, "offload_policy": "paper_min_ranks"}),
     "balance": ("balance", {"offload": True}),
     "balance_no_offload": ("balance", {"offload": False}),
