@@ -10,6 +10,11 @@ lengths, on the current device:
   ``saved_tensors_hooks`` (:class:`~lightning_bytescale.offload.ActivationOffloader` at ratio
   0), plus the bytes saved outside the layers (embedding, head, loss);
 * the host-link bandwidth in both directions (timed pinned copies on CUDA, a memcpy on CPU);
+* optionally (``p2p=True``, ``--p2p``) the point-to-point link bandwidth between two gloo
+  processes on 127.0.0.1: a timed ``batch_isend_irecv`` exchange in both directions at once,
+  as a ring step moves K/V.  It becomes the cost model's ``bandwidth_intra``/``bandwidth_inter``
+  and, with K/V bytes per token per layer from the model shape, gives the cost model its
+  communication term;
 
 then fits ``T(s) = a s^2 + b s + g`` and ``Act(s) = c s + d`` by least squares
 (:meth:`CostModel.fit`), prints the residuals, and computes the token capacity ``C``: the most
@@ -26,10 +31,14 @@ given as ``layers`` (found automatically as ``model.blocks`` / ``model.layers``)
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
 import math
+import multiprocessing
+import queue
 import re
+import socket
 import statistics
 import sys
 import time
@@ -105,6 +114,20 @@ class Profile:
         path.write_text(json.dumps(self.to_json_dict(), indent=2) + "\n")
         return path
 
+    def _comm_line(self) -> str:
+        cm = self.cost_model
+        if not cm.models_comm:
+            return "ring links: not modelled (no bandwidth or no K/V bytes; the paper's compute-only model)"
+        bw = [f"{v / 1e9:.3f} GB/s" if v else "-" for v in (cm.bandwidth_intra, cm.bandwidth_inter)]
+        line = (
+            f"ring links: intra {bw[0]}, inter {bw[1]}, K/V {cm.kv_bytes_per_token_per_layer:.0f} B/token/layer, "
+            f"crossover (ring of 4) {cm.crossover_length(4) / 4:.0f} tokens a rank"
+        )
+        link = self.notes.get("p2p")
+        if link:
+            line += f" [gloo P2P measured: {link['nbytes'] / 2**20:.1f} MiB exchange, latency {link['latency_s'] * 1e6:.0f} us]"
+        return line
+
     def summary(self) -> str:
         cm = self.cost_model
         lines = [
@@ -113,6 +136,7 @@ class Profile:
             f"forward share {cm.forward_fraction:.2f}]",
             f"Act(s) = {cm.c:.1f} s + {cm.d:.1f}   [bytes saved per layer]",
             f"host link: d2h {self.offload.bandwidth_d2h / 1e9:.2f} GB/s, h2d {self.offload.bandwidth_h2d / 1e9:.2f} GB/s",
+            self._comm_line(),
             f"{'s':>8} {'T meas':>11} {'T fit':>11} {'resid':>8} {'Act meas':>12} {'Act fit':>12} {'resid':>8}",
         ]
         for i, s in enumerate(self.lengths):
@@ -197,6 +221,102 @@ def measure_bandwidth(
     dst = torch.empty_like(src)
     t = _timed(lambda: dst.copy_(src), device, 1, repeats)
     return nbytes / t, nbytes / t
+
+
+@dataclass(frozen=True)
+class P2PBandwidth:
+    """A measured point-to-point link: bytes/s per rank and direction, and one exchange's latency."""
+
+    bandwidth: float  # bytes/s, each rank sending and receiving ``nbytes`` at once
+    latency_s: float  # seconds for a one-element exchange (the fixed cost of one ring step)
+    nbytes: int
+    backend: str = "gloo"
+    host: str = "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _p2p_worker(rank: int, port: int, nbytes: int, repeats: int, timeout_s: float, out: Any) -> None:
+    """One side of the exchange: both ranks send ``nbytes`` to and receive from the other at once."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        peer = 1 - rank
+
+        def best_of(n: int, reps: int) -> float:
+            send = torch.ones(n, dtype=torch.uint8)
+            recv = torch.empty_like(send)
+            best = math.inf
+            for i in range(reps + 1):  # the first exchange warms the connection up
+                dist.barrier()
+                start = time.perf_counter()
+                ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+                took = time.perf_counter() - start
+                if i > 0:
+                    best = min(best, took)
+            return best
+
+        latency = best_of(1, max(repeats, 5))
+        took = best_of(nbytes, repeats)
+        if rank == 0:
+            out.put(("ok", took, latency))
+        dist.destroy_process_group()
+    except Exception as err:  # report, never hang the parent
+        out.put(("error", f"rank {rank}: {type(err).__name__}: {err}", 0.0))
+
+
+def measure_p2p_bandwidth(nbytes: int = 4 * 2**20, repeats: int = 5, timeout_s: float = 60.0) -> P2PBandwidth:
+    """Point-to-point bandwidth between two gloo processes on 127.0.0.1 (a few seconds).
+
+    Both processes post a ``batch_isend_irecv`` of one send of ``nbytes`` to the other and one
+    receive from it (the pattern of a ring step); the fastest of ``repeats`` exchanges gives
+    ``nbytes / seconds``, bytes/s per rank and direction, as the cost model counts it.  The
+    latency is the same exchange with one byte.  Forked processes where that is safe (no CUDA
+    initialised), spawned ones otherwise.
+    """
+    if nbytes < 1 or repeats < 1:
+        raise ProfileError(f"P2P probe needs nbytes >= 1 and repeats >= 1, got {nbytes}, {repeats}")
+    methods = multiprocessing.get_all_start_methods()
+    fork = "fork" in methods and not (torch.cuda.is_available() and torch.cuda.is_initialized())
+    ctx = multiprocessing.get_context("fork" if fork else "spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_p2p_worker, args=(r, port, nbytes, repeats, timeout_s, out), daemon=True)
+        for r in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        status, took, latency = out.get(timeout=timeout_s + 30)
+    except queue.Empty:
+        status, took, latency = "error", f"no result within {timeout_s + 30:.0f} s", 0.0
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if status != "ok":
+        raise ProfileError(
+            f"the gloo P2P bandwidth probe on 127.0.0.1 failed ({took}); run without --p2p and give "
+            "--bandwidth-intra/--bandwidth-inter instead"
+        )
+    return P2PBandwidth(bandwidth=nbytes / took, latency_s=latency, nbytes=nbytes)
 
 
 def _layout(s: int, device: torch.device) -> AttentionLayout:
@@ -377,6 +497,11 @@ def run_profile(
     bandwidth_probe_bytes: int = 64 * 2**20,
     time_model: bool = True,
     name: str | None = None,
+    p2p: bool = False,
+    p2p_bytes: int = 4 * 2**20,
+    bandwidth_intra: float | None = None,
+    bandwidth_inter: float | None = None,
+    ranks_per_node: int | None = None,
 ) -> Profile:
     """Measure and fit; see the module docstring.  Returns the full :class:`Profile`.
 
@@ -385,6 +510,12 @@ def run_profile(
     ``C`` is computed after ``static = param_count * state_bytes_per_param`` (default: 2 x the
     parameter dtype for weights and gradients + 8 for Adam's two fp32 states) and
     ``reserve_bytes``.  ``round_to``: round ``C`` down to a multiple of this.
+
+    Communication: ``p2p=True`` measures the gloo link between two local processes
+    (:func:`measure_p2p_bandwidth`, ``p2p_bytes`` per exchange) and uses it for both
+    bandwidths unless ``bandwidth_intra`` / ``bandwidth_inter`` (bytes/s) are given; one host
+    cannot measure an inter-node link.  ``ranks_per_node`` is stored for ring placement.
+    Without a bandwidth the cost model has no communication term (the paper's model).
     """
     lengths = [int(s) for s in lengths]
     if len(lengths) < 3 or any(s < 2 for s in lengths) or len(set(lengths)) != len(lengths):
@@ -428,6 +559,14 @@ def run_profile(
         elem = torch.tensor([], dtype=param_dtype).element_size()
         kv_bytes_per_token_per_layer = float(2 * kv * hd * elem) if kv and hd else 0.0
     n_layers = int(num_layers) if num_layers is not None else len(blocks)
+    notes: dict[str, Any] = {"profiled_layers": len(blocks), "warmup": warmup, "repeats": repeats}
+    if p2p:
+        link = measure_p2p_bandwidth(p2p_bytes, repeats=max(repeats, 3))
+        notes["p2p"] = asdict(link)
+        bandwidth_intra = link.bandwidth if bandwidth_intra is None else bandwidth_intra
+        if bandwidth_inter is None:
+            bandwidth_inter = link.bandwidth
+            notes["p2p"]["inter_node"] = "not measurable on one host: the loopback value is used"
     cost = CostModel.fit(
         lengths,
         t,
@@ -436,6 +575,9 @@ def run_profile(
         num_layers=n_layers,
         kv_bytes_per_token_per_layer=kv_bytes_per_token_per_layer,
         forward_fraction=min(1.0, max(1e-6, fwd_share)),
+        bandwidth_intra=bandwidth_intra,
+        bandwidth_inter=bandwidth_inter,
+        ranks_per_node=ranks_per_node,
         name=name or f"profiled-{type(net).__name__}-{device.type}",
     )
     params = int(param_count) if param_count is not None else sum(p.numel() for p in net.parameters())
@@ -464,7 +606,7 @@ def run_profile(
         memory_budget_bytes=memory_budget,
         static_bytes=static,
         param_count=params,
-        notes={"profiled_layers": len(blocks), "warmup": warmup, "repeats": repeats},
+        notes=notes,
     )
 
 
@@ -516,7 +658,8 @@ def _build_model(spec: str, profile_layers: int | None) -> tuple[nn.Module, int 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bytescale-profile",
-        description="Fit T(s), Act(s), the host-link bandwidth and the token capacity C of a model "
+        description="Fit T(s), Act(s), the host-link bandwidth (and, with --p2p, the ring link) and the "
+        "token capacity C of a model "
         "on this device, and write the cost-model file the planner, strategy and simulator load.",
     )
     p.add_argument(
@@ -547,6 +690,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="static bytes per parameter (default 2 x dtype size + 8 for Adam)",
     )
     p.add_argument("--round-to", type=int, default=1, help="round C down to a multiple of this")
+    p.add_argument(
+        "--p2p",
+        action="store_true",
+        help="measure the P2P link between two gloo processes on 127.0.0.1 and use it as the ring bandwidth",
+    )
+    p.add_argument(
+        "--p2p-bytes", type=parse_bytes, default=4 * 2**20, help="bytes per P2P exchange (default 4MiB)"
+    )
+    p.add_argument(
+        "--bandwidth-intra", type=parse_bytes, default=None, help="ring bytes/s inside a node, e.g. 150GB"
+    )
+    p.add_argument(
+        "--bandwidth-inter", type=parse_bytes, default=None, help="ring bytes/s between nodes, e.g. 25GB"
+    )
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (ring placement)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", "-o", default="cost_model.json", help="where to write the cost-model file")
@@ -571,6 +729,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             warmup=args.warmup,
             repeats=args.repeats,
             name=f"profiled-{args.model}",
+            p2p=args.p2p,
+            p2p_bytes=args.p2p_bytes,
+            bandwidth_intra=args.bandwidth_intra,
+            bandwidth_inter=args.bandwidth_inter,
+            ranks_per_node=args.ranks_per_node,
         )
     except (ProfileError, ValueError) as err:
         print(f"bytescale-profile: error: {err}", file=sys.stderr)

@@ -19,9 +19,11 @@ import contextlib
 import inspect
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,7 +85,12 @@ class ByteScaleStrategy(DDPStrategy):
             (``keep_last``, ``min_bytes``, ``prefetch``, ...).
         slack: balance-scheduler slack (fraction of the ideal per-rank time it may exceed).
         seed: planning seed, identical on every rank (``None``: the data module's own seed).
-        cost_model: cost model for the planner (``None``: the planner's default).
+        cost_model: cost model for the planner: ``None`` (the planner's default), a
+            ``CostModel``, its dict, or the path of a ``bytescale-profile`` JSON file (or of a
+            plain cost-model dict), read once here so every rank plans with the same model.
+        comm_aware: plan on the communication-aware cost model (ring time that cannot hide behind
+            attention counts); ``False`` plans on the paper's compute-only model (the ablation).
+        ranks_per_node: ranks per node for ring placement (``None``: the cost model's value).
         zero1: shard optimizer state over all ranks with ``ZeroRedundancyOptimizer``.
         timeout: process-group timeout (seconds or ``timedelta``); a dead or stuck peer gives an
             error within it instead of a hang.
@@ -107,6 +114,8 @@ class ByteScaleStrategy(DDPStrategy):
         slack: float = 0.05,
         seed: int | None = None,
         cost_model: Any = None,
+        comm_aware: bool = True,
+        ranks_per_node: int | None = None,
         zero1: bool = False,
         timeout: float | int | timedelta | None = timedelta(minutes=30),
         check_finite: bool = True,
@@ -124,6 +133,15 @@ class ByteScaleStrategy(DDPStrategy):
             raise ByteScaleConfigError(f"cp_size must be a positive integer or None, got {cp_size!r}")
         if slack < 0:
             raise ByteScaleConfigError(f"slack must be >= 0, got {slack}")
+        if not isinstance(comm_aware, bool):
+            raise ByteScaleConfigError(f"comm_aware must be True or False, got {comm_aware!r}")
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
+            raise ByteScaleConfigError(
+                f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}"
+            )
+        cost_model = _resolve_cost_model(cost_model)
         unknown = {"find_unused_parameters", "static_graph", "gradient_as_bucket_view"} & kwargs.keys()
         if unknown:
             raise ByteScaleConfigError(
@@ -143,6 +161,8 @@ class ByteScaleStrategy(DDPStrategy):
         self.slack = float(slack)
         self.seed = None if seed is None else int(seed)
         self.cost_model = cost_model
+        self.comm_aware = comm_aware
+        self.ranks_per_node = ranks_per_node
         self.zero1 = bool(zero1)
         self.check_finite = bool(check_finite)
         self.log_loss = bool(log_loss)
@@ -167,6 +187,8 @@ class ByteScaleStrategy(DDPStrategy):
             "offload": False if offload is None else offload,
             "slack": self.slack,
             "cost_model": self.cost_model,
+            "comm_aware": self.comm_aware,
+            "ranks_per_node": self.ranks_per_node,
             "seed": self.seed,
         }
 
@@ -274,7 +296,7 @@ class ByteScaleStrategy(DDPStrategy):
         params = self._params()
         for p in params:
             p.grad = None
-        ring_before = _ring_bytes()
+        ring_before, wait_before = _comm_counters()
         optimizer = self._optimizer
         scaler = getattr(self.precision_plugin, "scaler", None)
         device = self.root_device
@@ -308,8 +330,12 @@ class ByteScaleStrategy(DDPStrategy):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         busy = time.perf_counter() - t_busy
+        ring_after, wait_after = _comm_counters()
         report = RankReport(
-            busy_s=busy, ring_bytes=_ring_bytes() - ring_before, num_micro_batches=len(batch.micro_batches)
+            busy_s=busy,
+            ring_bytes=ring_after - ring_before,
+            num_micro_batches=len(batch.micro_batches),
+            ring_wait_s=wait_after - wait_before,
         )
         if finite_flags:
             codes = torch.stack(finite_flags).tolist()
@@ -483,6 +509,8 @@ class ByteScaleStrategy(DDPStrategy):
             "bubble_fraction": 1.0 - mean_busy / max_busy if max_busy > 0 else 0.0,
             "ring_bytes": sum(r.ring_bytes for r in reports),
             "ring_bytes_per_rank": [r.ring_bytes for r in reports],
+            "ring_wait_s": [r.ring_wait_s for r in reports],
+            "exposed_ring_planned_s": float(plan.get("exposed_ring_time", float("nan"))),
             "allreduce_s": allreduce_s,
             "plan_ms": float(plan.get("plan_ms", float("nan"))),
             "step": int(batch.step),
@@ -609,19 +637,46 @@ def _find_blocks(module: Module | None) -> list[Module] | None:
     return None
 
 
-def _ring_bytes() -> float:
-    """Bytes this rank has sent in ring exchanges so far (0 when attention keeps no counters)."""
+def _resolve_cost_model(cost_model: Any) -> Any:
+    """``cost_model`` as the planner takes it: a path is read here (a profiler file or a plain dict)."""
+    if cost_model is None or isinstance(cost_model, dict):
+        return cost_model
+    if isinstance(cost_model, (str, os.PathLike)):
+        from lightning_bytescale.profiler import load_cost_model
+
+        path = Path(cost_model)
+        if not path.is_file():
+            raise ByteScaleConfigError(
+                f"cost_model file {str(path)!r} does not exist; write one with `bytescale-profile -o {path}` "
+                "or pass cost_model=None for the planner's default"
+            )
+        try:
+            return load_cost_model(path)
+        except (ValueError, KeyError, TypeError) as err:
+            raise ByteScaleConfigError(
+                f"cost_model file {str(path)!r} is not a cost-model file ({err}); pass the JSON written by "
+                "bytescale-profile or CostModel.to_json_dict()"
+            ) from err
+    from lightning_bytescale.planner.cost_model import CostModel
+
+    if isinstance(cost_model, CostModel):
+        return cost_model
+    raise ByteScaleConfigError(
+        f"cost_model must be None, a CostModel, its dict or a file path, got {type(cost_model).__name__}"
+    )
+
+
+def _comm_counters() -> tuple[float, float]:
+    """``(bytes sent, seconds blocked waiting)`` of this rank's ring exchanges so far (0 without counters)."""
     try:
         from lightning_bytescale.attention import comm_stats
     except ImportError:
-        return 0.0
+        return 0.0, 0.0
     stats = comm_stats()
-    if isinstance(stats, dict):
-        for key in ("bytes_sent", "ring_bytes", "bytes"):
-            if key in stats:
-                return float(stats[key])
-        return 0.0
-    return float(getattr(stats, "bytes_sent", 0.0))
+    if not isinstance(stats, dict):
+        stats = vars(stats) if hasattr(stats, "__dict__") else {}
+    sent = next((float(stats[k]) for k in ("bytes_sent", "ring_bytes", "bytes") if k in stats), 0.0)
+    return sent, float(stats.get("wait_s", 0.0))
 
 
 def _track_step_calls(optimizer: Optimizer) -> None:

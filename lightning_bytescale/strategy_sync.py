@@ -4,7 +4,7 @@ A step makes two collectives on the one global process group: a tiny all-gather 
 digest *before* any ring exchange (so ranks that planned differently stop before they can
 deadlock or train on wrong data), and exactly one all-reduce (sum) that carries every
 gradient *and* the step's scalars: the loss sum and, in per-rank slots, the measured busy
-time, ring bytes, micro-batch count and any non-finite report.  Keeping the scalars in the
+time, ring bytes, time blocked on ring transfers, micro-batch count and any non-finite report.  Keeping the scalars in the
 gradient buffer means telemetry and the logged loss cost no extra collective.
 """
 
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 # Per-rank slot of the step buffer.
-_BUSY, _RING_BYTES, _NUM_MB, _BAD_MB, _BAD_KIND = range(5)
+_BUSY, _RING_BYTES, _NUM_MB, _BAD_MB, _BAD_KIND, _RING_WAIT, _SEQS = range(7)
 MAX_REPORTED_SEQS = 8
-SLOT = 5 + MAX_REPORTED_SEQS
+SLOT = _SEQS + MAX_REPORTED_SEQS
 _KINDS = {1: "loss", 2: "gradient"}
 
 
@@ -51,7 +51,7 @@ def check_plan_agreement(
     was made for another world size, :class:`PlanDivergenceError` naming the ranks that differ.
     """
     # NCCL gathers device tensors only; gloo (and the CPU path) gathers host tensors
-    nccl = dist.get_backend(group) == "nccl"
+    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     mine = torch.tensor(
         [digest_key(digest), int(step), int(plan_world or 0)], dtype=torch.long, device=device
@@ -100,23 +100,25 @@ class RankReport:
     bad_micro_batch: int | None = None  # index of the first micro-batch with a non-finite value
     bad_kind: int = 0  # 1: loss, 2: gradient
     bad_seq_ids: tuple[int, ...] = ()
+    ring_wait_s: float = 0.0  # seconds blocked waiting on ring transfers (exposed ring time)
 
     def encode(self) -> list[float]:
         slot = [0.0] * SLOT
         slot[_BUSY] = self.busy_s
         slot[_RING_BYTES] = self.ring_bytes
         slot[_NUM_MB] = float(self.num_micro_batches)
+        slot[_RING_WAIT] = self.ring_wait_s
         if self.bad_micro_batch is not None:
             slot[_BAD_MB] = float(self.bad_micro_batch + 1)
             slot[_BAD_KIND] = float(self.bad_kind)
             for i, s in enumerate(self.bad_seq_ids[:MAX_REPORTED_SEQS]):
-                slot[5 + i] = float(s + 1)
+                slot[_SEQS + i] = float(s + 1)
         return slot
 
     @classmethod
     def decode(cls, slot: Sequence[float]) -> RankReport:
         bad = int(round(slot[_BAD_MB]))
-        seqs = tuple(int(round(v)) - 1 for v in slot[5:] if round(v) > 0)
+        seqs = tuple(int(round(v)) - 1 for v in slot[_SEQS:] if round(v) > 0)
         return cls(
             busy_s=float(slot[_BUSY]),
             ring_bytes=float(slot[_RING_BYTES]),
@@ -124,6 +126,7 @@ class RankReport:
             bad_micro_batch=bad - 1 if bad > 0 else None,
             bad_kind=int(round(slot[_BAD_KIND])),
             bad_seq_ids=seqs,
+            ring_wait_s=float(slot[_RING_WAIT]),
         )
 
 

@@ -3,7 +3,8 @@
 `ByteScaleStrategy` leaves ``strategy.step_stats`` (a plain dict) after every optimizer step.
 `TelemetryCallback` logs it through Lightning's logging, so every logger (W&B, CSV, TensorBoard)
 gets the scalars every step: loss, tokens/s, estimated MFU, planned and measured per-rank busy
-time, max/mean imbalance, bubble fraction, ring bytes, plan time and micro-batches per rank.
+time, max/mean imbalance, bubble fraction, ring bytes, measured (blocked) and planned exposed ring
+time, plan time and micro-batches per rank.
 Every ``charts_every_n_steps`` steps it also logs the distributions: a sequence-length and a
 CP-degree histogram, a per-rank load bar chart and the plan as a table -- as W&B objects when a
 `WandbLogger` is attached, as TensorBoard histograms/text for a `TensorBoardLogger`, and as
@@ -105,6 +106,7 @@ def step_metrics(
         ("max_over_mean_measured", "balance/max_over_mean_measured"),
         ("bubble_fraction", "balance/bubble_fraction"),
         ("ring_bytes", "comm/ring_bytes"),
+        ("exposed_ring_planned_s", "comm/exposed_ring_planned_s"),
         ("plan_ms", "plan/plan_ms"),
     ):
         if stats.get(key) is not None:
@@ -113,6 +115,7 @@ def step_metrics(
         ("busy_s", "busy_s"),
         ("planned_s", "planned_s"),
         ("num_micro_batches", "micro_batches"),
+        ("ring_wait_s", "ring_wait_s"),
     ):
         values = _floats(stats.get(key))
         if not values:
@@ -123,6 +126,9 @@ def step_metrics(
         if len(values) <= per_rank_limit:
             for rank, value in enumerate(values):
                 out[f"ranks/{name}/{rank}"] = value
+    waits = _floats(stats.get("ring_wait_s"))
+    if waits:  # summed over ranks, like the plan's exposed_ring_time
+        out["comm/ring_wait_s"] = sum(waits)
     lengths = _floats(stats.get("lengths"))
     if stats.get("num_sequences") is not None:
         out["data/num_sequences"] = float(stats["num_sequences"])

@@ -44,6 +44,8 @@ def profile() -> Profile:
         memory_budget=parse_bytes("256MiB"),
         repeats=3,
         bandwidth_probe_bytes=16 * 2**20,
+        p2p=True,
+        p2p_bytes=2**20,
     )
 
 
@@ -66,6 +68,18 @@ def test_fit_on_this_cpu_prints_residuals(profile, capsys):
     for s, m, r in zip(profile.lengths, profile.layer_seconds, profile.time_residuals):
         assert r == pytest.approx(m - cm.layer_time(s))
     assert profile.offload.bandwidth_d2h > 1e8 and profile.offload.layers_per_rank == 4
+
+
+def test_p2p_link_gives_the_cost_model_its_communication_term(profile):
+    """The measured gloo link is the ring bandwidth; K/V bytes come from the model shape."""
+    cm, link = profile.cost_model, profile.notes["p2p"]
+    assert link["nbytes"] == 2**20 and link["backend"] == "gloo"
+    assert 1e6 < link["bandwidth"] < 1e12 and 0 < link["latency_s"] < 1.0
+    assert cm.bandwidth_intra == cm.bandwidth_inter == link["bandwidth"]
+    assert cm.kv_bytes_per_token_per_layer == 2 * 2 * 16 * 4  # K and V x 2 KV heads x 16 x float32
+    assert cm.models_comm and "ring links: intra" in profile.summary()
+    # the term is live: a ring member pays for moving its peers' K/V
+    assert cm.ring_parts([512], 4)[2] == pytest.approx(3 * 3 * 128 * 256 / link["bandwidth"])
 
 
 def test_activation_bytes_match_the_layer_by_hand(profile):
@@ -161,12 +175,18 @@ def test_bad_input_is_reported():
 def test_command_line(tmp_path, capsys):
     out = tmp_path / "p.json"
     rc = main(["--model", "tiny", "--lengths", "16,32,48", "--device", "cpu", "--repeats", "1",
-               "--warmup", "0", "--memory-budget", "64MiB", "--round-to", "8", "-o", str(out)])  # fmt: skip
+               "--warmup", "0", "--memory-budget", "64MiB", "--round-to", "8", "-o", str(out),
+               "--bandwidth-intra", "150GB", "--bandwidth-inter", "25GB", "--ranks-per-node", "8"])  # fmt: skip
     assert rc == 0
     text = capsys.readouterr().out
-    assert "Act(s)" in text and "capacity C" in text and "resid" in text
+    assert (
+        "Act(s)" in text and "capacity C" in text and "resid" in text and "ring links: intra 150.000" in text
+    )
     prof = load_profile(out)
     assert prof.capacity % 8 == 0 and math.isfinite(prof.cost_model.a)
+    cm = prof.cost_model
+    assert (cm.bandwidth_intra, cm.bandwidth_inter, cm.ranks_per_node) == (150e9, 25e9, 8)
+    assert "p2p" not in prof.notes  # measured only with --p2p
     assert main(["--model", "tiny", "--lengths", "16,32", "-o", str(out)]) == 2
     with pytest.raises(SystemExit):
         main(["--memory-budget", "lots"])

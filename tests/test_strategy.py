@@ -330,6 +330,12 @@ def test_options_validated():
         ByteScaleStrategy(capacity=0)
     with pytest.raises(ValueError, match="DistributedDataParallel options"):
         ByteScaleStrategy(find_unused_parameters=True)
+    with pytest.raises(ValueError, match="ranks_per_node must be a positive integer"):
+        ByteScaleStrategy(ranks_per_node=0)
+    with pytest.raises(ValueError, match="comm_aware must be True or False"):
+        ByteScaleStrategy(comm_aware="no")
+    with pytest.raises(ValueError, match=r"cost_model file .*missing.json' does not exist; write one with"):
+        ByteScaleStrategy(cost_model="missing.json")
     s = ByteScaleStrategy(planner="static", capacity=128, cp_size=2, timeout=5, seed=3)
     assert s.planner_options() == {
         "planner": "static",
@@ -338,9 +344,44 @@ def test_options_validated():
         "offload": False,
         "slack": 0.05,
         "cost_model": None,
+        "comm_aware": True,
+        "ranks_per_node": None,
         "seed": 3,
     }
     assert s._timeout.total_seconds() == 5
+
+
+def test_comm_aware_and_cost_model_file_reach_make_plan(tmp_path):
+    """The strategy's comm_aware / ranks_per_node / cost-model file travel through the DataModule's
+    planner options into make_plan; every rank computes the same plan (same digest) from them."""
+    from types import SimpleNamespace
+
+    from lightning_bytescale import ByteScaleDataModule
+    from lightning_bytescale.data.loader import _make_plan
+    from lightning_bytescale.planner.cost_model import CostModel
+
+    cost = CostModel.paper_preset().with_(name="from-file")
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"format": "bytescale-profile/1", "cost_model": cost.to_json_dict()}))
+    lengths = (700, 40, 30, 300, 12, 90)
+    digests = {}
+    for aware in (True, False):
+        strategy = ByteScaleStrategy(capacity=128, cost_model=str(path), comm_aware=aware, ranks_per_node=2)
+        assert strategy.cost_model == cost
+        dm = ByteScaleDataModule(num_workers=0)
+        dm.trainer = SimpleNamespace(global_rank=0, world_size=8, strategy=strategy)
+        opts = dm.planner_options()
+        assert opts["comm_aware"] is aware and opts["ranks_per_node"] == 2 and opts["cost_model"] == cost
+        plan = _make_plan(lengths, 8, 5, opts)
+        assert plan.options["comm_aware"] is aware and plan.options["ranks_per_node"] == 2
+        assert plan.options["cost_model"]["name"] == "from-file"
+        again = _make_plan(lengths, 8, 5, dict(opts))  # another rank: the same plan
+        assert again.digest() == plan.digest()
+        assert plan.stats()["exposed_ring_time"] >= 0.0
+        digests[aware] = plan.digest()
+    assert digests[True] != digests[False]
+    own = ByteScaleDataModule(cost_model=path, comm_aware=False, ranks_per_node=4, num_workers=0)
+    assert own.planner_options()["comm_aware"] is False and own.planner_options()["cost_model"] == cost
 
 
 @pytest.mark.parametrize(
@@ -376,6 +417,13 @@ def test_equals_single_process(tmp_path, planner, world, zero1, offload):
     assert len(stats["busy_s"]) == world and all(b > 0 for b in stats["busy_s"] if b)
     assert sum(stats["num_micro_batches"]) >= 1 and len(stats["num_micro_batches"]) == world
     assert stats["ring_bytes"] > 0  # the long sequence always runs on a ring
+    # measured ring wait: one slot per rank, positive exactly where that rank exchanged ring data
+    assert len(stats["ring_wait_s"]) == world
+    for sent, wait in zip(stats["ring_bytes_per_rank"], stats["ring_wait_s"]):
+        assert (wait > 0) if sent > 0 else (wait == 0)
+    # planned exposed ring time: the plan's own figure (recomputed here from the same plan)
+    plan = make_plan([len(s) for s in seqs], world, planner, 0)
+    assert stats["exposed_ring_planned_s"] == pytest.approx(plan.stats()["exposed_ring_time"], rel=1e-12)
     assert stats["max_over_mean_measured"] >= 1.0 and 0.0 <= stats["bubble_fraction"] < 1.0
     assert stats["step_time_s"] > 0
 
@@ -485,7 +533,13 @@ def test_rank_report_round_trip_and_messages():
     )
 
     rep = RankReport(
-        busy_s=0.25, ring_bytes=4096, num_micro_batches=3, bad_micro_batch=2, bad_kind=2, bad_seq_ids=(0, 7)
+        busy_s=0.25,
+        ring_bytes=4096,
+        num_micro_batches=3,
+        bad_micro_batch=2,
+        bad_kind=2,
+        bad_seq_ids=(0, 7),
+        ring_wait_s=0.125,
     )
     slot = rep.encode()
     assert len(slot) == SLOT

@@ -33,6 +33,8 @@ STAT_KEYS = {
     "max_over_mean_measured",
     "bubble_fraction",
     "ring_bytes",
+    "ring_wait_s",
+    "exposed_ring_planned_s",
     "plan_ms",
     "lengths",
     "cp_degrees",
@@ -78,8 +80,10 @@ class StatsProbe(pl.Callback):
         path.write_text(json.dumps({"rows": self.rows, "lrs": self.lrs}))
 
 
-@pytest.mark.parametrize(("precision", "world"), [("bf16-mixed", 2), ("32-true", 3)])
-def test_datamodule_validation_checkpoint_logging(tmp_path, precision, world):
+@pytest.mark.parametrize(
+    ("precision", "world", "comm_aware"), [("bf16-mixed", 2, True), ("32-true", 3, False)]
+)
+def test_datamodule_validation_checkpoint_logging(tmp_path, precision, world, comm_aware):
     os.environ.pop("MASTER_PORT", None)
     dm = ByteScaleDataModule(
         source={"kind": "synthetic", "name": "github", "num_samples": 240, "scale": 1 / 256},
@@ -92,7 +96,7 @@ def test_datamodule_validation_checkpoint_logging(tmp_path, precision, world):
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=ByteScaleStrategy(capacity=96, start_method="fork", timeout=60),
+        strategy=ByteScaleStrategy(capacity=96, start_method="fork", timeout=60, comm_aware=comm_aware),
         precision=precision,
         max_steps=4,
         gradient_clip_val=1.0,
@@ -124,7 +128,10 @@ def test_datamodule_validation_checkpoint_logging(tmp_path, precision, world):
         assert probe["lrs"] == pytest.approx([1e-3 * 0.5**k for k in range(1, 5)])
         for stats in probe["rows"]:
             assert stats.keys() >= STAT_KEYS
-            assert len(stats["busy_s"]) == world == len(stats["num_micro_batches"])
+            assert (
+                len(stats["busy_s"]) == world == len(stats["num_micro_batches"]) == len(stats["ring_wait_s"])
+            )
+            assert all(w >= 0 for w in stats["ring_wait_s"]) and stats["exposed_ring_planned_s"] >= 0
             assert len(stats["planned_s"]) == world and stats["max_over_mean_planned"] >= 1.0
             assert stats["loss_tokens"] == stats["tokens"] - len(
                 stats["cp_degrees"]

@@ -34,6 +34,8 @@ def _stats(**extra):
         "max_over_mean_measured": 1.5,
         "bubble_fraction": 1 / 3,
         "ring_bytes": 4096.0,
+        "ring_wait_s": [0.5, 0.25, 0.0],
+        "exposed_ring_planned_s": 0.25,
         "plan_ms": 3.5,
         "lengths": [4000, 1000, 1000],
         "cp_degrees": [2, 1, 1],
@@ -52,6 +54,8 @@ def test_step_metrics_values():
     assert m["balance/max_over_mean_measured"] == 1.5
     assert m["balance/bubble_fraction"] == pytest.approx(1 / 3)
     assert m["comm/ring_bytes"] == 4096.0
+    assert m["comm/exposed_ring_planned_s"] == 0.25 and m["comm/ring_wait_s"] == pytest.approx(0.75)
+    assert [m[f"ranks/ring_wait_s/{r}"] for r in range(3)] == [0.5, 0.25, 0.0]
     assert m["plan/plan_ms"] == 3.5
     assert [m[f"ranks/busy_s/{r}"] for r in range(3)] == [1.0, 1.5, 0.5]
     assert [m[f"ranks/micro_batches/{r}"] for r in range(3)] == [2, 3, 1]

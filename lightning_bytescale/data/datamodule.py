@@ -32,12 +32,28 @@ from lightning_bytescale.data.sources import Source, make_source
 from lightning_bytescale.data.store import META_FILE, TokenStore, write_store
 from lightning_bytescale.data.tokenizer import Tokenizer, load_tokenizer
 
-PLANNER_KEYS = ("planner", "capacity", "cp_size", "offload", "slack", "cost_model")
+PLANNER_KEYS = (
+    "planner", "capacity", "cp_size", "offload", "slack", "cost_model", "comm_aware", "ranks_per_node",
+)  # fmt: skip
 
 
 def _plain(value: Any) -> Any:
     """An Enum option (as Hydra structured configs pass them) as its plain value."""
     return value.value if isinstance(value, Enum) else value
+
+
+def _cost_model(value: Any) -> Any:
+    """A cost-model file path read into the planner's ``CostModel`` (other values unchanged)."""
+    if isinstance(value, (str, os.PathLike)):
+        from lightning_bytescale.profiler import load_cost_model
+
+        if not Path(value).is_file():
+            raise DataError(
+                f"cost_model file {str(value)!r} does not exist; write one with bytescale-profile "
+                "or leave cost_model=None for the planner's default"
+            )
+        return load_cost_model(value)
+    return value
 
 
 def default_cache_dir() -> Path:
@@ -67,8 +83,9 @@ class ByteScaleDataModule(pl.LightningDataModule):
         seed: shuffling and planning seed (identical on every rank).
         shuffle: shuffle samples every epoch.
         drop_last: drop each epoch's final, partly filled step.
-        planner, capacity, cp_size, offload, slack, cost_model: planner options, used when the
-            strategy has no ``planner_options()``; ``None`` leaves the planner's default.
+        planner, capacity, cp_size, offload, slack, cost_model, comm_aware, ranks_per_node:
+            planner options, used when the strategy has no ``planner_options()``; ``None`` leaves
+            the planner's default.  ``cost_model`` may also be the path of a profiler file.
         planner_options: extra keyword arguments for ``make_plan``.
         val_fraction: fraction of documents held out for validation (0: no validation loader).
         num_workers: loader worker processes that plan and pack the next steps (0: inline).
@@ -98,6 +115,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
         offload: Any = None,
         slack: float | None = None,
         cost_model: Any = None,
+        comm_aware: bool | None = None,
+        ranks_per_node: int | None = None,
         planner_options: dict | None = None,
         val_fraction: float = 0.0,
         num_workers: int = 1,
@@ -129,7 +148,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self.drop_last = drop_last
         self._own_planner_options = dict(
             planner=planner, capacity=capacity, cp_size=cp_size, offload=offload, slack=slack,
-            cost_model=cost_model, **(planner_options or {}),
+            cost_model=_cost_model(cost_model), comm_aware=comm_aware, ranks_per_node=ranks_per_node,
+            **(planner_options or {}),
         )  # fmt: skip
         self.val_fraction = val_fraction
         self.num_workers = num_workers
