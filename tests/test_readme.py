@@ -29,7 +29,17 @@ def test_readme_example_trains(tmp_path):
     script = tmp_path / "example.py"
     code += '    print("GLOBAL_STEP", trainer.global_step, flush=True)\n'
     script.write_text(code)
-    env = dict(os.environ, OMP_NUM_THREADS="1", BYTESCALE_DATA_CACHE=str(tmp_path / "cache"))
+    launcher_vars = (
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "GROUP_RANK",
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    env.update(OMP_NUM_THREADS="1", BYTESCALE_DATA_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280
     )

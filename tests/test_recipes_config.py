@@ -207,7 +207,9 @@ def test_a_value_the_target_rejects_names_the_key_and_the_reason(tmp_path):
     from lightning_bytescale.recipes_entry import build
 
     cfg = _compose(tmp_path, "experiment=cpu_smoke", "strategy.capacity=0", "logger=csv")
-    with pytest.raises(InstantiationException, match=r"(?s)ByteScaleStrategy.*capacity must be a positive"):
+    with pytest.raises(
+        InstantiationException, match=r"(?s)ByteScaleStrategy.*capacity must be at least 2 tokens"
+    ):
         build(cfg)
 
 

@@ -45,7 +45,16 @@ def _command() -> list[str]:
 
 
 def _run(args: list[str], tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    launcher_vars = (
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "GROUP_RANK",
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY" and k not in launcher_vars}
     env.update(
         OMP_NUM_THREADS="1",
         WANDB_MODE="offline",
