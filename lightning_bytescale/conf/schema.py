@@ -63,6 +63,9 @@ class StrategyConfig:
     timeout: float = 300.0  # seconds before a collective or P2P wait fails
     seed: int = "${seed}"  # type: ignore[assignment]  # planning seed, the same on every rank
     check_finite: bool = True  # stop on a non-finite loss/gradient, naming the micro-batch
+    comm_aware: bool = True  # plan with ring communication in the cost model (False: compute only)
+    ranks_per_node: int | None = None  # topology for ring placement (None: from the cost model)
+    cost_model: str | None = None  # a bytescale-profile JSON file (None: the planner's default)
     start_method: StartMethod = StartMethod.popen  # multirun forces spawn
 
 
