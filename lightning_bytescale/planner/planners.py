@@ -890,60 +890,26 @@ def make_plan(
     gc_was_enabled = gc.isenabled()
     gc.disable()  # planning builds many small acyclic objects; collection passes only cost time
     try:
-        plan = _call(
-            fn,
+        plan = fn(
             lens,
-            world_size,
-            capacity,
-            cost,
-            cp_size,
-            seed,
-            offload,
-            slack,
-            num_buckets,
-            pipeline_degree,
-            ranks_per_node,
-            comm_aware,
-            extra,
+            world_size=world_size,
+            capacity=capacity,
+            cost_model=cost,
+            cp_size=cp_size,
+            seed=seed,
+            offload=offload,
+            slack=float(slack),
+            num_buckets=num_buckets,
+            pipeline_degree=pipeline_degree,
+            ranks_per_node=ranks_per_node,
+            comm_aware=bool(comm_aware),
+            **extra,
         )
         _fill_costs(plan, cost, ranks_per_node)
     finally:
         if gc_was_enabled:
             gc.enable()
     return plan
-
-
-def _call(
-    fn,
-    lens,
-    world_size,
-    capacity,
-    cost,
-    cp_size,
-    seed,
-    offload,
-    slack,
-    num_buckets,
-    pipeline_degree,
-    ranks_per_node,
-    comm_aware,
-    extra,
-) -> Plan:
-    return fn(
-        lens,
-        world_size=world_size,
-        capacity=capacity,
-        cost_model=cost,
-        cp_size=cp_size,
-        seed=seed,
-        offload=offload,
-        slack=float(slack),
-        num_buckets=num_buckets,
-        pipeline_degree=pipeline_degree,
-        ranks_per_node=ranks_per_node,
-        comm_aware=bool(comm_aware),
-        **extra,
-    )
 
 
 def _fill_costs(plan: Plan, cost: CostModel, rpn: int | None) -> None:
