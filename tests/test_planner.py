@@ -512,3 +512,21 @@ def test_finish_times_and_stats_by_hand():
     # ring bytes: passes 1 x 2 layers x N(N-1)=2 x 4 slots x 10 B
     assert s["ring_bytes"] == 2 * 2 * 4 * 10
     assert s["cp_degree_histogram"] == {"1": 1, "2": 1}
+
+
+def test_balance_places_short_sequences_one_by_one_then_packs_each_rank():
+    """LPT over single sequences, then best-fit packing per rank (hand-computed, cost = s^2).
+
+    Packing first would give bins [6, 4] and [5, 3] (loads 52 and 34); placing 6, 5, 4, 3 one by
+    one on the least-loaded rank gives {6, 3} and {5, 4} (loads 45 and 41), one micro-batch each.
+    """
+    from lightning_bytescale.planner import CostModel, make_plan
+
+    plan = make_plan(
+        [6, 5, 4, 3], world_size=2, capacity=10, planner="balance", cost_model=CostModel(a=1.0, b=0.0)
+    )
+    plan.validate()
+    groups = sorted(sorted(p.seq for p in mbs[0].pieces) for mbs in plan.ranks)
+    assert [len(mbs) for mbs in plan.ranks] == [1, 1]
+    assert groups == [[0, 3], [1, 2]]
+    assert sorted(mb.est_time for mbs in plan.ranks for mb in mbs) == [41.0, 45.0]
