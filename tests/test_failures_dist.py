@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _proc import group_alive
 
 TESTS = Path(__file__).resolve().parent
 WORLD = 3
@@ -318,7 +319,7 @@ def runs(tmp_path_factory) -> dict:
         if proc.poll() is None:
             os.killpg(pgid, signal.SIGKILL)
             proc.wait()
-        orphans = _group_alive(pgid)
+        orphans = group_alive(pgid)
         if orphans:
             os.killpg(pgid, signal.SIGKILL)
     assert proc.returncode == 0, output[-4000:]
@@ -331,31 +332,6 @@ def runs(tmp_path_factory) -> dict:
         death = out / f"{scenario}_death.json"
         data[(scenario, "death")] = json.loads(death.read_text()) if death.exists() else None
     return data
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``, from /proc."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rfind(")") + 2 :].split()  # state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(int(stat.parent.name))
-    return live
-
-
-def _group_alive(pgid: int, wait_s: float = 5.0) -> bool:
-    """Whether a process of the group is still alive after up to ``wait_s`` (killed ones take a moment)."""
-    deadline = time.monotonic() + wait_s
-    while _group_members(pgid):
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.05)
-    return False
-    return True
 
 
 def test_ranks_that_agree_run_the_step_with_ring_exchanges(runs):

@@ -16,11 +16,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from _proc import group_alive
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -54,31 +54,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``, from /proc."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rfind(")") + 2 :].split()  # state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(int(stat.parent.name))
-    return live
-
-
-def _group_alive(pgid: int, wait_s: float = 5.0) -> bool:
-    """Whether a process of the group is still alive after up to ``wait_s`` (killed ones take a moment)."""
-    deadline = time.monotonic() + wait_s
-    while _group_members(pgid):
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.05)
-    return False
-    return True
-
-
 def _killed_run(out: Path) -> Path:
     script = out / "killed.py"
     script.write_text(SCRIPT.format(tests=str(TESTS), kill=KILL_STEP, total=TOTAL_STEPS, every=CKPT_EVERY))
@@ -99,7 +74,7 @@ def _killed_run(out: Path) -> Path:
     orphans = True
     try:
         output, _ = proc.communicate(timeout=150)
-        orphans = _group_alive(proc.pid)
+        orphans = group_alive(proc.pid)
     finally:
         if proc.poll() is None or orphans:
             os.killpg(proc.pid, signal.SIGKILL)
