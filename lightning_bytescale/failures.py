@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+from lightning_bytescale.errors import PeerFailureError
+
 # Fragments of the errors gloo, NCCL and the TCP store raise when a peer is gone or too slow.
 PEER_FAILURE_MARKERS: tuple[str, ...] = (
     "Connection closed by peer",
@@ -28,10 +30,6 @@ PEER_FAILURE_MARKERS: tuple[str, ...] = (
     "ProcessGroupNCCL",
     "Watchdog caught collective operation timeout",
 )
-
-
-class PeerFailureError(RuntimeError):
-    """Another rank died or stopped answering during a collective or a ring transfer."""
 
 
 def is_peer_failure(error: BaseException) -> bool:

@@ -1,105 +1,149 @@
-"""`ByteScaleStrategy`: Hybrid Data Parallelism as a Lightning strategy.
+"""`ByteScaleStrategy`: Hybrid Data Parallelism as a Lightning strategy (the glue, not the algorithm).
 
 One Lightning batch is one optimizer step: every rank's loader yields one
 :class:`~lightning_bytescale.engine.batch.StepBatch` holding *its own* micro-batches (their
-number differs between ranks).  The strategy runs them itself, each inside the attention
-layout of its micro-batch, backwards each through the precision plugin, and then joins
-exactly one gradient all-reduce (sum) before clipping and the optimizer step.  Losses are
-token sums divided by the global token count, so the result equals single-process training
-on the whole global batch.  The model is never wrapped in ``DistributedDataParallel``: DDP
-would require the same number of synchronised backwards on every rank.
+number differs between ranks).  The strategy hands them to the engine's one step loop
+(:func:`~lightning_bytescale.engine.executor.run_micro_batches`, with the LightningModule's
+``training_step`` as the forward and the precision plugin's backward), and before clipping and
+the optimizer step joins the engine's single all-reduce
+(:func:`~lightning_bytescale.engine.executor.sync_step`).  Losses are token sums divided by the
+global token count, so the result equals single-process training on the whole global batch.
 
-``import lightning_bytescale`` registers ``bytescale`` (popen launcher), ``bytescale_spawn``
-and ``bytescale_fork``.
+The model is never wrapped in ``DistributedDataParallel`` (DDP needs the same number of
+synchronised backwards on every rank), so the strategy is a ``ParallelStrategy``, like
+Lightning's ``ModelParallelStrategy``, and does itself what DDP would: it sets the device,
+initialises the process group (NCCL on CUDA, gloo on CPU), materialises meta-device models
+from ``configure_model``, and broadcasts rank 0's parameters and buffers so every rank starts
+from the same model.  Registration of ``bytescale`` (popen launcher), ``bytescale_spawn`` and
+``bytescale_fork`` is at the end of this file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.strategies import _StrategyRegistry
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bytescale import lightning_compat as compat
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
-from lightning_bytescale.engine.executor import allreduce_gradients
-from lightning_bytescale.engine.loss import IGNORE_INDEX
-from lightning_bytescale.failures import is_peer_failure
-from lightning_bytescale.strategy_sync import (
-    SLOT,
-    NonFiniteError,
-    PlanDivergenceError,
-    RankReport,
-    check_plan_agreement,
-    describe_non_finite,
+from lightning_bytescale.engine.executor import (
+    LocalResult,
+    StepResult,
+    check_step,
+    run_micro_batches,
+    sync_step,
 )
+from lightning_bytescale.engine.loss import IGNORE_INDEX
+from lightning_bytescale.engine.loss_check import LossScaling
+from lightning_bytescale.engine.state_sync import broadcast_module_state
+from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.failures import is_peer_failure
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.accelerators import Accelerator
 
 log = logging.getLogger(__name__)
 
-PLANNERS = ("balance", "naive", "static")
-
-
-class ByteScaleConfigError(ValueError):
-    """A ByteScaleStrategy option or Trainer setting that HDP cannot run with."""
+ByteScaleConfigError = ConfigError  # the first landing's name
+LOSS_PROBE_STEPS = 3  # steps in which each rank probes the loss normalisation until one probe is conclusive
 
 
 def _as_timedelta(timeout: float | int | timedelta | None) -> timedelta | None:
     if timeout is None or isinstance(timeout, timedelta):
         return timeout
-    if timeout <= 0:
-        raise ByteScaleConfigError(f"timeout must be positive seconds, got {timeout}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
     return timedelta(seconds=float(timeout))
 
 
-class ByteScaleStrategy(DDPStrategy):
+def _planner_names() -> tuple[str, ...]:
+    from lightning_bytescale.planner.planners import available_planners
+
+    return tuple(available_planners())
+
+
+_DDP_ONLY = {
+    "find_unused_parameters",
+    "static_graph",
+    "gradient_as_bucket_view",
+    "bucket_cap_mb",
+    "broadcast_buffers",
+    "ddp_comm_hook",
+    "ddp_comm_state",
+    "ddp_comm_wrapper",
+    "model_averaging_period",
+}
+
+
+class ByteScaleStrategy(ParallelStrategy):
     """Hybrid Data Parallelism (ByteScale) over all ranks of one global process group.
 
     Args:
-        planner: ``"balance"`` (HDP with the balance scheduler), ``"naive"`` (HDP, equal
-            micro-batch counts) or ``"static"`` (the fixed DP x CP baseline).
+        planner: a registered planner name: ``"balance"`` (HDP with the balance scheduler),
+            ``"naive"`` (HDP, equal micro-batch counts), ``"static"`` (the fixed DP x CP
+            baseline), or one added with ``register_planner``.
         capacity: tokens one rank holds resident in one micro-batch (C).
         cp_size: context-parallel degree of the ``static`` planner (``None``: the planner's default).
         offload: selective activation offload: ``False`` (default, off), ``True``, the planner's
-            ``OffloadConfig`` (or its dict), or a ready ``ActivationOffloader``.  The planner gets
-            it to choose per-micro-batch offload ratios; micro-batches with a non-zero
-            ``offload_ratio`` then run inside the offloader's context.
-        offloader_options: keyword arguments for the ``ActivationOffloader`` the strategy builds
-            (``keep_last``, ``min_bytes``, ``prefetch``, ...).
+            ``OffloadConfig`` (or its dict), or a ready ``ActivationOffloader``.
+        offloader_options: keyword arguments for the ``ActivationOffloader`` the strategy builds.
         slack: balance-scheduler slack (fraction of the ideal per-rank time it may exceed).
         seed: planning seed, identical on every rank (``None``: the data module's own seed).
-        cost_model: cost model for the planner: ``None`` (the planner's default), a
-            ``CostModel``, its dict, or the path of a ``bytescale-profile`` JSON file (or of a
-            plain cost-model dict), read once here so every rank plans with the same model.
-        comm_aware: plan on the communication-aware cost model (ring time that cannot hide behind
-            attention counts); ``False`` plans on the paper's compute-only model (the ablation).
+        cost_model: ``None`` (the planner's default), a ``CostModel``, its dict, or the path of
+            a ``bytescale-profile`` JSON file, read once here so every rank plans alike.
+        comm_aware: plan on the communication-aware cost model (``False``: the paper's
+            compute-only model, the ablation).
         ranks_per_node: ranks per node for ring placement (``None``: the cost model's value).
         zero1: shard optimizer state over all ranks with ``ZeroRedundancyOptimizer``.
-        timeout: process-group timeout (seconds or ``timedelta``); a dead or stuck peer gives an
-            error within it instead of a hang.
-        check_finite: stop with :class:`~lightning_bytescale.strategy_sync.NonFiniteError`
-            (naming the micro-batch and sequence ids) when a loss or gradient is not finite.
+        timeout: process-group timeout (seconds or ``timedelta``): a dead or stuck peer gives
+            an error within it instead of a hang.
+        check_finite: stop with :class:`~lightning_bytescale.errors.NonFiniteError` (naming the
+            ranks, micro-batches and sequences) when a loss or gradient is not finite.  Gradients
+            are not checked while a float16 grad scaler is active (it skips such steps itself).
+        check_loss_normalization: in the first steps, run one micro-batch per rank a second
+            time without gradients with ``num_global_tokens`` doubled, and stop with
+            :class:`~lightning_bytescale.errors.LossNormalizationError` if the loss did not
+            change (a per-micro-batch mean such as ``F.cross_entropy`` instead of
+            ``mb.loss(logits)``); warns if it changed but not by half.
+        check_parameters_every_n_steps: every N steps (and on the first step of each run),
+            fingerprint every parameter inside the step's all-reduce and stop with
+            :class:`~lightning_bytescale.errors.ParameterDivergenceError` naming the ranks and
+            the first parameters that differ; ``0`` turns it off.
         log_loss: log the global token-mean loss of the step as ``loss_name`` (progress bar too).
         loss_name: the metric name used by ``log_loss``.
-        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`
-            (``start_method``, ``process_group_backend``, ``cluster_environment``, ...).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            as for every Lightning strategy (the Trainer fills them in).
+        process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
+        start_method: ``"popen"`` (default: the script is run again for each rank),
+            ``"spawn"`` or ``"fork"``.
     """
 
     strategy_name = "bytescale"
@@ -117,54 +161,57 @@ class ByteScaleStrategy(DDPStrategy):
         comm_aware: bool = True,
         ranks_per_node: int | None = None,
         zero1: bool = False,
-        timeout: float | int | timedelta | None = timedelta(minutes=30),
+        timeout: float | int | timedelta | None = default_pg_timeout,
         check_finite: bool = True,
+        check_loss_normalization: bool = True,
+        check_parameters_every_n_steps: int = 100,
         log_loss: bool = True,
         loss_name: str = "train/loss",
-        **kwargs: Any,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
+        **unknown: Any,
     ) -> None:
-        if planner not in PLANNERS:
-            raise ByteScaleConfigError(f"planner must be one of {PLANNERS}, got {planner!r}")
-        if not isinstance(capacity, int) or capacity < 2:
-            raise ByteScaleConfigError(
-                f"capacity must be at least 2 tokens (a ring member holds two zigzag chunks), got {capacity!r}"
+        _refuse_unknown_options(unknown)
+        _validate_options(planner, capacity, cp_size, slack, comm_aware, ranks_per_node)
+        if not isinstance(check_parameters_every_n_steps, int) or check_parameters_every_n_steps < 0:
+            raise ConfigError(
+                "check_parameters_every_n_steps must be a non-negative integer (0 turns the check off), "
+                f"got {check_parameters_every_n_steps!r}"
             )
-        if cp_size is not None and (not isinstance(cp_size, int) or cp_size < 1):
-            raise ByteScaleConfigError(f"cp_size must be a positive integer or None, got {cp_size!r}")
-        if slack < 0:
-            raise ByteScaleConfigError(f"slack must be >= 0, got {slack}")
-        if not isinstance(comm_aware, bool):
-            raise ByteScaleConfigError(f"comm_aware must be True or False, got {comm_aware!r}")
-        if ranks_per_node is not None and (
-            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
-        ):
-            raise ByteScaleConfigError(
-                f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}"
-            )
-        cost_model = _resolve_cost_model(cost_model)
-        unknown = {"find_unused_parameters", "static_graph", "gradient_as_bucket_view"} & kwargs.keys()
-        if unknown:
-            raise ByteScaleConfigError(
-                f"{sorted(unknown)} are DistributedDataParallel options; ByteScaleStrategy does not wrap "
-                "the model in DDP (it all-reduces gradients itself), so remove them."
-            )
-        super().__init__(timeout=_as_timedelta(timeout), **kwargs)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ConfigError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}")
+        if offloader_options is not None and not isinstance(offloader_options, dict):
+            raise ConfigError(f"offloader_options must be a dict, got {type(offloader_options).__name__}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = _as_timedelta(timeout)
+        self._start_method = start_method
         self.planner = planner
         self.capacity = capacity
         self.cp_size = cp_size
-        if offloader_options is not None and not isinstance(offloader_options, dict):
-            raise ByteScaleConfigError(
-                f"offloader_options must be a dict, got {type(offloader_options).__name__}"
-            )
         self.offload = offload
         self.offloader_options = dict(offloader_options or {})
         self.slack = float(slack)
         self.seed = None if seed is None else int(seed)
-        self.cost_model = cost_model
+        self.cost_model = _resolve_cost_model(cost_model)
         self.comm_aware = comm_aware
         self.ranks_per_node = ranks_per_node
         self.zero1 = bool(zero1)
         self.check_finite = bool(check_finite)
+        self.check_loss_normalization = bool(check_loss_normalization)
+        self.check_parameters_every_n_steps = check_parameters_every_n_steps
         self.log_loss = bool(log_loss)
         self.loss_name = loss_name
         self.step_stats: dict[str, Any] = {}
@@ -173,41 +220,41 @@ class ByteScaleStrategy(DDPStrategy):
         self._pending: dict[str, Any] | None = None
         self._offloader: Any = None
         self._phase = "set-up"
+        self._steps_run = 0
+        self._loss_probe_done = False
+        self._warned_partial_loss = False
 
-    # ------------------------------------------------------------------ options
-    def planner_options(self) -> dict[str, Any]:
-        """The planning options a DataModule needs to build this strategy's plans."""
-        offload = self.offload
-        if hasattr(offload, "micro_batch_context"):  # an ActivationOffloader: the planner only needs "on"
-            offload = True
-        return {
-            "planner": self.planner,
-            "capacity": self.capacity,
-            "cp_size": self.cp_size,
-            "offload": False if offload is None else offload,
-            "slack": self.slack,
-            "cost_model": self.cost_model,
-            "comm_aware": self.comm_aware,
-            "ranks_per_node": self.ranks_per_node,
-            "seed": self.seed,
-        }
-
-    # ------------------------------------------------------------------ set-up
+    # ------------------------------------------------------------------ what DDP would provide
+    @property
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise ByteScaleConfigError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: with "
-                "ByteScaleStrategy one batch is one optimizer step and the planner already splits it into "
-                "micro-batches. Set accumulate_grad_batches=1 and raise the data module's tokens per step instead."
-            )
-        module = trainer.lightning_module
-        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
-            raise ByteScaleConfigError(
-                "ByteScaleStrategy runs the micro-batch loop and the gradient all-reduce itself and needs "
-                "automatic optimization; remove `self.automatic_optimization = False` from the LightningModule."
-            )
-        super().setup(trainer)
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def start_method(self) -> str:
+        return self._start_method
 
     @property
     @override
@@ -217,9 +264,81 @@ class ByteScaleStrategy(DDPStrategy):
         return True
 
     @override
-    def _setup_model(self, model: Module) -> Module:
-        # No DDP wrapper: ranks run different numbers of backwards; gradients are summed once per step.
-        return model
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = compat._SubprocessScriptLauncher(
+                    self.cluster_environment, self.num_processes, self.num_nodes
+                )
+        else:
+            self._launcher = compat._MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the accelerator sets the CUDA device here, before any NCCL call
+        self._setup_distributed()
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or (
+            compat._get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: with "
+                "ByteScaleStrategy one batch is one optimizer step and the planner already splits it into "
+                "micro-batches. Set accumulate_grad_batches=1 and raise the data module's tokens per step instead."
+            )
+        module = trainer.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise ConfigError(
+                "ByteScaleStrategy runs the micro-batch loop and the gradient all-reduce itself and needs "
+                "automatic optimization; remove `self.automatic_optimization = False` from the LightningModule."
+            )
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        compat._materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # What DDP does when it wraps a model: every rank starts from rank 0's state.
+        self._phase = "the broadcast of rank 0's parameters and buffers"
+        broadcast_module_state(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            compat._optimizers_to_device(self.optimizers, self.root_device)
+        self._steps_run = 0
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        # empty_init=True (Trainer.init_module(empty_init=True)) builds on the meta device; set-up
+        # materialises the model on this rank's device and broadcasts rank 0's values.
+        device = torch.device("meta") if empty_init else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -246,20 +365,61 @@ class ByteScaleStrategy(DDPStrategy):
             wrapped.append(zero)
         self.optimizers = wrapped
 
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not compat._distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not compat._distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Any:
+        if isinstance(tensor, Tensor):
+            return compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ options
+    def planner_options(self) -> dict[str, Any]:
+        """The planning options a DataModule needs to build this strategy's plans."""
+        offload = self.offload
+        if hasattr(offload, "micro_batch_context"):  # an ActivationOffloader: the planner only needs "on"
+            offload = True
+        return {
+            "planner": self.planner,
+            "capacity": self.capacity,
+            "cp_size": self.cp_size,
+            "offload": False if offload is None else offload,
+            "slack": self.slack,
+            "cost_model": self.cost_model,
+            "comm_aware": self.comm_aware,
+            "ranks_per_node": self.ranks_per_node,
+            "seed": self.seed,
+        }
+
     # ------------------------------------------------------------------ the step
-    def _params(self) -> list[Tensor]:
+    def _named_params(self) -> list[tuple[str, Tensor]]:
         assert self.lightning_module is not None
-        return [p for p in self.lightning_module.parameters() if p.requires_grad]
+        return [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
 
-    @contextlib.contextmanager
-    def _micro_batch_context(self, mb: PackedMicroBatch) -> Iterator[None]:
-        from lightning_bytescale.attention import attention_context
+    def _set_phase(self, text: str) -> None:
+        self._phase = text
 
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(attention_context(mb.layout))
-            if self.offload not in (None, False) and mb.offload_ratio > 0:
-                stack.enter_context(self._get_offloader().micro_batch_context(mb))
-            yield
+    def _offload_context(self, mb: PackedMicroBatch) -> contextlib.AbstractContextManager:
+        if self.offload in (None, False) or mb.offload_ratio <= 0:
+            return contextlib.nullcontext()
+        return self._get_offloader().micro_batch_context(mb)
 
     def _get_offloader(self) -> Any:
         """The activation offloader: ``offload`` itself if it is one, else one built from its options."""
@@ -273,10 +433,37 @@ class ByteScaleStrategy(DDPStrategy):
         self._offloader = ActivationOffloader(_find_blocks(self.lightning_module), **self.offloader_options)
         return self._offloader
 
-    def _check_step_batch(self, batch: StepBatch) -> None:
-        stats = batch.stats if isinstance(batch.stats, dict) else {}
-        plan_world = stats.get("world_size") or len(stats.get("micro_batch_counts", ())) or None
-        check_plan_agreement(batch.digest, batch.step, self.world_size, plan_world)
+    def _forward_fn(
+        self, rest: tuple[Any, ...], kwargs: dict[str, Any], dtypes: list[torch.dtype]
+    ) -> Callable:
+        module = self.lightning_module
+        assert module is not None
+
+        def forward(_model: Module, mb: PackedMicroBatch) -> Tensor:
+            with self.precision_plugin.train_step_context():
+                out = module.training_step(mb, *rest, **kwargs)
+            loss = out.get("loss") if isinstance(out, dict) else out
+            if not isinstance(loss, Tensor) or loss.dim() != 0:
+                raise TypeError(
+                    "With ByteScaleStrategy, training_step(micro_batch, batch_idx) must return the micro-batch "
+                    "loss as a scalar tensor (mb.loss(logits), i.e. token_loss(logits, mb.labels, "
+                    f"mb.num_global_tokens)) or a dict with that under 'loss'; got {type(out).__name__}."
+                )
+            dtypes[:] = [loss.dtype]
+            return loss
+
+        return forward
+
+    def _backward_fn(self) -> Callable[[Tensor], None]:
+        module = self.lightning_module
+        scaler = getattr(self.precision_plugin, "scaler", None)
+
+        def backward(loss: Tensor) -> None:
+            self.precision_plugin.backward(
+                scaler.scale(loss) if scaler is not None else loss, module, self._optimizer
+            )
+
+        return backward
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -289,88 +476,46 @@ class ByteScaleStrategy(DDPStrategy):
             )
         module = self.lightning_module
         assert module is not None
-        rest = args[1:]
         t_start = time.perf_counter()
         self._phase = f"the plan digest check of step {batch.step}"
-        self._check_step_batch(batch)
-        params = self._params()
-        for p in params:
+        check_step(batch)  # an all-gather over all ranks: before any ring P2P of the step
+        named = self._named_params()
+        for _, p in named:
             p.grad = None
-        ring_before, wait_before = _comm_counters()
-        optimizer = self._optimizer
         scaler = getattr(self.precision_plugin, "scaler", None)
-        device = self.root_device
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        loss_tokens = torch.zeros((), dtype=torch.long, device=device)
-        finite_flags: list[Tensor] = []
-        loss_dtype = torch.float32
-        t_busy = time.perf_counter()
-        for mb in batch.micro_batches:
-            ring = mb.layout.ring
-            self._phase = f"micro-batch {mb.index} of step {batch.step}" + (
-                f" (ring {list(ring)}, sequences {list(mb.seq_ids)})" if ring is not None else ""
-            )
-            with self._micro_batch_context(mb):
-                with self.precision_plugin.train_step_context():
-                    out = module.training_step(mb, *rest, **kwargs)
-                loss = out.get("loss") if isinstance(out, dict) else out
-                if not isinstance(loss, Tensor) or loss.dim() != 0:
-                    raise TypeError(
-                        "With ByteScaleStrategy, training_step(micro_batch, batch_idx) must return the micro-batch "
-                        "loss as a scalar tensor (token_loss(logits, mb.labels, mb.num_global_tokens)) or a dict "
-                        f"with that under 'loss'; got {type(out).__name__}."
-                    )
-                total = total + loss.detach().double()
-                loss_dtype = loss.dtype
-                loss_tokens = loss_tokens + (mb.labels != IGNORE_INDEX).sum()
-                to_backward = scaler.scale(loss) if scaler is not None else loss
-                self.precision_plugin.backward(to_backward, module, optimizer)
-            if self.check_finite:
-                finite_flags.append(self._finite_flag(loss, params))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        busy = time.perf_counter() - t_busy
-        ring_after, wait_after = _comm_counters()
-        report = RankReport(
-            busy_s=busy,
-            ring_bytes=ring_after - ring_before,
-            num_micro_batches=len(batch.micro_batches),
-            ring_wait_s=wait_after - wait_before,
-        )
-        if finite_flags:
-            codes = torch.stack(finite_flags).tolist()
-            for i, code in enumerate(codes):
-                if code:
-                    mb = batch.micro_batches[i]
-                    report.bad_micro_batch, report.bad_kind, report.bad_seq_ids = (
-                        i,
-                        int(code),
-                        tuple(mb.seq_ids),
-                    )
-                    break
-        # Lightning zeroes gradients between training_step and backward: keep ours aside until then.
-        self._stashed_grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        self._pending = {
-            "batch": batch,
-            "report": report,
-            "loss": total,
-            "loss_tokens": loss_tokens,
-            "t_start": t_start,
-        }
-        return total.to(loss_dtype)
+        dtypes = [torch.float32]
+        forward = self._forward_fn(args[1:], kwargs, dtypes)
+        probing = self.check_loss_normalization and not self._loss_probe_done
+        if probing:
+            plain_forward = forward
 
-    def _finite_flag(self, loss: Tensor, params: list[Tensor]) -> Tensor:
-        """0 if finite, 1 if the loss is not finite, 2 if only the accumulated gradients are not."""
-        loss_bad = ~torch.isfinite(loss.detach()).all()
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            norms = torch._foreach_norm(grads, math.inf)
-            grad_bad = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
-        else:
-            grad_bad = torch.zeros((), dtype=torch.bool, device=loss.device)
-        return torch.where(loss_bad, 1, torch.where(grad_bad, 2, 0)).to(torch.long)
+            def forward(model: Module, mb: PackedMicroBatch) -> Tensor:
+                if torch.is_grad_enabled():
+                    return plain_forward(model, mb)
+                with compat.discarded_logging(compat.module_trainer(module)):  # the probe's logs do not count
+                    return plain_forward(model, mb)
+
+        local = run_micro_batches(
+            module,
+            batch.micro_batches,
+            forward=forward,
+            backward=self._backward_fn(),
+            micro_batch_context=self._offload_context,
+            sync_timing=self.root_device.type == "cuda",
+            check_finite=self.check_finite and scaler is None,
+            params=[p for _, p in named],
+            check_loss_scaling=probing,
+            on_phase=self._set_phase,
+            step=batch.step,
+        )
+        # Lightning zeroes gradients between training_step and backward: keep ours aside until then.
+        self._stashed_grads = [p.grad for _, p in named]
+        for _, p in named:
+            p.grad = None
+        self._pending = {"batch": batch, "local": local, "t_start": t_start, "probing": probing}
+        return local.loss.to(local.loss.device if local.loss.device.type != "cpu" else self.root_device).to(
+            dtypes[0]
+        )
 
     @override
     def backward(
@@ -382,15 +527,13 @@ class ByteScaleStrategy(DDPStrategy):
         if self._stashed_grads is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         trainer = module.trainer
-        from lightning.pytorch.trainer import call
-
-        call._call_callback_hooks(trainer, "on_before_backward", closure_loss)
-        call._call_lightning_module_hook(trainer, "on_before_backward", closure_loss)
-        for p, g in zip(self._params(), self._stashed_grads):
+        compat.call_callback_hooks(trainer, "on_before_backward", closure_loss)
+        compat.call_module_hook(trainer, "on_before_backward", closure_loss)
+        for (_, p), g in zip(self._named_params(), self._stashed_grads):
             p.grad = g
         self._stashed_grads = None
-        call._call_callback_hooks(trainer, "on_after_backward")
-        call._call_lightning_module_hook(trainer, "on_after_backward")
+        compat.call_callback_hooks(trainer, "on_after_backward")
+        compat.call_module_hook(trainer, "on_after_backward")
         return closure_loss.detach()
 
     @override
@@ -401,18 +544,18 @@ class ByteScaleStrategy(DDPStrategy):
         model: pl.LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Closure (all micro-batches), then ONE all-reduce, then clipping and the optimizer step."""
+        """Closure (all micro-batches), then the ONE all-reduce, then clipping and the optimizer step."""
         self._optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
-        def closure_then_allreduce() -> Any:
+        def closure_then_sync() -> Any:
             out = closure()
-            global_loss = self._allreduce()
-            if isinstance(out, Tensor) and global_loss is not None:
-                out.copy_(global_loss.to(out.dtype))  # what Lightning hands to on_train_batch_end
+            result = self._sync()
+            if isinstance(out, Tensor) and result is not None:
+                out.copy_(result.loss_tensor.to(out.dtype))  # what Lightning hands to on_train_batch_end
             return out
 
         try:
-            return super().optimizer_step(optimizer, closure_then_allreduce, model, **kwargs)
+            return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
         finally:
             self._optimizer = None
             if self._pending is not None and "stats" in self._pending:
@@ -422,103 +565,56 @@ class ByteScaleStrategy(DDPStrategy):
             self._pending = None
             self._stashed_grads = None
 
-    def _allreduce(self) -> Tensor | None:
+    def _check_parameters_now(self, step: int) -> bool:
+        n = self.check_parameters_every_n_steps
+        return n > 0 and (self._steps_run == 0 or step % n == 0)
+
+    def _sync(self) -> StepResult | None:
         pending = self._pending
         if pending is None:  # not a ByteScale step (e.g. the closure skipped training_step)
             return None
         batch: StepBatch = pending["batch"]
-        report: RankReport = pending["report"]
-        world, rank = self.world_size, self.global_rank
-        params = self._params()
-        n = len(params)
-        # extra = [has-grad flag per parameter | loss sum | per-rank slots |
-        #          per-sequence length and ring size, written by the sequence's first holder]
-        num_seqs = max(
-            int(batch.num_tokens) - int(batch.num_global_tokens), 0
-        )  # each sequence: s - 1 loss tokens
-        head = n + 1 + world * SLOT
-        extra = torch.zeros(head + 2 * num_seqs, dtype=torch.float64)
-        for mb in batch.micro_batches:
-            if mb.layout.member != 0:
-                continue
-            for seq, length in zip(mb.seq_ids, mb.layout.seq_lens):
-                if 0 <= seq < num_seqs:
-                    extra[head + seq] = float(length)
-                    extra[head + num_seqs + seq] = float(mb.layout.ring_size)
-        extra[:n] = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
-        extra[n] = float(pending["loss"])
-        extra[n + 1 + rank * SLOT : n + 1 + (rank + 1) * SLOT] = torch.tensor(
-            report.encode(), dtype=torch.float64
-        )
+        local: LocalResult = pending["local"]
+        extra, num_seqs = _sequence_telemetry(batch)
         self._phase = f"the gradient all-reduce of step {batch.step}"
-        t0 = time.perf_counter()
-        # the loss-token count travels as exact integer limbs (a float32 buffer would round it
-        # above 2**24 tokens a step)
-        counts = torch.tensor([int(pending["loss_tokens"])], dtype=torch.long)
-        reduced = allreduce_gradients(params, extra=extra.to(self.root_device), counts=counts)
-        allreduce_s = time.perf_counter() - t0
-        assert reduced is not None
-        values = reduced.double().tolist()
-        for p, count in zip(params, values[:n]):
-            if count == 0:  # no rank produced a gradient: leave it None, as a single process would
-                p.grad = None
-        loss_value, loss_tokens = values[n], values[-1]
-        slots = values[n + 1 : head]
-        reports = [RankReport.decode(slots[r * SLOT : (r + 1) * SLOT]) for r in range(world)]
-        sequences = values[head:-1]
-        if any(r.bad_micro_batch is not None for r in reports):
-            raise NonFiniteError(describe_non_finite(reports, batch.step))
-        expected = int(batch.num_global_tokens)
-        if abs(loss_tokens - expected) > 0.5:
-            raise PlanDivergenceError(
-                f"The ranks' micro-batches hold {loss_tokens:.0f} loss tokens at step {batch.step}, but the global "
-                f"batch has {expected}: the ranks ran different plans or dropped tokens. Check that every rank "
-                "uses the same data, seed and planner options."
-            )
-        global_loss = torch.tensor(loss_value, dtype=torch.float64, device=self.root_device)
-        pending["stats"] = self._build_stats(batch, reports, loss_value, allreduce_s)
-        pending["stats"]["lengths"] = [int(round(x)) for x in sequences[:num_seqs]]
-        pending["stats"]["cp_degrees"] = [int(round(x)) for x in sequences[num_seqs:]]
-        pending["stats"]["num_sequences"] = num_seqs
+        result = sync_step(
+            self._named_params(),
+            batch,
+            local,
+            extra=extra,
+            check_finite=self.check_finite,
+            check_parameters=self._check_parameters_now(batch.step),
+        )
+        self._steps_run += 1
+        if pending["probing"]:
+            self._after_probe(result, batch.step)
+        sequences = result.extra.tolist() if result.extra is not None else []
+        stats = _step_stats(batch, result)
+        stats["lengths"] = [int(round(x)) for x in sequences[:num_seqs]]
+        stats["cp_degrees"] = [int(round(x)) for x in sequences[num_seqs:]]
+        stats["num_sequences"] = num_seqs
+        pending["stats"] = stats
         if self.log_loss:
-            self._log_loss(global_loss, batch)
-        return global_loss
+            self._log_loss(result.loss_tensor.to(self.root_device), batch)
+        return result
 
-    def _build_stats(
-        self, batch: StepBatch, reports: list[RankReport], loss: float, allreduce_s: float
-    ) -> dict[str, Any]:
-        plan = batch.stats if isinstance(batch.stats, dict) else {}
-        busy = [r.busy_s for r in reports]
-        mean_busy = sum(busy) / len(busy)
-        max_busy = max(busy)
-        planned = [float(x) for x in plan.get("planned_s", plan.get("rank_time", []))]
-        if planned and max(planned) > 0:
-            max_over_mean_planned = max(planned) / (sum(planned) / len(planned))
-        else:
-            max_over_mean_planned = float(plan.get("max_over_mean", float("nan")))
-        return {
-            "loss": loss,
-            "tokens": int(batch.num_tokens),
-            "loss_tokens": int(batch.num_global_tokens),
-            "step_time_s": 0.0,
-            "busy_s": busy,
-            "planned_s": planned,
-            "num_micro_batches": [r.num_micro_batches for r in reports],
-            "max_over_mean_planned": max_over_mean_planned,
-            "max_over_mean_measured": max_busy / mean_busy if mean_busy > 0 else float("nan"),
-            "bubble_fraction": 1.0 - mean_busy / max_busy if max_busy > 0 else 0.0,
-            "ring_bytes": sum(r.ring_bytes for r in reports),
-            "ring_bytes_per_rank": [r.ring_bytes for r in reports],
-            "ring_wait_s": [r.ring_wait_s for r in reports],
-            "exposed_ring_planned_s": float(plan.get("exposed_ring_time", float("nan"))),
-            "allreduce_s": allreduce_s,
-            "plan_ms": float(plan.get("plan_ms", float("nan"))),
-            "step": int(batch.step),
-        }
+    def _after_probe(self, result: StepResult, step: int) -> None:
+        verdicts = result.loss_scaling
+        if verdicts.get(LossScaling.PARTLY, 0) and not self._warned_partial_loss:
+            self._warned_partial_loss = True
+            rank_zero_warn(
+                f"At step {step} the loss of training_step did not halve when mb.num_global_tokens doubled (on "
+                f"{verdicts[LossScaling.PARTLY]} rank(s)): part of it is not normalised by the global token count, "
+                "so those terms are weighted per micro-batch and training differs from one process on the whole "
+                "batch. Divide every loss term by mb.num_global_tokens (mb.loss(logits) for the token loss)."
+            )
+        conclusive = sum(v for k, v in verdicts.items() if k != LossScaling.UNCHECKED)
+        if conclusive or self._steps_run >= LOSS_PROBE_STEPS:
+            self._loss_probe_done = True
 
     def _log_loss(self, loss: Tensor, batch: StepBatch) -> None:
         module = self.lightning_module
-        if module is None or module._trainer is None:
+        if module is None or compat.module_trainer(module) is None:
             return
         module.log(
             self.loss_name,
@@ -535,11 +631,13 @@ class ByteScaleStrategy(DDPStrategy):
     def _eval_loop(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else None
         base = getattr(super(), hook)
+        from lightning_bytescale.attention import attention_context
+
         if not isinstance(batch, StepBatch):
             return base(*args, **kwargs)
         module = self.lightning_module
         assert module is not None
-        self._check_step_batch(batch)
+        check_step(batch)
         outputs = []
         context = (
             self.precision_plugin.val_step_context
@@ -548,7 +646,7 @@ class ByteScaleStrategy(DDPStrategy):
         )
         with context():
             for mb in batch.micro_batches:
-                with self._micro_batch_context(mb):
+                with attention_context(mb.layout), self._offload_context(mb):
                     outputs.append(getattr(module, hook)(mb, *args[1:], **kwargs))
         losses = [o.get("loss") if isinstance(o, dict) else o for o in outputs]
         if not all(isinstance(t, Tensor) and t.dim() == 0 for t in losses):
@@ -560,7 +658,7 @@ class ByteScaleStrategy(DDPStrategy):
             torch.zeros((), dtype=torch.float64),
         )
         tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in batch.micro_batches)
-        if self.log_loss and module._trainer is not None:
+        if self.log_loss and compat.module_trainer(module) is not None:
             stage = "val" if hook == "validation_step" else "test"
             name = (
                 self.loss_name.replace("train", stage, 1)
@@ -589,14 +687,14 @@ class ByteScaleStrategy(DDPStrategy):
     # ------------------------------------------------------------------ errors
     @override
     def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
         text = str(exception)
         if isinstance(exception, RuntimeError) and is_peer_failure(exception):
             timeout = self._timeout.total_seconds() if self._timeout is not None else None
             hint = (
                 f"\n[ByteScale] rank {self.global_rank}: communication failed during {self._phase} "
-                f"(process-group timeout {timeout} s). Another rank has most likely died or is stuck; check the other ranks' "
-                "logs for the first error. Set ByteScaleStrategy(timeout=...) to bound how long ranks wait."
+                f"(process-group timeout {timeout} s). Another rank has most likely died or is stuck; check the "
+                "other ranks' logs for the first error. Set ByteScaleStrategy(timeout=...) to bound how long "
+                "ranks wait."
             )
             with contextlib.suppress(Exception):
                 exception.args = (
@@ -607,7 +705,7 @@ class ByteScaleStrategy(DDPStrategy):
     # ------------------------------------------------------------------ registry
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: compat._StrategyRegistry) -> None:
         for name, start_method in (
             ("bytescale", "popen"),
             ("bytescale_spawn", "spawn"),
@@ -620,6 +718,106 @@ class ByteScaleStrategy(DDPStrategy):
                 override=True,
                 start_method=start_method,
             )
+
+
+def _refuse_unknown_options(unknown: dict[str, Any]) -> None:
+    if not unknown:
+        return
+    ddp_only = sorted(_DDP_ONLY & unknown.keys())
+    if ddp_only:
+        raise ConfigError(
+            f"{ddp_only} are DistributedDataParallel options; ByteScaleStrategy does not wrap the model in DDP "
+            "(it all-reduces gradients itself), so remove them."
+        )
+    valid = [
+        p for p in inspect.signature(ByteScaleStrategy.__init__).parameters if p not in ("self", "unknown")
+    ]
+    parts = []
+    for key in sorted(unknown):
+        close = difflib.get_close_matches(key, valid, n=1)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ConfigError(
+        f"ByteScaleStrategy got unknown option(s) {', '.join(parts)}; valid options: {', '.join(valid)}"
+    )
+
+
+def _validate_options(
+    planner: str,
+    capacity: int,
+    cp_size: int | None,
+    slack: float,
+    comm_aware: bool,
+    ranks_per_node: int | None,
+) -> None:
+    names = _planner_names()
+    if planner not in names:
+        close = difflib.get_close_matches(str(planner), names, n=1)
+        raise ConfigError(
+            f"planner must be one of {list(names)} (register more with lightning_bytescale.planner.register_planner), "
+            f"got {planner!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+        )
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2:
+        raise ConfigError(
+            f"capacity must be at least 2 tokens (a ring member holds two zigzag chunks), got {capacity!r}"
+        )
+    if cp_size is not None and (isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1):
+        raise ConfigError(f"cp_size must be a positive integer or None, got {cp_size!r}")
+    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or slack < 0:
+        raise ConfigError(f"slack must be a number >= 0, got {slack!r}")
+    if not isinstance(comm_aware, bool):
+        raise ConfigError(f"comm_aware must be True or False, got {comm_aware!r}")
+    if ranks_per_node is not None and (
+        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+    ):
+        raise ConfigError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}")
+
+
+def _sequence_telemetry(batch: StepBatch) -> tuple[Tensor, int]:
+    """Per-sequence length and ring size, written by each sequence's first holder (summed over ranks)."""
+    num_seqs = max(
+        int(batch.num_tokens) - int(batch.num_global_tokens), 0
+    )  # each sequence: s - 1 loss tokens
+    extra = torch.zeros(2 * num_seqs, dtype=torch.float64)
+    for mb in batch.micro_batches:
+        if mb.layout.member != 0:
+            continue
+        for seq, length in zip(mb.seq_ids, mb.layout.seq_lens):
+            if 0 <= seq < num_seqs:
+                extra[seq] = float(length)
+                extra[num_seqs + seq] = float(mb.layout.ring_size)
+    return extra, num_seqs
+
+
+def _step_stats(batch: StepBatch, result: StepResult) -> dict[str, Any]:
+    plan = batch.stats if isinstance(batch.stats, dict) else {}
+    reports = result.reports
+    busy = [r.busy_s for r in reports]
+    mean_busy = sum(busy) / len(busy)
+    max_busy = max(busy)
+    planned = [float(x) for x in plan.get("planned_s", plan.get("rank_time", []))]
+    if planned and max(planned) > 0:
+        max_over_mean_planned = max(planned) / (sum(planned) / len(planned))
+    else:
+        max_over_mean_planned = float(plan.get("max_over_mean", float("nan")))
+    return {
+        "loss": result.loss,
+        "tokens": int(batch.num_tokens),
+        "loss_tokens": int(batch.num_global_tokens),
+        "step_time_s": 0.0,
+        "busy_s": busy,
+        "planned_s": planned,
+        "num_micro_batches": [r.num_micro_batches for r in reports],
+        "max_over_mean_planned": max_over_mean_planned,
+        "max_over_mean_measured": max_busy / mean_busy if mean_busy > 0 else float("nan"),
+        "bubble_fraction": 1.0 - mean_busy / max_busy if max_busy > 0 else 0.0,
+        "ring_bytes": sum(r.ring_bytes for r in reports),
+        "ring_bytes_per_rank": [r.ring_bytes for r in reports],
+        "ring_wait_s": [r.ring_wait_s for r in reports],
+        "exposed_ring_planned_s": float(plan.get("exposed_ring_time", float("nan"))),
+        "allreduce_s": result.allreduce_s,
+        "plan_ms": float(plan.get("plan_ms", float("nan"))),
+        "step": int(batch.step),
+    }
 
 
 def _find_blocks(module: Module | None) -> list[Module] | None:
@@ -646,14 +844,14 @@ def _resolve_cost_model(cost_model: Any) -> Any:
 
         path = Path(cost_model)
         if not path.is_file():
-            raise ByteScaleConfigError(
+            raise ConfigError(
                 f"cost_model file {str(path)!r} does not exist; write one with `bytescale-profile -o {path}` "
                 "or pass cost_model=None for the planner's default"
             )
         try:
             return load_cost_model(path)
         except (ValueError, KeyError, TypeError) as err:
-            raise ByteScaleConfigError(
+            raise ConfigError(
                 f"cost_model file {str(path)!r} is not a cost-model file ({err}); pass the JSON written by "
                 "bytescale-profile or CostModel.to_json_dict()"
             ) from err
@@ -661,22 +859,9 @@ def _resolve_cost_model(cost_model: Any) -> Any:
 
     if isinstance(cost_model, CostModel):
         return cost_model
-    raise ByteScaleConfigError(
+    raise ConfigError(
         f"cost_model must be None, a CostModel, its dict or a file path, got {type(cost_model).__name__}"
     )
-
-
-def _comm_counters() -> tuple[float, float]:
-    """``(bytes sent, seconds blocked waiting)`` of this rank's ring exchanges so far (0 without counters)."""
-    try:
-        from lightning_bytescale.attention import comm_stats
-    except ImportError:
-        return 0.0, 0.0
-    stats = comm_stats()
-    if not isinstance(stats, dict):
-        stats = vars(stats) if hasattr(stats, "__dict__") else {}
-    sent = next((float(stats[k]) for k in ("bytes_sent", "ring_bytes", "bytes") if k in stats), 0.0)
-    return sent, float(stats.get("wait_s", 0.0))
 
 
 def _track_step_calls(optimizer: Optimizer) -> None:

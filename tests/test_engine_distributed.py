@@ -434,7 +434,7 @@ def test_ranks_running_different_plans_or_non_finite_losses_fail_together(report
     for rep in reports:
         errors = rep["errors"]
         # the digest check stops them before any micro-batch (no P2P, no all-reduce) ...
-        assert errors.get("diverged", "").startswith("DivergentPlanError: "), errors
+        assert errors.get("diverged", "").startswith("PlanDivergenceError: "), errors
         assert "ranks [1] differ from ranks [0, 2, 3]" in errors["diverged"]
         assert errors["diverged_calls"] == {"all_gather": 1}, errors
         # ... and without it, the token count in the one all-reduce does

@@ -4,7 +4,7 @@ One launcher subprocess (its own session, so its whole process group is killed i
 forks 3 ranks per scenario:
 
 * ``checks``: the digest check that ``run_step`` makes first
-  (``strategy_sync.check_plan_agreement``) stops ranks that planned with a different seed, from
+  (``engine.step_checks.check_plan_agreement``) stops ranks that planned with a different seed, from
   different data, or for a different step, before any P2P, and names the ranks; a non-finite
   gradient in one rank's micro-batch stops every rank together, naming the micro-batch and its
   sequences; a step planned for 4 ranks run on 3 fails on every rank, naming both world sizes,
@@ -108,7 +108,7 @@ def _checks(rank: int, report: dict) -> None:
     from lightning_bytescale.attention import comm_stats
     from lightning_bytescale.engine import StepError, build_step, default_forward
     from lightning_bytescale.engine.loss import token_loss
-    from lightning_bytescale.strategy_sync import PlanDivergenceError
+    from lightning_bytescale.errors import PlanDivergenceError
 
     model = _model()
     tokens = _tokens(LENGTHS)
@@ -266,7 +266,7 @@ def launcher(out: str) -> None:
     import lightning_bytescale.failures  # noqa: F401
     import lightning_bytescale.models  # noqa: F401
     import lightning_bytescale.planner  # noqa: F401
-    import lightning_bytescale.strategy_sync  # noqa: F401
+    import lightning_bytescale.engine.step_checks  # noqa: F401
 
     os.environ["OMP_NUM_THREADS"] = "1"
     ctx = multiprocessing.get_context("fork")
@@ -382,8 +382,8 @@ def test_a_step_planned_for_another_world_size_fails_on_every_rank_without_hangi
 def test_a_step_planned_for_another_world_size_names_the_world_size(runs):
     for r in range(WORLD):
         error = runs[("checks", r)]["world"]["error"]
-        assert error.startswith("StepError: this step was planned for 4 ranks but the process group has 3")
-        assert "world_size=dist.get_world_size(group)" in error
+        assert error.startswith("PlanWorldSizeError: Ranks [0, 1, 2] hold plans made for [4] ranks, but the run has 3")
+        assert "plan with the trainer's world size" in error
 
 
 @pytest.mark.parametrize("scenario", ["kill_ring", "kill_allreduce", "stuck_ring"])

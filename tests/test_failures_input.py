@@ -197,8 +197,8 @@ def test_strategy_refuses_a_step_planned_for_another_world_size(monkeypatch):
     """
     import torch.distributed as dist
 
-    from lightning_bytescale.strategy import ByteScaleConfigError
-    from lightning_bytescale.strategy_sync import PlanDivergenceError
+    from lightning_bytescale.engine.step_checks import check_plan_agreement
+    from lightning_bytescale.errors import ConfigError, PlanDivergenceError
 
     def all_gather(gathered, mine, group=None):
         for t in gathered:
@@ -208,9 +208,9 @@ def test_strategy_refuses_a_step_planned_for_another_world_size(monkeypatch):
     step = build_step(_two_rank_plan(), 0, _tokens([5, 40, 7]))
     assert step.stats["world_size"] == 2
     with pytest.raises(
-        (ByteScaleConfigError, PlanDivergenceError), match=r"made for \[?2\]? ranks,? but the run has 4"
+        (ConfigError, PlanDivergenceError), match=r"made for \[?2\]? ranks,? but the run has 4"
     ):
-        _strategy(4)._check_step_batch(step)
+        check_plan_agreement(step.digest, step.step, 4, plan_world=step.stats["world_size"])
 
 
 def test_step_batches_carry_the_world_size_of_their_plan():

@@ -2,17 +2,16 @@
 
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.executor import (
-    DivergentPlanError,
     LocalResult,
-    NonFiniteError,
-    StepError,
     StepResult,
     allreduce_gradients,
+    check_step,
     default_forward,
     move_micro_batch,
     run_micro_batch,
     run_micro_batches,
     run_step,
+    sync_step,
 )
 from lightning_bytescale.engine.loss import token_loss
 from lightning_bytescale.engine.packing import (
@@ -23,6 +22,8 @@ from lightning_bytescale.engine.packing import (
     count_loss_tokens,
     plan_digest,
 )
+from lightning_bytescale.engine.state_sync import broadcast_module_state
+from lightning_bytescale.errors import DivergentPlanError, NonFiniteError, PlanDivergenceError, StepError
 
 __all__ = [
     "DivergentPlanError",
@@ -34,7 +35,10 @@ __all__ = [
     "NonFiniteError",
     "StepError",
     "StepResult",
+    "PlanDivergenceError",
     "allreduce_gradients",
+    "broadcast_module_state",
+    "check_step",
     "build_micro_batch",
     "build_step",
     "count_loss_tokens",
@@ -44,5 +48,6 @@ __all__ = [
     "run_micro_batch",
     "run_micro_batches",
     "run_step",
+    "sync_step",
     "token_loss",
 ]

@@ -32,6 +32,16 @@ class PackedMicroBatch:
     def num_slots(self) -> int:
         return int(self.input_ids.numel())
 
+    def loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the global token-mean loss: what ``training_step`` returns.
+
+        ``token_loss(logits, self.labels, self.num_global_tokens)``: the sum of token
+        cross-entropies divided by the loss tokens of the *whole* global batch.
+        """
+        from lightning_bytescale.engine.loss import token_loss
+
+        return token_loss(logits, self.labels, self.num_global_tokens)
+
 
 @dataclass
 class StepBatch:
@@ -43,3 +53,4 @@ class StepBatch:
     digest: str  # plan digest, identical on every rank
     step: int = 0  # global step index in the epoch (sampler position)
     stats: dict = field(default_factory=dict)  # plan statistics for telemetry (planned times, ...)
+    data_identity: str = ""  # what the step reads, by content (folded into ``digest``); "" if unknown

@@ -1,20 +1,24 @@
-"""Run one HDP step on plain ``torch.distributed``: this rank's micro-batches, then one all-reduce.
+"""The one HDP step loop: this rank's micro-batches, then one all-reduce; used by tests and the strategy.
 
 First every rank of the group joins a tiny all-gather of the plan digest and step
-(:func:`~lightning_bytescale.strategy_sync.check_plan_agreement`, the check the strategy makes),
-so ranks that planned differently stop together before any ring exchange; a step planned for
-another number of ranks is refused too.  Then each rank runs forward and backward on *its own*
-micro-batches (their number differs between ranks), accumulating gradients locally, with no
-barrier between micro-batches; ring micro-batches synchronise only the members of their ring,
-through attention's P2P calls.  Then every rank -- also one with no micro-batch at all --
-joins exactly one all-reduce (sum) of all gradients, flattened into one buffer that can also
-carry extra scalars (the loss sum, token counts, per-rank busy time, non-finite flags).  Because every micro-batch's loss is already divided by the
+(:func:`~lightning_bytescale.engine.step_checks.check_plan_agreement`), so ranks that
+planned differently stop together before any ring exchange; a step planned for another
+number of ranks is refused too.  Then each rank runs forward and backward on *its own*
+micro-batches (:func:`run_micro_batches`; their number differs between ranks), accumulating
+gradients locally, with no barrier between micro-batches; ring micro-batches synchronise only
+the members of their ring, through attention's P2P calls.  Then every rank -- also one with
+no micro-batch at all -- joins exactly one all-reduce (sum, :func:`sync_step`) of all
+gradients, flattened into one buffer that also carries the step's scalars: the loss sum, the
+exact loss-token count, per-rank reports (busy time, ring traffic, the first non-finite
+micro-batch), stop requests, the verdict of the loss-normalisation probe and, every few
+steps, parameter fingerprints.  Because every micro-batch's loss is already divided by the
 global token count (:func:`~lightning_bytescale.engine.loss.token_loss`), that sum is the
 gradient of the global token-mean loss.
 
-The pieces are separate so that the Lightning strategy can reuse them:
-:func:`run_micro_batch` / :func:`run_micro_batches` for the loop and
-:func:`allreduce_gradients` for the synchronisation; :func:`run_step` composes the two.
+:func:`run_step` composes the three.  ``ByteScaleStrategy`` calls the same
+:func:`run_micro_batches` (with the precision plugin's backward as ``backward``) in its
+``training_step`` and :func:`sync_step` before the optimizer step, so the float64
+equivalence tests of this module cover the path a ``Trainer`` runs.
 """
 
 from __future__ import annotations
@@ -31,25 +35,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_bytescale.engine import fingerprint as fp
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
-from lightning_bytescale.strategy_sync import PlanDivergenceError, check_plan_agreement
+from lightning_bytescale.engine.loss_check import LossScaling, is_probe_candidate, probe_forward, verdict
+from lightning_bytescale.engine.step_checks import (
+    SLOT,
+    RankReport,
+    check_plan_agreement,
+    describe_non_finite,
+)
+from lightning_bytescale.errors import (
+    LossNormalizationError,
+    NonFiniteError,
+    ParameterDivergenceError,
+    PlanDivergenceError,
+    PlanWorldSizeError,
+)
 
 ForwardFn = Callable[[nn.Module, PackedMicroBatch], torch.Tensor]
 BackwardFn = Callable[[torch.Tensor], None]
 ContextFactory = Callable[[PackedMicroBatch], AbstractContextManager]
-
-
-class StepError(RuntimeError):
-    """The ranks disagree about a step (e.g. they ran different plans)."""
-
-
-class DivergentPlanError(StepError, PlanDivergenceError):
-    """The ranks hold different plans (digests) for this step; raised on every rank before any P2P."""
-
-
-class NonFiniteError(FloatingPointError):
-    """A loss or gradient of the step is NaN or infinite (raised on every rank together)."""
+PhaseFn = Callable[[str], None]
 
 
 def default_forward(model: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:
@@ -91,15 +98,37 @@ class LocalResult:
     loss: torch.Tensor  # 0-d, detached: sum of this rank's loss contributions
     loss_tokens: int
     micro_batches: list[MicroBatchResult] = field(default_factory=list)
+    ring_bytes: float = 0.0  # bytes this rank sent to ring peers during the loop
+    ring_wait_s: float = 0.0  # seconds blocked waiting for ring transfers during the loop
+    loss_scaling: LossScaling = LossScaling.UNCHECKED
 
     @property
     def busy_seconds(self) -> float:
         return sum(m.seconds for m in self.micro_batches)
 
     @property
+    def first_non_finite_loss(self) -> MicroBatchResult | None:
+        return next((m for m in self.micro_batches if not math.isfinite(m.loss)), None)
+
+    @property
     def first_non_finite_gradient(self) -> MicroBatchResult | None:
         """The micro-batch after which the accumulated gradients first held a NaN or inf."""
         return next((m for m in self.micro_batches if m.grads_finite is False), None)
+
+    def report(self) -> RankReport:
+        """This rank's slot of the step buffer: busy time, traffic, the first non-finite micro-batch."""
+        rep = RankReport(
+            busy_s=self.busy_seconds,
+            ring_bytes=self.ring_bytes,
+            num_micro_batches=len(self.micro_batches),
+            ring_wait_s=self.ring_wait_s,
+        )
+        bad_loss, bad_grad = self.first_non_finite_loss, self.first_non_finite_gradient
+        if bad_loss is not None and (bad_grad is None or bad_loss.index <= bad_grad.index):
+            rep.bad_micro_batch, rep.bad_kind, rep.bad_seq_ids = bad_loss.index, 1, bad_loss.seq_ids
+        elif bad_grad is not None:
+            rep.bad_micro_batch, rep.bad_kind, rep.bad_seq_ids = bad_grad.index, 2, bad_grad.seq_ids
+        return rep
 
 
 @dataclass
@@ -109,12 +138,28 @@ class StepResult:
     loss: float  # global token-mean loss
     loss_tensor: torch.Tensor  # 0-d, the same value
     local: LocalResult  # this rank's own part
-    busy_seconds: list[float]  # measured forward+backward time of every rank (index = group rank)
+    reports: list[RankReport]  # every rank's report (index = group rank)
     extra: torch.Tensor | None = None  # the caller's extra values, summed over ranks
+    stop_requested: bool = False  # some rank asked to stop at this step boundary (e.g. SIGTERM)
+    loss_scaling: dict[LossScaling, int] = field(default_factory=dict)  # probe verdicts: ranks each
+    allreduce_s: float = 0.0
 
     @property
     def num_micro_batches(self) -> int:
         return len(self.local.micro_batches)
+
+    @property
+    def busy_seconds(self) -> list[float]:
+        """Measured forward+backward time of every rank (index = group rank)."""
+        return [r.busy_s for r in self.reports]
+
+
+def describe_micro_batch(mb: PackedMicroBatch, step: int | None = None) -> str:
+    """Where a rank is, for watchdogs and error messages: micro-batch, step, ring, sequences."""
+    where = f"micro-batch {mb.index}" + (f" of step {step}" if step is not None else "")
+    if mb.layout.ring is not None:
+        where += f" (ring {list(mb.layout.ring)}, sequences {list(mb.seq_ids)})"
+    return where
 
 
 def _sync(device: torch.device) -> None:
@@ -131,13 +176,15 @@ def run_micro_batch(
     micro_batch_context: ContextFactory | None = None,
     sync_timing: bool = False,
     p2p_group: dist.ProcessGroup | None = None,
+    probe: list[LossScaling] | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Forward and backward of one micro-batch inside its attention layout.
 
     Returns the detached loss contribution and the wall time.  ``micro_batch_context(mb)``
     (e.g. activation offload) wraps forward and backward, outside the attention context.
     ``p2p_group`` is the group ring attention sends on (default: the global group; ring peers
-    are always global ranks).
+    are always global ranks).  When ``probe`` is a list, the loss-normalisation probe
+    (:mod:`~lightning_bytescale.engine.loss_check`) runs first and its verdict is appended.
     """
     from lightning_bytescale.attention import attention_context
 
@@ -148,9 +195,16 @@ def run_micro_batch(
         _sync(device)
     start = time.perf_counter()
     with outer, attention_context(mb.layout, group=p2p_group):
+        probed = probe_forward(lambda x: forward(model, x), mb) if probe is not None else None
         loss = forward(model, mb)
-        if loss.dim() != 0:
-            raise ValueError(f"forward must return a scalar loss, got shape {tuple(loss.shape)}")
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"forward must return a scalar loss tensor (token_loss(logits, mb.labels, "
+                f"mb.num_global_tokens)), got {shape}"
+            )
+        if probe is not None and probed is not None:
+            probe.append(verdict(float(loss.detach()), float(probed)))
         if backward is None:
             loss.backward()
         else:
@@ -165,7 +219,16 @@ def _grads_finite(params: Sequence[nn.Parameter]) -> torch.Tensor | None:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return None
-    return torch.isfinite(torch.stack(torch._foreach_norm(grads, math.inf))).all()
+    norms = torch._foreach_norm(grads, math.inf)
+    return torch.isfinite(torch.stack([n.to(norms[0].dtype) for n in norms])).all()
+
+
+def _comm_counters() -> tuple[float, float]:
+    """``(bytes sent, seconds blocked waiting)`` of this process's ring exchanges so far."""
+    from lightning_bytescale.attention import comm_stats
+
+    stats = comm_stats()
+    return float(stats.get("bytes_sent", 0.0)), float(stats.get("wait_s", 0.0))
 
 
 def run_micro_batches(
@@ -179,6 +242,9 @@ def run_micro_batches(
     p2p_group: dist.ProcessGroup | None = None,
     check_finite: bool = False,
     params: Iterable[nn.Parameter] | None = None,
+    check_loss_scaling: bool = False,
+    on_phase: PhaseFn | None = None,
+    step: int | None = None,
 ) -> LocalResult:
     """This rank's micro-batches in order, gradients accumulating locally, no barriers.
 
@@ -187,14 +253,27 @@ def run_micro_batches(
     ``check_finite`` also checks the accumulated gradients of ``params`` (default: the model's)
     after every micro-batch (one max-abs pass over them, kept on the device), so the
     micro-batch that first made them non-finite is known
-    (:attr:`LocalResult.first_non_finite_gradient`).
+    (:attr:`LocalResult.first_non_finite_gradient`).  ``check_loss_scaling`` probes the first
+    micro-batch without a ring whose loss is not zero (:mod:`~lightning_bytescale.engine.loss_check`;
+    one extra forward without gradients) and records the verdict in
+    :attr:`LocalResult.loss_scaling`.  ``on_phase(text)`` is called before each micro-batch
+    with where the rank is (for a watchdog and error messages).
     """
     checked = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
     losses: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
     seconds: list[float] = []
     finite: list[torch.Tensor] = []
+    verdicts: list[LossScaling] = []
+    sent0, wait0 = _comm_counters()
     for mb in micro_batches:
+        if on_phase is not None:
+            on_phase(describe_micro_batch(mb, step))
+        probing = (
+            check_loss_scaling
+            and is_probe_candidate(mb)
+            and all(v == LossScaling.UNCHECKED for v in verdicts)
+        )
         loss, sec = run_micro_batch(
             model,
             mb,
@@ -203,6 +282,7 @@ def run_micro_batches(
             micro_batch_context=micro_batch_context,
             sync_timing=sync_timing,
             p2p_group=p2p_group,
+            probe=verdicts if probing else None,
         )
         losses.append(loss.to(torch.float64))
         counts.append((mb.labels != IGNORE_INDEX).sum())
@@ -210,8 +290,10 @@ def run_micro_batches(
         if check_finite:
             flag = _grads_finite(checked)
             finite.append(flag if flag is not None else torch.ones((), dtype=torch.bool, device=loss.device))
+    sent1, wait1 = _comm_counters()
+    scaling = next((v for v in verdicts if v != LossScaling.UNCHECKED), LossScaling.UNCHECKED)
     if not losses:
-        return LocalResult(loss=torch.zeros((), dtype=torch.float64), loss_tokens=0)
+        return LocalResult(loss=torch.zeros((), dtype=torch.float64), loss_tokens=0, loss_scaling=scaling)
     loss_values = torch.stack(losses).tolist()
     token_values = torch.stack(counts).tolist()
     finite_values: list[bool | None] = (
@@ -224,7 +306,12 @@ def run_micro_batches(
         for mb, lv, tv, sec, fv in zip(micro_batches, loss_values, token_values, seconds, finite_values)
     ]
     return LocalResult(
-        loss=torch.stack(losses).sum(), loss_tokens=int(sum(token_values)), micro_batches=results
+        loss=torch.stack(losses).sum(),
+        loss_tokens=int(sum(token_values)),
+        micro_batches=results,
+        ring_bytes=sent1 - sent0,
+        ring_wait_s=wait1 - wait0,
+        loss_scaling=scaling,
     )
 
 
@@ -332,34 +419,190 @@ def _group_shape(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return 1, 0
 
 
-def _local_grads_finite(local: LocalResult, params: Sequence[nn.Parameter]) -> bool:
-    """Whether this rank's accumulated gradients are finite (from the micro-batch checks if made)."""
-    if local.micro_batches and local.micro_batches[-1].grads_finite is not None:
-        return local.micro_batches[-1].grads_finite
-    flag = _grads_finite(params)
-    return True if flag is None else bool(flag)
+@dataclass
+class _Layout:
+    """Where each value sits in the step buffer (floats first, then exact integer counts)."""
+
+    n_params: int
+    world: int
+    n_extra: int
+    fingerprints: bool
+
+    # floats: [loss | world x SLOT reports | caller's extra]
+    @property
+    def n_float(self) -> int:
+        return 1 + self.world * SLOT + self.n_extra
+
+    # counts: [loss tokens | stop requests | probe verdicts (3) | has-grad per parameter |
+    #          (fingerprint per parameter | model fingerprint per rank)]
+    COUNT_HEAD = 5
 
 
-def _raise_non_finite(
-    local: LocalResult, bad_loss: list[int], bad_grad: list[int], named: Sequence[tuple[str, nn.Parameter]]
+def _fingerprint_counts(params: Sequence[nn.Parameter], world: int, rank: int) -> torch.Tensor:
+    mine = fp.fingerprints(list(params))
+    per_rank = torch.zeros(world, dtype=torch.int64)
+    per_rank[rank] = fp.combine(mine)
+    return torch.cat([mine, per_rank])
+
+
+def _check_fingerprints(
+    reduced: torch.Tensor, mine: torch.Tensor, names: Sequence[str], world: int, step: int
 ) -> None:
-    mine = [
-        f"non-finite loss in micro-batch {m.index} (sequences {list(m.seq_ids)})"
-        for m in local.micro_batches
-        if not math.isfinite(m.loss)
-    ]
-    first = local.first_non_finite_gradient
-    if first is not None:
-        mine.append(
-            f"gradients first non-finite after micro-batch {first.index} (sequences {list(first.seq_ids)})"
-        )
-    params = [n for n, p in named if p.grad is not None and not bool(torch.isfinite(p.grad).all())][:5]
-    raise NonFiniteError(
-        f"non-finite values in this step: loss on rank(s) {bad_loss}, local gradients on rank(s) {bad_grad}"
-        + (f"; on this rank: {', '.join(mine)}" if mine else "")
-        + (f"; reduced gradients of {params}" if params else "")
-        + ". Lower the learning rate, use float32/bf16 instead of float16, or inspect those sequences."
+    """Raise :class:`ParameterDivergenceError` unless every rank holds the same parameters."""
+    n = len(names)
+    sums = reduced[:n].to(torch.int64)
+    per_rank = [int(x) for x in reduced[n:].tolist()]
+    differing = [names[i] for i in range(n) if int(sums[i]) != world * int(mine[i])]
+    if not differing and len(set(per_rank)) == 1:
+        return
+    groups: dict[int, list[int]] = {}
+    for rank, value in enumerate(per_rank):
+        groups.setdefault(value, []).append(rank)
+    majority = max(groups.values(), key=lambda ranks: (len(ranks), -ranks[0]))
+    odd = sorted(r for ranks in groups.values() if ranks is not majority for r in ranks)
+    shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+    raise ParameterDivergenceError(
+        f"The ranks hold different parameters before the optimizer step of step {step}: ranks {odd} differ "
+        f"from ranks {majority}; first parameters that differ: {shown or 'unknown'}. All ranks must train "
+        "one model: ByteScaleStrategy broadcasts rank 0's parameters at set-up, so this means a model or "
+        "state changed on some ranks only afterwards (a checkpoint loaded on one node, a callback that edits "
+        "weights per rank, a non-deterministic optimizer). Find what changed those parameters, then resume "
+        "from a checkpoint."
     )
+
+
+def _check_loss_scaling(verdicts: dict[LossScaling, int], step: int) -> None:
+    if verdicts.get(LossScaling.PER_MICRO_BATCH, 0):
+        raise LossNormalizationError(
+            f"training_step returns a loss that does not depend on mb.num_global_tokens (checked at step "
+            f"{step} on {verdicts[LossScaling.PER_MICRO_BATCH]} rank(s) by running one micro-batch again with "
+            "num_global_tokens doubled: the loss stayed the same). That is a per-micro-batch mean, such as "
+            "F.cross_entropy(logits, labels): it weights tokens by their micro-batch's size and trains a different "
+            "model than one process on the whole batch. Return mb.loss(logits), i.e. "
+            "lightning_bytescale.token_loss(logits, mb.labels, mb.num_global_tokens). If your loss is normalised "
+            "another way on purpose, pass ByteScaleStrategy(check_loss_normalization=False)."
+        )
+
+
+def sync_step(
+    params: Sequence[nn.Parameter] | Sequence[tuple[str, nn.Parameter]],
+    step: StepBatch,
+    local: LocalResult,
+    *,
+    group: dist.ProcessGroup | None = None,
+    extra: torch.Tensor | None = None,
+    check_tokens: bool = True,
+    check_finite: bool = True,
+    check_parameters: bool = False,
+    stop_request: bool = False,
+) -> StepResult:
+    """The step's ONE all-reduce: gradients, loss, token count, reports, flags; then the checks.
+
+    ``params`` are the trained parameters (or ``(name, parameter)`` pairs, so errors can name
+    them), identical in order on every rank.  Afterwards every ``p.grad`` holds the sum over
+    ranks; a parameter that no rank produced a gradient for is left with ``grad = None``, as in
+    a single process.  Raises on every rank together:
+
+    * :class:`PlanDivergenceError` when the ranks' loss tokens do not add up to
+      ``step.num_global_tokens`` (``check_tokens``: ranks ran different plans or lost tokens);
+    * :class:`ParameterDivergenceError` when ``check_parameters`` and the ranks' parameter
+      fingerprints differ (naming the ranks and the first parameters);
+    * :class:`LossNormalizationError` when a rank's loss-normalisation probe found a
+      per-micro-batch mean;
+    * :class:`NonFiniteError` when ``check_finite`` and a loss or gradient was not finite
+      (naming ranks, micro-batches and sequences).
+
+    ``stop_request`` (this rank wants to stop at this step boundary, e.g. after SIGTERM) is
+    OR-ed over ranks into :attr:`StepResult.stop_requested`.  ``check_parameters`` must be the
+    same on every rank (it changes the buffer's size).
+    """
+    named = [(item if isinstance(item, tuple) else (f"param{i}", item)) for i, item in enumerate(params)]
+    named = [(n, p) for n, p in named if p.requires_grad]
+    plist = [p for _, p in named]
+    world, me = _group_shape(group)
+    layout = _Layout(len(plist), world, 0 if extra is None else extra.numel(), check_parameters)
+    reports = torch.zeros(world, SLOT, dtype=torch.float64)
+    reports[me] = torch.tensor(local.report().encode(), dtype=torch.float64)
+    floats = [local.loss.detach().to("cpu", torch.float64).reshape(1), reports.reshape(-1)]
+    if extra is not None:
+        floats.append(extra.detach().to("cpu", torch.float64).reshape(-1))
+    head = torch.zeros(_Layout.COUNT_HEAD, dtype=torch.int64)
+    head[0] = local.loss_tokens
+    head[1] = int(bool(stop_request))
+    if local.loss_scaling != LossScaling.UNCHECKED:
+        head[1 + int(local.loss_scaling)] = 1
+    has_grad = torch.tensor([p.grad is not None for p in plist], dtype=torch.int64)
+    counts = [head, has_grad]
+    mine = None
+    if check_parameters:
+        mine = _fingerprint_counts(plist, world, me)
+        counts.append(mine)
+    t0 = time.perf_counter()
+    reduced = allreduce_gradients(plist, group=group, extra=torch.cat(floats), counts=torch.cat(counts))
+    allreduce_s = time.perf_counter() - t0
+    assert reduced is not None
+    n_float = layout.n_float
+    ints = reduced[n_float:].to(torch.int64)
+    for p, count in zip(plist, ints[_Layout.COUNT_HEAD : _Layout.COUNT_HEAD + len(plist)].tolist()):
+        if count == 0:  # no rank produced a gradient: leave it None, as a single process would
+            p.grad = None
+    tokens = int(ints[0])
+    if check_tokens and tokens != step.num_global_tokens:
+        raise PlanDivergenceError(
+            f"the ranks' micro-batches hold {tokens} loss tokens at step {step.step} but the global batch has "
+            f"{step.num_global_tokens}: the ranks ran different plans or a token was dropped. Check that every "
+            "rank uses the same data, seed and planner options (compare the plan digests)."
+        )
+    if mine is not None:
+        start = _Layout.COUNT_HEAD + len(plist)
+        _check_fingerprints(ints[start:].double(), mine, [n for n, _ in named], world, step.step)
+    verdicts = {LossScaling(k): int(ints[1 + k]) for k in (1, 2, 3)}
+    _check_loss_scaling(verdicts, step.step)
+    rank_reports = [
+        RankReport.decode(row) for row in reduced[1 : 1 + world * SLOT].reshape(world, SLOT).tolist()
+    ]
+    if check_finite and (
+        any(r.bad_micro_batch is not None for r in rank_reports) or not math.isfinite(float(reduced[0]))
+    ):
+        raise NonFiniteError(describe_non_finite(rank_reports, step.step))
+    loss_tensor = reduced[0].clone()
+    return StepResult(
+        loss=float(loss_tensor),
+        loss_tensor=loss_tensor,
+        local=local,
+        reports=rank_reports,
+        extra=None if extra is None else reduced[1 + world * SLOT : n_float].clone(),
+        stop_requested=bool(int(ints[1])),
+        loss_scaling=verdicts,
+        allreduce_s=allreduce_s,
+    )
+
+
+def check_step(step: StepBatch, group: dist.ProcessGroup | None = None, *, check_plan: bool = True) -> None:
+    """Before any micro-batch: the ranks agree on the plan and data, and it was made for this world.
+
+    ``check_plan`` all-gathers ``(step.digest, step.step, planned world, step.data_identity)``
+    over ``group`` and raises :class:`PlanDivergenceError` (or :class:`PlanWorldSizeError`) on
+    every rank together, before any ring exchange.  Without it, or without a process group, a
+    step whose ``stats["world_size"]`` differs from the group's size is still refused.
+    """
+    world, _ = _group_shape(group)
+    stats = step.stats if isinstance(step.stats, dict) else {}
+    planned = stats.get("world_size") or len(stats.get("micro_batch_counts", ())) or None
+    if check_plan and dist.is_available() and dist.is_initialized():
+        check_plan_agreement(
+            step.digest,
+            step.step,
+            world,
+            plan_world=planned,
+            group=group,
+            data_identity=getattr(step, "data_identity", "") or "",
+        )
+    if planned is not None and int(planned) != world:
+        raise PlanWorldSizeError(
+            f"this step was planned for {planned} ranks but the process group has {world}; "
+            "plan with world_size=dist.get_world_size(group)"
+        )
 
 
 def run_step(
@@ -377,38 +620,20 @@ def run_step(
     check_finite: bool = True,
     p2p_group: dist.ProcessGroup | None = None,
     check_plan: bool = True,
+    check_loss_scaling: bool = False,
+    check_parameters: bool = False,
 ) -> StepResult:
-    """Forward+backward on this rank's micro-batches, then one gradient all-reduce.
+    """:func:`check_step`, :func:`run_micro_batches`, then :func:`sync_step`: one whole HDP step.
 
-    Before any micro-batch, ``check_plan`` all-gathers ``(step.digest, step.step)`` over
-    ``group`` (two int64 per rank) and raises :class:`DivergentPlanError` on every rank when
-    they differ, so no ring exchange starts on mismatched plans (turn it off when the caller
-    already made that check, as ``ByteScaleStrategy`` does); then a step whose
-    ``stats["world_size"]`` differs from the group's size is refused with :class:`StepError`.
-
-    Gradients accumulate into ``p.grad`` (zero them before the step).  The same all-reduce
-    carries the loss, the loss-token count (checked against ``step.num_global_tokens``: this
-    catches ranks that ran different plans), every rank's busy time, per-rank non-finite flags
-    (``check_finite``: the gradients are checked after every micro-batch, and every rank then
-    raises :class:`NonFiniteError` together, naming the ranks, micro-batches and sequences;
-    turn it off when a float16 grad scaler handles overflow) and the caller's ``extra`` values.
+    Gradients accumulate into ``p.grad`` (zero them before the step).  See the three functions
+    for the checks (plan and data agreement before any P2P; token count, parameter
+    fingerprints, loss normalisation and finiteness in the one all-reduce, raised on every
+    rank together) and for ``extra`` (the caller's values, summed over ranks).
     """
     named = (
         list(model.named_parameters()) if params is None else [(f"param{i}", p) for i, p in enumerate(params)]
     )
-    params = [p for _, p in named]
-    world, me = _group_shape(group)
-    if check_plan and dist.is_available() and dist.is_initialized():
-        try:
-            check_plan_agreement(step.digest, step.step, world, group=group)
-        except PlanDivergenceError as err:
-            raise DivergentPlanError(str(err)) from err
-    planned = step.stats.get("world_size") if isinstance(step.stats, dict) else None
-    if planned is not None and int(planned) != world:
-        raise StepError(
-            f"this step was planned for {planned} ranks but the process group has {world}; "
-            "plan with world_size=dist.get_world_size(group)"
-        )
+    check_step(step, group, check_plan=check_plan)
     local = run_micro_batches(
         model,
         step.micro_batches,
@@ -418,39 +643,17 @@ def run_step(
         sync_timing=sync_timing,
         p2p_group=p2p_group,
         check_finite=check_finite,
-        params=params,
+        params=[p for _, p in named],
+        check_loss_scaling=check_loss_scaling,
+        step=step.step,
     )
-    busy = torch.zeros(world, dtype=torch.float64)
-    busy[me] = local.busy_seconds
-    flags = torch.zeros(2, world, dtype=torch.float64)  # bad loss, bad local gradients
-    if check_finite:
-        flags[0, me] = float(any(not math.isfinite(m.loss) for m in local.micro_batches))
-        flags[1, me] = float(not _local_grads_finite(local, params))
-    floats = [local.loss.detach().to("cpu", torch.float64).reshape(1), busy]
-    if extra is not None:
-        floats.append(extra.detach().to("cpu", torch.float64).reshape(-1))
-    n_float = sum(t.numel() for t in floats)
-    counts = torch.cat([torch.tensor([float(local.loss_tokens)], dtype=torch.float64), flags.reshape(-1)])
-    reduced = allreduce_gradients(params, group=group, extra=torch.cat(floats), counts=counts)
-    assert reduced is not None
-    tokens = int(reduced[n_float])
-    if check_tokens and tokens != step.num_global_tokens:
-        raise StepError(
-            f"the ranks' micro-batches hold {tokens} loss tokens but the global batch has "
-            f"{step.num_global_tokens}; the ranks ran different plans or a token was dropped "
-            "(compare the plan digests)"
-        )
-    flags = reduced[n_float + 1 :].reshape(2, world)
-    if check_finite:
-        bad_loss = [r for r in range(world) if flags[0, r] != 0]
-        bad_grad = [r for r in range(world) if flags[1, r] != 0]
-        if bad_loss or bad_grad or not math.isfinite(float(reduced[0])):
-            _raise_non_finite(local, bad_loss, bad_grad, named)
-    loss_tensor = reduced[0].clone()
-    return StepResult(
-        loss=float(loss_tensor),
-        loss_tensor=loss_tensor,
-        local=local,
-        busy_seconds=[float(x) for x in reduced[1 : 1 + world]],
-        extra=None if extra is None else reduced[1 + world : n_float].clone(),
+    return sync_step(
+        named,
+        step,
+        local,
+        group=group,
+        extra=extra,
+        check_tokens=check_tokens,
+        check_finite=check_finite,
+        check_parameters=check_parameters,
     )

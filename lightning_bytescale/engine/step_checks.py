@@ -1,11 +1,13 @@
-"""The per-step collectives of :class:`~lightning_bytescale.strategy.ByteScaleStrategy`.
+"""What ranks check about each other in a step: the same plan and data, and what each rank did.
 
 A step makes two collectives on the one global process group: a tiny all-gather of the plan
-digest *before* any ring exchange (so ranks that planned differently stop before they can
-deadlock or train on wrong data), and exactly one all-reduce (sum) that carries every
-gradient *and* the step's scalars: the loss sum and, in per-rank slots, the measured busy
-time, ring bytes, time blocked on ring transfers, micro-batch count and any non-finite report.  Keeping the scalars in the
-gradient buffer means telemetry and the logged loss cost no extra collective.
+digest and the data identity *before* any ring exchange (so ranks that planned differently,
+or read different data, stop before they can deadlock or train on wrong data), and exactly
+one all-reduce (sum, :func:`~lightning_bytescale.engine.executor.sync_step`) that carries
+every gradient *and* the step's scalars: the loss sum and, in per-rank slots
+(:class:`RankReport`), the measured busy time, ring bytes, time blocked on ring transfers,
+micro-batch count and any non-finite report.  Keeping the scalars in the gradient buffer
+means telemetry and the logged loss cost no extra collective.
 """
 
 from __future__ import annotations
@@ -17,23 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_bytescale.errors import PlanDivergenceError, PlanWorldSizeError
+
 # Per-rank slot of the step buffer.
 _BUSY, _RING_BYTES, _NUM_MB, _BAD_MB, _BAD_KIND, _RING_WAIT, _SEQS = range(7)
 MAX_REPORTED_SEQS = 8
 SLOT = _SEQS + MAX_REPORTED_SEQS
-_KINDS = {1: "loss", 2: "gradient"}
-
-
-class PlanDivergenceError(RuntimeError):
-    """Ranks hold different plans for the same step."""
-
-
-class PlanWorldSizeError(PlanDivergenceError, ValueError):
-    """A plan was made for a different number of ranks than the run has."""
-
-
-class NonFiniteError(FloatingPointError):
-    """A micro-batch produced a non-finite loss or gradient."""
 
 
 def digest_key(digest: str) -> int:
@@ -42,23 +33,34 @@ def digest_key(digest: str) -> int:
 
 
 def check_plan_agreement(
-    digest: str, step: int, world_size: int, plan_world: int | None = None, group: object | None = None
+    digest: str,
+    step: int,
+    world_size: int,
+    plan_world: int | None = None,
+    group: object | None = None,
+    data_identity: str = "",
 ) -> None:
-    """All-gather ``(digest, step, plan world size)``; raise on every rank if they disagree.
+    """All-gather ``(digest, step, plan world size, data identity)``; raise on every rank if they disagree.
 
     Runs before any point-to-point exchange of the step, on every rank, so all ranks stop
     together (no rank is left waiting in a ring).  Raises :class:`PlanWorldSizeError` if a plan
-    was made for another world size, :class:`PlanDivergenceError` naming the ranks that differ.
+    was made for another world size, :class:`PlanDivergenceError` naming the ranks that differ
+    (and, when ``data_identity`` differs, the data each group of ranks reads).  ``data_identity``
+    names what this rank reads (for example a token store's content hash); the step digest
+    already covers it when the data module folds it in, the separate key only makes the
+    message name the stores.
     """
     # NCCL gathers device tensors only; gloo (and the CPU path) gathers host tensors
     nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    data_key = digest_key(data_identity) if data_identity else 0
     mine = torch.tensor(
-        [digest_key(digest), int(step), int(plan_world or 0)], dtype=torch.long, device=device
+        [digest_key(digest), int(step), int(plan_world or 0), data_key], dtype=torch.long, device=device
     )
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)
-    worlds = [int(t[2]) for t in gathered]
+    rows = [[int(x) for x in t.tolist()] for t in gathered]
+    worlds = [row[2] for row in rows]
     wrong = [r for r, w in enumerate(worlds) if w and w != world_size]
     if wrong:
         raise PlanWorldSizeError(
@@ -66,18 +68,42 @@ def check_plan_agreement(
             f"{world_size}. The data module must plan with the trainer's world size (ByteScaleDataModule reads "
             "it from the trainer); when resuming on another world size, let it re-plan instead of reusing plans."
         )
-    keys = [(int(t[0]), int(t[1])) for t in gathered]
+    data_keys = [row[3] for row in rows]
+    if len(set(data_keys)) > 1:
+        raise PlanDivergenceError(describe_data_divergence(data_keys, data_identity, step))
+    keys = [(row[0], row[1]) for row in rows]
     if len(set(keys)) == 1:
         return
     raise PlanDivergenceError(describe_divergence(keys))
 
 
+def _split_by_value(values: Sequence[object]) -> list[tuple[object, list[int]]]:
+    """``[(value, ranks holding it)]``, the largest group first (ties: lowest rank first)."""
+    groups: dict[object, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+
+
+def describe_data_divergence(keys: Sequence[int], mine: str, step: int) -> str:
+    """The message for ranks that read different data (token stores with different contents)."""
+    ordered = _split_by_value(keys)
+    majority = ordered[0][1]
+    odd = sorted(r for _, ranks in ordered[1:] for r in ranks)
+    parts = [f"ranks {ranks} read data {int(key):015x}" for key, ranks in ordered]
+    return (
+        f"The ranks read different data at step {step}: ranks {odd} differ from ranks {majority} ("
+        + "; ".join(parts)
+        + f"; this rank reads {mine!r}). Every rank must read the same token store: a file edited or a "
+        "store rebuilt on one node changes its content hash. Copy the same source files (or the same "
+        "store folder) to every node, or rebuild the store everywhere (ByteScaleDataModule(rebuild=True)), "
+        "then resume from the last checkpoint."
+    )
+
+
 def describe_divergence(keys: Sequence[tuple[int, int]]) -> str:
     """The message for ranks whose ``(digest key, step)`` pairs differ."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for rank, key in enumerate(keys):
-        groups.setdefault(key, []).append(rank)
-    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    ordered = _split_by_value(keys)
     parts = [f"ranks {ranks} hold plan {key[0]:015x} for step {key[1]}" for key, ranks in ordered]
     majority = ordered[0][1]
     odd = sorted(r for _, ranks in ordered[1:] for r in ranks)
@@ -132,19 +158,24 @@ class RankReport:
 
 def describe_non_finite(reports: Sequence[RankReport], step: int) -> str:
     """The message naming every rank, micro-batch and sequence with a non-finite loss or gradient."""
+    bad_loss = [r for r, rep in enumerate(reports) if rep.bad_micro_batch is not None and rep.bad_kind == 1]
+    bad_grad = [r for r, rep in enumerate(reports) if rep.bad_micro_batch is not None and rep.bad_kind != 1]
     lines = []
     for rank, rep in enumerate(reports):
         if rep.bad_micro_batch is None:
             continue
         seqs = list(rep.bad_seq_ids)
-        more = " (first ids shown)" if len(seqs) >= MAX_REPORTED_SEQS else ""
-        lines.append(
-            f"rank {rank}: non-finite {_KINDS.get(rep.bad_kind, 'value')} in micro-batch {rep.bad_micro_batch} "
-            f"(global-batch sequence ids {seqs}{more})"
+        more = ", first ids shown" if len(seqs) >= MAX_REPORTED_SEQS else ""
+        what = (
+            f"non-finite loss in micro-batch {rep.bad_micro_batch}"
+            if rep.bad_kind == 1
+            else f"gradients first non-finite after micro-batch {rep.bad_micro_batch}"
         )
+        lines.append(f"rank {rank}: {what} (sequences {seqs}{more})")
     return (
-        f"Non-finite values at step {step}; the optimizer step was not taken. "
+        f"Non-finite values at step {step}; the optimizer step was not taken: loss on rank(s) {bad_loss}, "
+        f"local gradients on rank(s) {bad_grad}. "
         + "; ".join(lines)
-        + ". Inspect those sequences, lower the learning rate, or enable gradient clipping "
-        "(Trainer(gradient_clip_val=...)); bf16/fp16 runs may also need a loss scale."
+        + ". Sequence ids index the global batch. Inspect those sequences, lower the learning rate, "
+        "enable gradient clipping (Trainer(gradient_clip_val=...)), or use bf16/float32 instead of float16."
     )

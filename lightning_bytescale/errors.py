@@ -1,0 +1,76 @@
+"""The errors a training run can stop with, one class per condition, under one base class.
+
+Catch :class:`ByteScaleError` for anything this package raises on purpose.  Each subclass is
+one condition, and each message names the cause (ranks, step, micro-batch, option) and the
+fix.  The classes also derive from the built-in exception a caller would expect
+(``ValueError`` for bad configuration, ``RuntimeError`` for a failed step,
+``FloatingPointError`` for non-finite values), so generic handlers keep working.
+
+This module is pure Python: every floor of the package may import it.
+"""
+
+from __future__ import annotations
+
+
+class ByteScaleError(Exception):
+    """Base class of every error lightning-bytescale raises on purpose."""
+
+
+class ConfigError(ByteScaleError, ValueError):
+    """An option, a Trainer setting or a LightningModule contract that HDP cannot run with."""
+
+
+class LossNormalizationError(ConfigError):
+    """``training_step`` returns a loss that is not normalised by the global token count.
+
+    A per-micro-batch mean (``F.cross_entropy(..., reduction="mean")``) weights tokens
+    differently on different ranks and micro-batches and breaks the equivalence with
+    single-process training; return ``token_loss(logits, mb.labels, mb.num_global_tokens)``.
+    """
+
+
+class StepError(ByteScaleError, RuntimeError):
+    """A distributed step could not be completed consistently on all ranks."""
+
+
+class PlanDivergenceError(StepError):
+    """Ranks hold different plans (or different data) for the same step.
+
+    Raised on every rank before any ring exchange of the step (from the digest check), or
+    after the step's all-reduce when the ranks' loss tokens do not add up to the global batch.
+    """
+
+
+class PlanWorldSizeError(PlanDivergenceError, ValueError):
+    """A plan was made for a different number of ranks than the run has."""
+
+
+class ParameterDivergenceError(StepError):
+    """Ranks hold different model parameters although they must train one model."""
+
+
+class NonFiniteError(StepError, FloatingPointError):
+    """A micro-batch produced a non-finite loss or gradient; raised on every rank together."""
+
+
+class PeerFailureError(StepError):
+    """Another rank died or stopped answering during a collective or a ring transfer."""
+
+
+# Names of the first landing, kept so existing ``except`` clauses keep working.
+DivergentPlanError = PlanDivergenceError
+ByteScaleConfigError = ConfigError
+
+__all__ = [
+    "ByteScaleConfigError",
+    "ByteScaleError",
+    "ConfigError",
+    "DivergentPlanError",
+    "LossNormalizationError",
+    "NonFiniteError",
+    "ParameterDivergenceError",
+    "PeerFailureError",
+    "PlanDivergenceError",
+    "PlanWorldSizeError",
+    "StepError",
+]
