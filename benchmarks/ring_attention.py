@@ -7,6 +7,10 @@ process:
   (per-sequence ``scaled_dot_product_attention``);
 * ``local_blocks``: one process, all tokens, the ring code path with a ring of one (the same
   block kernels the ring uses, no communication);
+* ``loopback_N``: one process and thread, all N members of a ring run one after the other by
+  the loopback ring (the P2P code path with in-memory transfers): the ring's compute and
+  merge overhead with no network, as ``loopback_fraction_of_local_N = local_sdpa / loopback_N``
+  (1.0: the ring costs nothing beyond the attention itself);
 * ``ring_N``: N gloo ranks, each holding its zigzag share, with transfers posted before compute
   (``overlap``) and after it (``serial``).  Per rank it records step time, time blocked in
   transfer waits, bytes sent.
@@ -40,13 +44,16 @@ from lightning_bytescale.attention import (
     attention,
     attention_context,
     comm_stats,
+    loopback_ring_attention,
     reset_comm_stats,
     ring_attention,
     set_overlap,
 )
+from lightning_bytescale.attention.loopback import ring_layouts, zigzag_shard
 from lightning_bytescale.planner import zigzag
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ring_attention.json"
+LOOPBACK_SIZES = (2, 4, 8)
 
 
 def _inputs(num_slots: int, heads: int, kv_heads: int, dim: int, seed: int = 0):
@@ -96,16 +103,29 @@ def _local(cfg: dict, iters: int) -> dict:
     one = _ring_layout(lens, (0,), 0)
     q1, k1, v1, d1 = _inputs(int(one.cu_seqlens[-1]), cfg["heads"], cfg["kv_heads"], cfg["dim"])
     scale = cfg["dim"] ** -0.5
-    best = _time_alternating(
-        {
-            "local_sdpa_s": _fwd_bwd(sdpa, q, k, v, dout),
-            "local_blocks_s": _fwd_bwd(
-                lambda a, b, c: ring_attention(a, b, c, one, scale=scale), q1, k1, v1, d1
-            ),
-        },
-        iters,
-    )
+    fns = {
+        "local_sdpa_s": _fwd_bwd(sdpa, q, k, v, dout),
+        "local_blocks_s": _fwd_bwd(lambda a, b, c: ring_attention(a, b, c, one, scale=scale), q1, k1, v1, d1),
+    }
+    for n in LOOPBACK_SIZES:
+        fns[f"loopback_{n}_s"] = _loopback_step(lens, n, q, k, v, dout)
+    best = _time_alternating(fns, iters)
+    for n in LOOPBACK_SIZES:
+        best[f"loopback_fraction_of_local_{n}"] = best["local_sdpa_s"] / best[f"loopback_{n}_s"]
     return best
+
+
+def _loopback_step(lens: list[int], n: int, q, k, v, dout):
+    """Forward+backward of all ``n`` members of a ring, in this thread, on the same tokens."""
+    layouts = ring_layouts(lens, n)
+    parts = [zigzag_shard(x, layouts) for x in (q, k, v)]
+    douts = zigzag_shard(dout, layouts)
+
+    def step():
+        ps = [[p.detach().requires_grad_() for p in xs] for xs in parts]
+        torch.autograd.backward(loopback_ring_attention(*ps, layouts), douts)
+
+    return step
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, iters: int, out_dir: str) -> None:

@@ -3,6 +3,7 @@
 A model calls :func:`attention`; the engine sets the micro-batch's layout with
 :func:`attention_context`.  Local micro-batches run varlen attention with no communication;
 sharded ones run zigzag ring attention over P2P on the global process group.
+:func:`loopback_ring_attention` runs all members of a ring in one process (tests, one-GPU checks).
 
 The package itself is callable, so ``lightning_bytescale.attention(q, k, v)`` and
 ``from lightning_bytescale.attention import attention`` are the same function.
@@ -14,7 +15,9 @@ import types
 from lightning_bytescale.attention.api import AttentionShapeError, attention
 from lightning_bytescale.attention.comm import comm_stats, reset_comm_stats
 from lightning_bytescale.attention.context import attention_context, current_layout
+from lightning_bytescale.attention.kernels import select_kernel
 from lightning_bytescale.attention.layout import AttentionLayout
+from lightning_bytescale.attention.loopback import loopback_ring_attention
 from lightning_bytescale.attention.ring import RingLayoutError, ring_attention, set_overlap
 
 __all__ = [
@@ -25,8 +28,10 @@ __all__ = [
     "attention_context",
     "comm_stats",
     "current_layout",
+    "loopback_ring_attention",
     "reset_comm_stats",
     "ring_attention",
+    "select_kernel",
     "set_overlap",
 ]
 

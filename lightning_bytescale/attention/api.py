@@ -49,10 +49,11 @@ def attention(
     layout = scope.layout
     if layout.is_local:
         total = sum(int(s) for s in layout.seq_lens)
-        slots = [int(x) for x in layout.cu_seqlens.tolist()]
-        if slots[-1] != q.shape[0] or total != q.shape[0]:
+        # a device-resident cu_seqlens is not read back (that would synchronise the host)
+        end = total if layout.cu_seqlens.is_cuda else int(layout.cu_seqlens[-1])
+        if end != q.shape[0] or total != q.shape[0]:
             raise AttentionShapeError(
-                f"the local layout holds {total} tokens (cu_seqlens ends at {slots[-1]}) but q has "
+                f"the local layout holds {total} tokens (cu_seqlens ends at {end}) but q has "
                 f"{q.shape[0]}; build the layout from the same micro-batch as the tensors"
             )
         return varlen_attention(q, k, v, layout.seq_lens, scale=scale)

@@ -1,20 +1,33 @@
-"""Ring P2P transfers on the global process group, with counters for tests and telemetry.
+"""Ring P2P transfers on the global process group, on their own CUDA stream, with counters.
 
 Every transfer is a ``batch_isend_irecv`` of one send to the next ring member and one
 receive from the previous one, with peers named by their *global* ranks; no process group
 is ever created here.  The counters are per process and cumulative until
 :func:`reset_comm_stats`.
+
+On CUDA a transfer runs on a per-device *communication stream*: posting makes that stream
+wait for the compute stream (an event: the send buffer has been written) and issues the
+P2P there; :meth:`Transfer.wait` makes the NCCL work complete on the communication stream and
+then the compute stream wait for it (events again).  Neither synchronises the host, so the
+ring loop queues the next transfer, the current block's kernels and the merges without
+stopping.  :func:`post_on_comm_stream` and :func:`hand_over` are shared with the in-process
+loopback ring, so it exercises the same stream handling.  On CPU (gloo) ``wait`` blocks the
+calling thread while gloo's own threads move the data.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 _STATS: dict[str, float] = {}
+_COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+T = TypeVar("T")
 
 
 def reset_comm_stats() -> None:
@@ -30,38 +43,90 @@ def comm_stats() -> dict[str, float]:
 
     ``p2p_calls``: point-to-point operations issued (each send and each receive counts one);
     ``p2p_batches``: ``batch_isend_irecv`` calls; ``bytes_sent`` / ``bytes_received``;
-    ``wait_s``: seconds spent blocked waiting for transfers (time not hidden by compute).
+    ``wait_s``: seconds the host spent blocked in transfer waits (time not hidden by compute).
+    On CUDA waits are stream waits, so ``wait_s`` stays near zero there: device-side waiting
+    shows in step time, not here.
     """
     return dict(_STATS)
+
+
+def comm_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The ring's communication stream on a CUDA ``device`` (one per device); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COMM_STREAMS:
+        _COMM_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _COMM_STREAMS[index]
+
+
+def post_on_comm_stream(send: torch.Tensor, start: Callable[[], T]) -> T:
+    """Run ``start()`` (which issues the exchange of ``send``) on the communication stream.
+
+    The communication stream first waits for the current (compute) stream, so the exchange
+    reads ``send`` after the kernels that wrote it; ``send`` is recorded as used there, so the
+    caching allocator does not hand its memory out before the exchange is done.
+    """
+    stream = comm_stream(send.device)
+    if stream is None:
+        return start()
+    stream.wait_stream(torch.cuda.current_stream(send.device))
+    with torch.cuda.stream(stream):
+        result = start()
+    send.record_stream(stream)
+    return result
+
+
+def hand_over(recv: torch.Tensor, finish: Callable[[], Any] | None = None) -> torch.Tensor:
+    """Make ``recv`` usable on the current stream: ``finish()`` on the communication stream, then an event wait."""
+    stream = comm_stream(recv.device)
+    if stream is None:
+        if finish is not None:
+            finish()
+        return recv
+    if finish is not None:
+        with torch.cuda.stream(stream):
+            finish()  # NCCL: the current (communication) stream waits for the work
+    current = torch.cuda.current_stream(recv.device)
+    current.wait_stream(stream)
+    recv.record_stream(current)
+    return recv
 
 
 class Transfer:
     """One posted ring transfer: ``send`` goes to ``dst``, the result arrives from ``src``."""
 
     def __init__(self, send: torch.Tensor, dst: int, src: int, tag: int, group: Any = None) -> None:
-        self.recv = torch.empty_like(send)
-        ops = [
-            dist.P2POp(dist.isend, send, dst, group=group, tag=tag),
-            dist.P2POp(dist.irecv, self.recv, src, group=group, tag=tag),
-        ]
-        self._send = send  # keep the buffer alive until the send completes
-        self._reqs = dist.batch_isend_irecv(ops)
+        self._send: torch.Tensor | None = send  # keep the buffer alive until the send completes
+        self.recv, self._reqs = post_on_comm_stream(send, lambda: self._start(send, dst, src, tag, group))
         nbytes = send.numel() * send.element_size()
         _STATS["p2p_calls"] += 2
         _STATS["p2p_batches"] += 1
         _STATS["bytes_sent"] += nbytes
         _STATS["bytes_received"] += nbytes
 
+    @staticmethod
+    def _start(send: torch.Tensor, dst: int, src: int, tag: int, group: Any) -> tuple[torch.Tensor, list]:
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, dst, group=group, tag=tag),
+            dist.P2POp(dist.irecv, recv, src, group=group, tag=tag),
+        ]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @property
+    def done(self) -> bool:
+        return not self._reqs
+
     def wait(self) -> torch.Tensor:
-        """Block until both operations finish; return the received tensor.
+        """Finish both operations; return the received tensor, ready on the current stream.
 
         Safe to call more than once (a gloo work object must be waited exactly once).
         """
         if self._reqs:
             start = time.perf_counter()
-            for req in self._reqs:
-                req.wait()
+            reqs, self._reqs = self._reqs, []
+            hand_over(self.recv, lambda: [req.wait() for req in reqs])
             _STATS["wait_s"] += time.perf_counter() - start
-            self._reqs = []
             self._send = None
         return self.recv

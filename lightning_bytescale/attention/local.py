@@ -1,50 +1,82 @@
 """Variable-length causal attention for whole sequences packed on one rank.
 
-flash-attn's varlen kernel is used on CUDA when the package is installed (it is an optional
-GPU extra and never required); everywhere else each group of equal-length sequences runs
-through PyTorch's ``scaled_dot_product_attention`` with ``is_causal=True``, so autograd,
-every dtype (float64 included) and every device work out of the box.
+No log-sum-exp is needed here, so each device gets its fastest fused kernel, one call for
+the whole packed micro-batch where one exists:
+
+* CUDA, float16/bfloat16: flash-attn's ``flash_attn_varlen_func`` when the package is
+  installed (an optional GPU extra), otherwise PyTorch's ``torch.nn.attention.varlen.varlen_attn``
+  (its flash kernel, sm80+, head size a multiple of 8 up to 256);
+* everywhere else (CPU, float32, float64, older GPUs): ``scaled_dot_product_attention`` with
+  ``is_causal=True`` per sequence, equal lengths batched.  On CUDA it picks the flash or
+  memory-efficient kernel itself (float64 runs its math kernel).
+
+Autograd, GQA and every dtype work on every path.  The offsets the varlen kernels take are
+cached per set of lengths and copied without a host synchronisation.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from lightning_bytescale.attention import cuda_kernels
+from lightning_bytescale.attention.segments import Segments
 
-@lru_cache(maxsize=1)
-def _flash_varlen() -> Any:
-    try:
-        return importlib.import_module("flash_attn").flash_attn_varlen_func
-    except Exception:  # ImportError, or a broken build (missing CUDA extension)
-        return None
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@lru_cache(maxsize=16)
+def _segments(lens: tuple[int, ...]) -> Segments:
+    return Segments(lens)
 
 
 def flash_attn_available() -> bool:
-    """True when flash-attn's varlen kernel can be imported."""
-    return _flash_varlen() is not None
+    """True when flash-attn's varlen kernels can be imported (and are recent enough for rings)."""
+    return not isinstance(cuda_kernels.flash_attn_status(), str)
 
 
-def _use_flash(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_available()
+def local_kernel(q: torch.Tensor) -> str:
+    """The kernel :func:`varlen_attention` uses for ``q``: ``flash_attn``, ``varlen`` or ``sdpa``."""
+    if not q.is_cuda or q.dtype not in _HALF or q.shape[-1] > 256:
+        return "sdpa"
+    if cuda_kernels.flash_attn_available(q.device):
+        return "flash_attn"
+    if q.shape[-1] % 8 == 0 and cuda_kernels.torch_flash_available(q.device):
+        return "varlen"
+    return "sdpa"
 
 
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int], *, scale: float
 ) -> torch.Tensor:
     """Causal attention within each sequence of a packed ``[T, H, D]`` batch (``sum(seq_lens) == T``)."""
-    lens = [int(s) for s in seq_lens]
+    lens = tuple(int(s) for s in seq_lens)
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
-    if _use_flash(q):
-        cu = torch.tensor([0, *lens], device=q.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        longest = max(lens)
-        return _flash_varlen()(q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True)
+    kind = local_kernel(q)
+    if kind != "sdpa":
+        seg = _segments(lens)
+        cu, longest = seg.cu_seqlens(q.device), seg.max_len
+        if kind == "flash_attn":
+            forward = cuda_kernels.flash_attn_functions()[0]
+            return forward(q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True)
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            longest,
+            longest,
+            scale=scale,
+            window_size=(-1, 0),
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
     gqa = q.shape[1] != k.shape[1]
     qh, kh, vh = (x.transpose(0, 1) for x in (q, k, v))  # [H, T, D]
     if len(set(lens)) == 1:
