@@ -111,6 +111,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        """Ones, as at construction (meta-device initialisation calls this to materialise)."""
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
