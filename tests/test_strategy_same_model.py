@@ -70,7 +70,9 @@ def assert_trained_one_model(out: Path, world: int, steps: int) -> None:
     final = [torch.load(out / f"params_{r}.pt") for r in range(world)]
     # the ranks really started apart (else the test proves nothing) ...
     for r in range(1, world):
-        assert any(not torch.equal(initial[0][k], initial[r][k]) for k in initial[0]), f"rank {r} started equal"
+        assert any(not torch.equal(initial[0][k], initial[r][k]) for k in initial[0]), (
+            f"rank {r} started equal"
+        )
     # ... and ended as one model: bit-identical, and equal to one process from rank 0's weights
     for r in range(1, world):
         for k, v in final[0].items():
@@ -119,7 +121,11 @@ def test_unseeded_model_from_a_plain_script_trains_one_model(tmp_path):
     steps = 3
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(tests=str(TESTS), out=str(tmp_path), steps=steps)))
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")
+    }
     done = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
     )
@@ -183,7 +189,9 @@ class DriftingLM(TinyLM):
 
 
 def test_parameter_drift_on_one_rank_stops_every_rank_naming_the_parameter(tmp_path):
-    with pytest.raises(Exception, match=r"ranks \[1\] differ from ranks \[0\].*blocks\.0\.mlp\.w2\.weight") as info:
+    with pytest.raises(
+        Exception, match=r"ranks \[1\] differ from ranks \[0\].*blocks\.0\.mlp\.w2\.weight"
+    ) as info:
         _fit(tmp_path, 2, DriftingLM(), steps=4, check_parameters_every_n_steps=1)
     assert "ParameterDivergenceError" in str(info.value) or isinstance(info.value, ParameterDivergenceError)
 
