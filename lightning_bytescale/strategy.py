@@ -513,9 +513,7 @@ class ByteScaleStrategy(ParallelStrategy):
         for _, p in named:
             p.grad = None
         self._pending = {"batch": batch, "local": local, "t_start": t_start, "probing": probing}
-        return local.loss.to(local.loss.device if local.loss.device.type != "cpu" else self.root_device).to(
-            dtypes[0]
-        )
+        return local.loss.to(self.root_device, dtypes[0])
 
     @override
     def backward(

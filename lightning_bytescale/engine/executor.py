@@ -214,6 +214,13 @@ def run_micro_batch(
     return loss.detach(), time.perf_counter() - start
 
 
+def _device_events(device: torch.device) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+    """A start/end event pair to time a micro-batch on a CUDA device without a host sync."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
 def _grads_finite(params: Sequence[nn.Parameter]) -> torch.Tensor | None:
     """A 0-d bool on the device: every ``.grad`` is finite (one max-abs pass; no host sync)."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -255,8 +262,10 @@ def run_micro_batches(
     micro-batch that first made them non-finite is known
     (:attr:`LocalResult.first_non_finite_gradient`).  ``check_loss_scaling`` probes the first
     micro-batch without a ring whose loss is not zero (:mod:`~lightning_bytescale.engine.loss_check`;
-    one extra forward without gradients) and records the verdict in
-    :attr:`LocalResult.loss_scaling`.  ``on_phase(text)`` is called before each micro-batch
+    one extra forward without gradients and one host sync to read both losses) and records the
+    verdict in :attr:`LocalResult.loss_scaling`.  ``sync_timing`` measures each micro-batch's
+    device time: with CUDA events on a GPU (no host synchronisation inside the loop), with
+    synchronised wall time elsewhere.  ``on_phase(text)`` is called before each micro-batch
     with where the rank is (for a watchdog and error messages).
     """
     checked = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
@@ -265,6 +274,7 @@ def run_micro_batches(
     seconds: list[float] = []
     finite: list[torch.Tensor] = []
     verdicts: list[LossScaling] = []
+    timers: list[tuple[int, tuple[torch.cuda.Event, torch.cuda.Event]]] = []
     sent0, wait0 = _comm_counters()
     for mb in micro_batches:
         if on_phase is not None:
@@ -274,16 +284,22 @@ def run_micro_batches(
             and is_probe_candidate(mb)
             and all(v == LossScaling.UNCHECKED for v in verdicts)
         )
+        events = _device_events(mb.input_ids.device) if sync_timing else None
+        if events is not None:
+            events[0].record()
         loss, sec = run_micro_batch(
             model,
             mb,
             forward=forward,
             backward=backward,
             micro_batch_context=micro_batch_context,
-            sync_timing=sync_timing,
+            sync_timing=sync_timing and events is None,
             p2p_group=p2p_group,
             probe=verdicts if probing else None,
         )
+        if events is not None:
+            events[1].record()
+            timers.append((len(seconds), events))
         losses.append(loss.to(torch.float64))
         counts.append((mb.labels != IGNORE_INDEX).sum())
         seconds.append(sec)
@@ -294,8 +310,11 @@ def run_micro_batches(
     scaling = next((v for v in verdicts if v != LossScaling.UNCHECKED), LossScaling.UNCHECKED)
     if not losses:
         return LocalResult(loss=torch.zeros((), dtype=torch.float64), loss_tokens=0, loss_scaling=scaling)
-    loss_values = torch.stack(losses).tolist()
+    loss_values = torch.stack(losses).tolist()  # the loop's one host synchronisation
     token_values = torch.stack(counts).tolist()
+    for i, (start, end) in timers:  # device time of each micro-batch, read after that sync
+        end.synchronize()
+        seconds[i] = start.elapsed_time(end) / 1000.0
     finite_values: list[bool | None] = (
         [bool(f) for f in torch.stack([f.to(finite[0].device) for f in finite]).tolist()]
         if finite
