@@ -267,3 +267,37 @@ def test_fingerprints_are_bit_exact_and_order_free():
     assert combine(a) != combine(b)  # the model fingerprint depends on the parameter order
     assert all(0 <= int(v) < 2**32 for v in a)
     assert json.dumps([int(v) for v in a])  # plain integers
+
+
+class MetaInitLM(TinyLM):
+    """Builds its model on the meta device; the strategy materialises it on the rank's device."""
+
+    def __init__(self, out: Path) -> None:
+        pl.LightningModule.__init__(self)
+        self.out = out
+        self.scheduler = True
+        self.model: LlamaModel | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+        with torch.device("meta"):
+            self.model = LlamaModel(LlamaConfig.preset("tiny"))
+
+    def on_fit_start(self) -> None:  # after set-up: materialised and broadcast
+        state = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
+        torch.save(state, self.out / f"start_{self.global_rank}.pt")
+
+
+def test_meta_device_model_is_materialised_and_equal_on_every_rank(tmp_path):
+    _fit(tmp_path, 2, MetaInitLM(tmp_path), steps=2)
+    starts = [torch.load(tmp_path / f"start_{r}.pt") for r in range(2)]
+    finals = [torch.load(tmp_path / f"params_{r}.pt") for r in range(2)]
+    for k, v in starts[0].items():
+        assert v.device.type == "cpu" and torch.isfinite(v).all(), k
+        assert torch.equal(v, starts[1][k]), f"{k} differs between ranks after set-up"
+        if k.endswith("norm.weight"):
+            assert torch.equal(v, torch.ones_like(v)), f"{k} was not reset"
+    for k, v in finals[0].items():
+        assert torch.equal(v, finals[1][k]), k
