@@ -30,7 +30,12 @@ from lightning_bytescale.attention.segments import Segments
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
-TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-4}
+# errors relative to the reference's largest magnitude
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-3}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return max_err(a, b) / max(float(b.detach().abs().max()), 1e-300)
 
 
 def _fused(dtype: torch.dtype) -> list[str]:
@@ -60,14 +65,14 @@ def test_fused_kernels_match_math(dtype, q_lens, k_lens, causal, heads, dim):
     for name in names:
         out, lse = kernels.block_forward(*low[:3], causal=causal, scale=scale, impl=name, **seg)
         assert out.shape == low[0].shape and lse.shape == (heads[0], low[0].shape[0]), name
-        assert max_err(out, ref_out) <= TOLERANCE[dtype], name
-        assert max_err(lse, ref_lse) <= TOLERANCE[dtype], name
+        assert rel_err(out, ref_out) <= TOLERANCE[dtype], name
+        assert rel_err(lse, ref_lse) <= TOLERANCE[dtype], name
         grads = kernels.block_backward(
             low[3], *low[:3], merged, ref_lse.float(), causal=causal, scale=scale, impl=name, **seg
         )
         for got, want in zip(grads, ref_grads):
             assert got.shape == want.shape, name
-            assert max_err(got, want) <= 4 * TOLERANCE[dtype], name
+            assert rel_err(got, want) <= 2 * TOLERANCE[dtype], name
 
 
 def test_default_kernels_on_this_gpu():
@@ -99,13 +104,13 @@ def test_loopback_ring_float64_on_gpu_is_exact(n):
         assert max_err(got.cpu(), want) <= TOL
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 6e-2), (torch.float32, 1e-3)])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 3e-2), (torch.float32, 1e-3)])
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_loopback_ring_fused_kernels_on_gpu(dtype, tol, n):
     seq_lens = [300, 41, 1000]
     ref, layouts, parts, douts = _loopback(seq_lens, n, 8, 2, dtype, dim=64)
     for got, want in zip(_run(layouts, parts, douts), ref):
-        assert got.dtype == dtype and max_err(got.cpu(), want) <= tol
+        assert got.dtype == dtype and rel_err(got.cpu(), want) <= tol
 
 
 def test_ring_loop_does_not_synchronise_the_host():
@@ -124,7 +129,7 @@ def test_ring_loop_does_not_synchronise_the_host():
         torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
     got = zigzag_unshard(outs, layouts)
-    assert max_err(got.cpu(), ref[0]) <= 6e-2
+    assert rel_err(got.cpu(), ref[0]) <= 3e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
@@ -137,6 +142,8 @@ def test_local_varlen_attention_on_gpu(dtype):
     with attention_context(layout):
         out = attention(qq, kk, vv)
     out.backward(dout.to(CUDA, dtype))
-    tol = {torch.bfloat16: 6e-2, torch.float32: 1e-3, torch.float64: TOL}[dtype]
     for got, want in zip((out, qq.grad, kk.grad, vv.grad), ref):
-        assert max_err(got.cpu(), want) <= tol
+        if dtype == torch.float64:
+            assert max_err(got.cpu(), want) <= TOL
+        else:
+            assert rel_err(got.cpu(), want) <= TOLERANCE[dtype]
