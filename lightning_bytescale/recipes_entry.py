@@ -99,6 +99,13 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     strategy = instantiate(_plain(cfg.strategy))
     logger = instantiate(_plain(cfg.logger)) if cfg.get("logger") is not None else None
     callbacks = [instantiate(_plain(cfg.telemetry))]
+    trainer_cfg = _plain(cfg.trainer)
+    max_time = trainer_cfg.pop("max_time", None)
+    if max_time is not None:
+        from lightning_bytescale.run_timer import RunTimer
+
+        # Lightning's own max_time restores the elapsed time on resume; this one bounds each run
+        callbacks.append(RunTimer(duration=max_time, interval="step"))
     if logger is not None:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.trainer.get("enable_checkpointing", True):
@@ -110,7 +117,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
             )
         )
     trainer = instantiate(
-        _plain(cfg.trainer),
+        trainer_cfg,
         strategy=strategy,
         logger=logger if logger is not None else False,
         callbacks=callbacks,
@@ -171,7 +178,11 @@ def train(cfg: DictConfig) -> float | None:
 
 def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: float) -> None:
     # With the spawn launcher the fitted state stays in the worker processes: no step count here.
-    steps = f"{trainer.global_step} steps" if trainer.global_step else "finished"
+    timer = next((c for c in trainer.callbacks if type(c).__name__ == "RunTimer"), None)
+    ran = timer.steps_this_run(trainer) if timer is not None else trainer.global_step
+    steps = f"{ran} steps" if trainer.global_step else "finished"
+    if trainer.global_step and cfg.get("ckpt_path"):
+        steps += f" (resumed; step {trainer.global_step} now)"
     lines = [f"[bytescale-train] {cfg.name}: {steps} in {seconds:.1f} s"]
     if loss is not None:
         lines[0] += f", last loss {float(loss):.4f}"

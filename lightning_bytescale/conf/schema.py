@@ -126,7 +126,7 @@ class TrainerConfig:
     precision: Any = "32-true"
     max_steps: int = -1
     max_epochs: int | None = None
-    max_time: str | None = None  # "DD:HH:MM:SS"
+    max_time: str | None = None  # "DD:HH:MM:SS": this run's training-time budget (not restored on resume)
     gradient_clip_val: float | None = 1.0
     log_every_n_steps: int = 1
     limit_train_batches: Any | None = None
