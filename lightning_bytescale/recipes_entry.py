@@ -156,8 +156,27 @@ def _finish_wandb() -> None:
         wandb.finish()
 
 
+def _one_line_per_log_message() -> None:
+    """Under Hydra, let its handlers (console and the run's log file) print Lightning's messages once.
+
+    Lightning adds its own console handler when it is imported before logging is configured;
+    with Hydra's root handlers as well, every Lightning line would be printed twice.
+    """
+    import lightning.pytorch  # noqa: F401  (its import decides whether it adds a handler)
+
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:
+                logger.removeHandler(handler)
+        logger.propagate = True
+
+
 def train(cfg: DictConfig) -> float | None:
     """Run the recipe; returns the last logged training loss (the value sweepers optimise)."""
+    _one_line_per_log_message()
     if cfg.get("print_config"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
     parts = build(cfg)

@@ -26,6 +26,7 @@ import inspect
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -71,6 +72,13 @@ if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
 
 log = logging.getLogger(__name__)
+
+# Deprecations inside our dependencies that a user can do nothing about, printed by every rank
+# at every start: Lightning 2.6's pytree helper (torch 2.13) and torchdata's loader.
+warnings.filterwarnings(
+    "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+)
+warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning)
 
 ByteScaleConfigError = ConfigError  # the first landing's name
 LOSS_PROBE_STEPS = 3  # steps in which each rank probes the loss normalisation until one probe is conclusive
