@@ -690,6 +690,28 @@ class ByteScaleStrategy(ParallelStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_loop("test_step", *args, **kwargs)
 
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``predict_step(mb, batch_idx)`` once per micro-batch of this rank; returns their outputs in order.
+
+        Each rank returns its own micro-batches' outputs (a list, possibly empty); ``mb.seq_ids``
+        and ``mb.layout`` say which sequences (and, for a ring, which zigzag chunks) they hold.
+        """
+        batch = args[0] if args else None
+        if not isinstance(batch, StepBatch):
+            return super().predict_step(*args, **kwargs)
+        from lightning_bytescale.attention import attention_context
+
+        module = self.lightning_module
+        assert module is not None
+        check_step(batch)
+        outputs = []
+        with self.precision_plugin.predict_step_context():
+            for mb in batch.micro_batches:
+                with attention_context(mb.layout):
+                    outputs.append(module.predict_step(mb, *args[1:], **kwargs))
+        return outputs
+
     # ------------------------------------------------------------------ errors
     @override
     def on_exception(self, exception: BaseException) -> None:
