@@ -5,12 +5,19 @@ friends into ``os.environ``.  A later test that starts a fresh training script w
 them, and Lightning would then believe its processes were created externally and wait for
 ranks that never come.  So every test gets the environment back as it found it.
 
+No test may leave a process behind: each test's new descendants of the pytest process must be
+gone (after a short grace period) when it ends, else the test errors at teardown, naming
+them, and they are killed.  The pytest process adopts orphans (a child subreaper), so a
+grandchild whose parent died, the case a leaked rank is, still counts.
+
 Tests marked ``gpu`` are skipped where CUDA is not available.
 """
 
 import os
 
 import pytest
+
+from lightning_bytescale import proc as process_tree
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -34,3 +41,42 @@ def _restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+# Helpers that live for the whole session once started, by a test or by a library: not leaks.
+SESSION_HELPERS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "wandb-core",
+    "compile_worker",
+)
+LEFTOVER_GRACE_S = 5.0
+process_tree.become_subreaper()
+
+
+def _session_helper(pid: int) -> bool:
+    command = process_tree.command_line(pid, limit=400)
+    return any(name in command for name in SESSION_HELPERS)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes(request):
+    before = process_tree.pids()  # a listing, not a walk: cheap enough for every test
+    yield
+    new = [
+        p
+        for p in sorted(process_tree.pids() - before)
+        if process_tree.is_alive(p) and process_tree.is_descendant(p) and not _session_helper(p)
+    ]
+    left = process_tree.wait_gone(new, LEFTOVER_GRACE_S) if new else []
+    if not left:
+        return
+    described = "; ".join(f"pid {p}: {process_tree.command_line(p)}" for p in left)
+    for pid in left:
+        process_tree.signal_all([*process_tree.descendants(pid), pid])
+    pytest.fail(
+        f"{request.node.nodeid} left {len(left)} process(es) running {LEFTOVER_GRACE_S:g} s after it ended "
+        f"(now killed): {described}. End every process a test starts, e.g. run it in its own session and "
+        "kill its process group in a finally block.",
+        pytrace=False,
+    )

@@ -33,6 +33,7 @@ from lightning_bytescale.data.policy import Samples
 from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
 from lightning_bytescale.data.store import TokenStore
 from lightning_bytescale.engine.batch import StepBatch
+from lightning_bytescale.proc import LoaderWorkerInit
 
 
 def plan_seed(seed: int, epoch: int, step: int) -> int:
@@ -132,6 +133,8 @@ class StepLoader(StatefulDataLoader):
         self.restart_each_iter = False  # validation: every pass starts at step 0
         kwargs.pop("batch_size", None)
         kwargs.pop("collate_fn", None)
+        # workers ignore SIGTERM (the rank saves first) and die with their rank
+        kwargs["worker_init_fn"] = LoaderWorkerInit.wrap(kwargs.get("worker_init_fn"))
         super().__init__(
             dataset,
             batch_size=None,

@@ -1,0 +1,278 @@
+"""The popen launcher whose ranks never outlive rank 0, and that names why a rank died.
+
+Lightning's default launcher (``start_method="popen"``) has rank 0 re-run the script for ranks
+1.. with :class:`subprocess.Popen`.  Two things go wrong with it:
+
+* when rank 0 dies, its children are re-parented to init and live on; a rank stuck in user
+  code (or stopped) then holds its memory and accelerator forever;
+* when a child is killed (SIGKILL from the out-of-memory killer, a scheduler), the launcher
+  only logs ``Child process ... terminated with code -9`` and SIGKILLs itself (exit 137).
+
+:class:`ByteScaleScriptLauncher` starts each rank with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``
+(:class:`~lightning_bytescale.proc.DieWithParent`), so the kernel ends it when rank 0 dies in
+any way.  Its observer thread prints one line naming the rank, the pid, the signal and the
+likely cause, ends the others and exits with a documented code (:func:`exit_code_for`).  When
+rank 0's interpreter exits on its own, it waits ``exit_grace_s`` for the other ranks (a
+preempted or finished run), then ends the rest.
+
+Lightning's private launcher names (``_SubprocessScriptLauncher`` and the names its ``launch``
+uses) are used here and nowhere else; ``tests/test_launcher.py`` fails when they change.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch.strategies.launchers.subprocess_script as _pl_script
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+from lightning_bytescale import proc
+from lightning_bytescale.preemption import EXIT_PREEMPTED
+from lightning_bytescale.watchdog import EXIT_STEP_TIMEOUT
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+# Exit codes a child may end with that are not a failure of its own: success, and a preempted
+# rank that saved its share of the checkpoint (rank 0 exits with the same code itself).
+_CLEAN_EXITS = (0, EXIT_PREEMPTED)
+
+_SIGNAL_CAUSES: dict[int, str] = {
+    signal.SIGKILL: (
+        "the kernel's out-of-memory killer (run `dmesg | grep -i -E 'killed process|out of memory'` on this "
+        "node, or check the job's memory limit) or a kill -9 by the scheduler or an operator"
+    ),
+    signal.SIGTERM: "the scheduler or an operator stopped it before its stop handler was installed (during set-up)",
+    signal.SIGINT: "an interrupt (Ctrl-C) sent to that process only",
+    signal.SIGSEGV: "a crash in native code (an extension, a kernel, a driver); run it again with faulthandler on",
+    signal.SIGBUS: (
+        "a bus error, most often a full shared-memory file system (/dev/shm) that data-loader workers use; "
+        "raise the container's shm size or use fewer workers"
+    ),
+    signal.SIGABRT: "an abort in native code (a failed assertion in C++/CUDA/NCCL); its stderr shows the reason",
+    signal.SIGFPE: "an arithmetic fault in native code",
+    signal.SIGILL: "an illegal instruction: a binary built for another CPU",
+    signal.SIGHUP: "its terminal closed (start long runs under nohup, tmux or the scheduler)",
+    signal.SIGPIPE: "its output pipe closed (the process reading its output exited)",
+}
+
+
+def exit_code_for(returncode: int) -> int:
+    """The code rank 0 exits with when a rank ended with ``returncode`` (as :class:`subprocess.Popen` reports it).
+
+    A rank killed by signal N gives ``128 + N`` (137 for SIGKILL: what a shell reports for a
+    killed process); a rank that exited with a code passes it on (124: its step watchdog fired).
+    """
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(rank: int, pid: int, returncode: int) -> str:
+    """One line saying how rank ``rank`` (pid ``pid``) ended and what most likely caused it."""
+    if returncode < 0:
+        sig = -returncode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        cause = _SIGNAL_CAUSES.get(sig, "a signal sent by another process (the scheduler, an operator)")
+        what = f"was killed by {name} (signal {sig}); likely cause: {cause}"
+    elif returncode == EXIT_STEP_TIMEOUT:
+        what = (
+            f"exited with code {returncode}: its step watchdog ended it because it was stuck "
+            "(its own message above names the phase and the code it was stuck in)"
+        )
+    else:
+        what = f"exited with code {returncode}; its own error is above in the output"
+    return f"[ByteScale] rank {rank} (pid {pid}) {what}."
+
+
+@dataclass
+class _PopenDyingWithParent:
+    """Stands in for the ``subprocess`` module inside Lightning's launcher while it starts ranks."""
+
+    preexec: Callable[[], None]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 (mirrors the module)
+        if kwargs.get("preexec_fn") is None:
+            kwargs["preexec_fn"] = self.preexec
+        return subprocess.Popen(*args, **kwargs)
+
+
+def _write_line(text: str) -> None:
+    """Write to file descriptor 2 at once, bypassing Python's buffers (the process may end next)."""
+    data = (text.rstrip("\n") + "\n").encode(errors="replace")
+    try:
+        while data:
+            data = data[os.write(2, data) :]
+    except OSError:
+        pass
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a rank and what it started (its loader workers), and reap it."""
+    if process.poll() is not None:
+        return
+    below = proc.descendants(process.pid)
+    process.kill()
+    proc.signal_all(below)
+    process.wait()
+
+
+class ByteScaleScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's popen launcher, with ranks that die with rank 0 and a launcher that names causes.
+
+    Args:
+        cluster_environment, num_processes, num_nodes: as for Lightning's launcher.
+        poll_s: how often rank 0 checks the other ranks.
+        settle_s: after a rank fails, how long rank 0 is given to stop by itself (and print its
+            own error) before the observer ends it.
+        exit_grace_s: when rank 0's interpreter exits, how long it waits for the other ranks
+            to finish before it kills them.
+
+    Exit codes of rank 0 when another rank failed first: ``128 + N`` for a rank killed by
+    signal N, or the rank's own code (see :func:`exit_code_for`).
+    """
+
+    def __init__(
+        self,
+        cluster_environment: ClusterEnvironment,
+        num_processes: int,
+        num_nodes: int,
+        *,
+        poll_s: float = 0.5,
+        settle_s: float = 3.0,
+        exit_grace_s: float = 30.0,
+    ) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.poll_s = poll_s
+        self.settle_s = settle_s
+        self.exit_grace_s = exit_grace_s
+        self._observer: RankObserver | None = None
+        self._reported = False
+        self._report_lock = threading.Lock()
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        # Lightning's launch() with this module's observer in place of Lightning's.
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            self._observer = RankObserver(self)
+            self._observer.start()
+            atexit.register(self._end_ranks_at_exit)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+    @override
+    def _call_children_scripts(self) -> None:
+        original = _pl_script.subprocess
+        _pl_script.subprocess = _PopenDyingWithParent(proc.DieWithParent(os.getpid()))  # type: ignore[assignment]
+        try:
+            super()._call_children_scripts()
+        finally:
+            _pl_script.subprocess = original
+
+    def global_rank(self, index: int) -> int:
+        """Global rank of ``self.procs[index]`` (rank 0 is this process, not in ``procs``)."""
+        return self.cluster_environment.node_rank() * self.num_processes + index + 1
+
+    def failed_ranks(self) -> list[tuple[int, subprocess.Popen]]:
+        """(global rank, process) of the ranks that have ended with a failure, in rank order."""
+        return [
+            (self.global_rank(i), p)
+            for i, p in enumerate(self.procs)
+            if p.poll() is not None and p.returncode not in _CLEAN_EXITS
+        ]
+
+    def report_and_exit(self, rank: int, process: subprocess.Popen) -> None:
+        """Print the line for a failed rank, end every other process of this run, exit rank 0."""
+        with self._report_lock:
+            if self._reported:
+                return
+            self._reported = True
+        code = exit_code_for(process.returncode)
+        _write_line(describe_exit(rank, process.pid, process.returncode))
+        _write_line(f"[ByteScale] ending the other ranks; rank 0 exits with code {code}.")
+        for other in self.procs:
+            _kill_tree(other)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed or broken stream must not stop the exit
+                stream.flush()
+        os._exit(code)
+
+    def _end_ranks_at_exit(self) -> None:
+        """atexit: report a rank that failed before rank 0 exited; wait for, then end, the rest."""
+        if self._observer is not None:
+            self._observer.stop()
+        failed = self.failed_ranks()  # ended before rank 0 began to exit: a possible cause
+        running = [p for p in self.procs if p.poll() is None]
+        deadline = time.monotonic() + self.exit_grace_s
+        while running and time.monotonic() < deadline:
+            time.sleep(0.05)
+            running = [p for p in running if p.poll() is None]
+        if running:
+            ranks = [self.global_rank(self.procs.index(p)) for p in running]
+            _write_line(
+                f"[ByteScale] rank 0 is exiting and ranks {ranks} (pids {[p.pid for p in running]}) are still "
+                f"running after {self.exit_grace_s:g} s; killing them so that nothing is left behind."
+            )
+            for p in running:
+                _kill_tree(p)
+        if failed:
+            rank, process = failed[0]
+            logging.shutdown()
+            self.report_and_exit(rank, process)
+
+
+class RankObserver(_ChildProcessObserver):
+    """Rank 0's thread that watches the other ranks of this node (Lightning's observer, re-done).
+
+    A rank that ended with a failure is reported (one line, :func:`describe_exit`) and the
+    run ended, ``settle_s`` after it was seen, unless rank 0 exits by itself first (then its
+    exit handler reports it).  Ranks that finish or are preempted are left alone.
+    """
+
+    def __init__(self, launcher: ByteScaleScriptLauncher) -> None:
+        super().__init__(main_pid=os.getpid(), child_processes=launcher.procs, sleep_period=launcher.poll_s)  # type: ignore[arg-type]
+        self.name = "bytescale-rank-observer"
+        self.launcher = launcher
+        self._stopped = False
+        self._failure_seen_at: float | None = None
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    @override
+    def _run(self) -> bool:
+        if self._stopped:
+            return True
+        failed = self.launcher.failed_ranks()
+        if failed:
+            now = time.monotonic()
+            if self._failure_seen_at is None:
+                self._failure_seen_at = now
+            if now - self._failure_seen_at >= self.launcher.settle_s and not self._stopped:
+                self.launcher.report_and_exit(*failed[0])
+                return True
+            return False
+        return all(p.returncode is not None for p in self.launcher.procs)
