@@ -1,16 +1,21 @@
-"""Data: sources, tokenizers, the memory-mapped token store, policies, sampler and step loader."""
+"""Data: sources, tokenizers, the verified memory-mapped token store, policies, sampler and step loader."""
 
 from lightning_bytescale.data.errors import (
     CorruptIndexError,
+    CorruptTokensError,
     DataError,
     EmptyDatasetError,
     EmptySampleError,
     LongDocumentError,
+    OutOfVocabularyError,
     ResumeMismatchError,
+    StoreNotFoundError,
 )
 from lightning_bytescale.data.policy import Samples, make_samples
+from lightning_bytescale.data.prune import PruneAction, prune_cache
 from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
 from lightning_bytescale.data.sources import (
+    FileStamp,
     HFSource,
     JsonlSource,
     SyntheticSource,
@@ -23,16 +28,21 @@ from lightning_bytescale.data.tokenizer import ByteTokenizer, JsonTokenizer, loa
 __all__ = [
     "ByteTokenizer",
     "CorruptIndexError",
+    "CorruptTokensError",
     "DataError",
     "EmptyDatasetError",
     "EmptySampleError",
+    "FileStamp",
     "GlobalBatching",
     "HFSource",
     "JsonTokenizer",
     "JsonlSource",
     "LongDocumentError",
+    "OutOfVocabularyError",
+    "PruneAction",
     "ResumeMismatchError",
     "Samples",
+    "StoreNotFoundError",
     "SyntheticSource",
     "TextFilesSource",
     "TokenBudgetBatchSampler",
@@ -40,5 +50,6 @@ __all__ = [
     "load_tokenizer",
     "make_samples",
     "make_source",
+    "prune_cache",
     "write_store",
 ]

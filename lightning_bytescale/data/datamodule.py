@@ -9,13 +9,19 @@ cuts the token-budgeted global batches, and loads only its own share of each ste
 Planner options come from the strategy when it offers ``planner_options()`` (so the loader
 plans exactly what the strategy runs), else from this module's arguments.  The rank and world
 size come from the trainer, or from ``rank=`` / ``world_size=`` for standalone use.
+
+Data identity: the store folder is named after the content of the source (not file sizes and
+times), builds are locked and atomic, and every step's digest carries the store's content hash
+(``StepBatch.data_identity``), so ranks that read different data stop at the strategy's digest
+check instead of training on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
-import shutil
 import warnings
 from enum import Enum
 from pathlib import Path
@@ -23,14 +29,27 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+from filelock import Timeout
 
-from lightning_bytescale.data.errors import DataError
+from lightning_bytescale.data.errors import DataError, StoreNotFoundError
 from lightning_bytescale.data.loader import StepDataset, StepLoader
 from lightning_bytescale.data.policy import Samples, make_samples
+from lightning_bytescale.data.prune import STORE_PREFIX, default_cache_dir, prune_cache
 from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
-from lightning_bytescale.data.sources import Source, make_source
-from lightning_bytescale.data.store import META_FILE, TokenStore, write_store
+from lightning_bytescale.data.sources import FileSourceMixin, FileStamp, Source, changed_files, make_source
+from lightning_bytescale.data.store import (
+    LAST_USED_FILE,
+    VERIFY_MODES,
+    VERSION,
+    TokenStore,
+    is_complete,
+    read_meta,
+    store_lock,
+    write_store,
+)
 from lightning_bytescale.data.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 PLANNER_KEYS = (
     "planner", "capacity", "cp_size", "offload", "slack", "cost_model", "comm_aware", "ranks_per_node",
@@ -52,13 +71,14 @@ def _cost_model(value: Any) -> Any:
                 f"cost_model file {str(value)!r} does not exist; write one with bytescale-profile "
                 "or leave cost_model=None for the planner's default"
             )
-        return load_cost_model(value)
+        try:
+            return load_cost_model(value)
+        except (OSError, ValueError, TypeError) as err:
+            raise DataError(
+                f"cost_model file {str(value)!r} is not a usable cost model ({err}); write one with "
+                "bytescale-profile or leave cost_model=None for the planner's default"
+            ) from err
     return value
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("BYTESCALE_DATA_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "lightning_bytescale" / "data"
 
 
 class ByteScaleDataModule(pl.LightningDataModule):
@@ -72,7 +92,14 @@ class ByteScaleDataModule(pl.LightningDataModule):
             the path of a ``tokenizers`` JSON file.
         cache_dir: folder for token stores (default ``$BYTESCALE_DATA_CACHE`` or
             ``~/.cache/lightning_bytescale/data``); one sub-folder per source and tokenizer.
-        rebuild: rebuild the token store in ``prepare_data`` even if one exists.
+        rebuild: rebuild the token store in ``prepare_data`` even if one exists (the fix for a
+            damaged store; processes that asked together share one rebuild).
+        verify_store: check ``tokens.bin`` against its block checksums ``lazy`` (default: each
+            block when first read), ``full`` (all at ``setup``) or ``none``.
+        vocab_size: the model's vocabulary size, when known: an id at or above it fails naming
+            the store and the document (default: the tokenizer's vocabulary).
+        prune_stale: after ``prepare_data``, remove this cache's stores of older versions of
+            this source (and leftovers of killed builds).  Not while another job reads them.
         context_length: the longest sample; longer documents follow ``long_document_policy``.
             ``None``: the pool, ``world_size * capacity``.  It is capped at the pool in any case.
         long_document_policy: ``split`` (default) | ``truncate`` | ``drop`` | ``error``.
@@ -100,6 +127,9 @@ class ByteScaleDataModule(pl.LightningDataModule):
         tokenizer: str | Path | Tokenizer | None = None,
         cache_dir: str | Path | None = None,
         rebuild: bool = False,
+        verify_store: str = "lazy",
+        vocab_size: int | None = None,
+        prune_stale: bool = False,
         context_length: int | None = None,
         long_document_policy: str = "split",
         empty_sample_policy: str = "drop",
@@ -132,11 +162,18 @@ class ByteScaleDataModule(pl.LightningDataModule):
             raise DataError(f"tokens_per_step={tokens_per_step} must be positive")
         if num_workers < 0:
             raise DataError(f"num_workers={num_workers} must be >= 0")
+        if verify_store not in VERIFY_MODES:
+            raise DataError(f"verify_store={verify_store!r}; use one of {VERIFY_MODES}")
+        if vocab_size is not None and vocab_size < 1:
+            raise DataError(f"vocab_size={vocab_size} must be a positive vocabulary size (or None)")
         self.source = make_source(source)
         self._tokenizer_spec = tokenizer
         self._tokenizer: Tokenizer | None = None
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.rebuild = rebuild
+        self.verify_store = verify_store
+        self.vocab_size = vocab_size
+        self.prune_stale = prune_stale
         self.context_length = context_length
         self.long_document_policy = _plain(long_document_policy)
         self.empty_sample_policy = _plain(empty_sample_policy)
@@ -163,6 +200,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self._train_loader: StepLoader | None = None
         self._pending_state: dict | None = None
         self._store_dir: Path | None = None
+        self._stamps: list[FileStamp] | None = None  # file sources: the content hashed for store_dir
+        self._fingerprint: str | None = None
 
     # ----------------------------------------------------------------------------------- parts
     @property
@@ -173,11 +212,35 @@ class ByteScaleDataModule(pl.LightningDataModule):
 
     @property
     def store_dir(self) -> Path:
-        """``cache_dir/store-<hash of the source and tokenizer fingerprints>`` (computed once)."""
+        """``cache_dir/store-<hash of the source's content and the tokenizer>`` (computed once).
+
+        File sources are hashed by content, so an edit that keeps sizes and modification times
+        (``cp -p``, ``rsync -t``, ``tar``) still gets a new store.
+        """
         if self._store_dir is None:
-            key = f"{self.source.fingerprint}|{self.tokenizer.fingerprint}"
-            self._store_dir = self.cache_dir / f"store-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+            if isinstance(self.source, FileSourceMixin):
+                self._stamps = self.source.stamps()
+                self._fingerprint = self.source.fingerprint_of(self._stamps)
+            else:
+                self._fingerprint = self.source.fingerprint
+            key = f"v{VERSION}|{self._fingerprint}|{self.tokenizer.fingerprint}"
+            self._store_dir = (
+                self.cache_dir / f"{STORE_PREFIX}{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+            )
         return self._store_dir
+
+    @property
+    def source_key(self) -> str | None:
+        """The source's identity without its content (stores of its older versions share it)."""
+        key = getattr(self.source, "key", None)
+        return None if key is None else f"{key}|{self.tokenizer.fingerprint}"
+
+    @property
+    def data_identity(self) -> str:
+        """The opened store by content (after ``setup``), as the step digest carries it."""
+        if self.store is None:
+            raise DataError("call setup() before asking for the data identity")
+        return f"store {self.store.content_hash[:16]}"
 
     @property
     def rank(self) -> int:
@@ -254,20 +317,64 @@ class ByteScaleDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------------------- lifecycle
     def prepare_data(self) -> None:
-        """Build the token store once (no state is set here)."""
-        directory = self.store_dir
-        if self.rebuild and directory.exists():
-            shutil.rmtree(directory)
-        if (directory / META_FILE).exists():
-            return
+        """Build the token store once (no state is set here), under the store's lock.
+
+        An existing store is checked (its index, not its tokens) and kept; with ``rebuild=True``
+        it is replaced, once for all processes that asked at the same time.
+        """
+        try:
+            directory = self.store_dir
+            lock = store_lock(directory)
+            seen = (read_meta(directory) or {}).get("build_id")
+            with lock:
+                current = (read_meta(directory) or {}).get("build_id")
+                rebuilt_meanwhile = current is not None and current != seen
+                if is_complete(directory) and (not self.rebuild or rebuilt_meanwhile):
+                    TokenStore.open(
+                        directory, verify="none"
+                    )  # a damaged store fails here, naming rebuild=True
+                elif directory.exists() and not self.rebuild:
+                    TokenStore.open(directory, verify="none")  # incomplete: the error names rebuild=True
+                else:
+                    self._build(directory)
+                _touch(directory / LAST_USED_FILE)
+                if self.prune_stale and self.source_key is not None:
+                    for act in prune_cache(self.cache_dir, keep=[directory], source_key=self.source_key):
+                        log.info("pruned %s (%s: %s, %d bytes)", act.path, act.reason, act.detail, act.bytes)
+        except OSError as err:
+            raise DataError(
+                f"cannot prepare the token store cache {self.cache_dir}: {err.strerror or err}"
+                f"{f' ({err.filename})' if err.filename else ''}; set cache_dir= (or $BYTESCALE_DATA_CACHE) "
+                f"to a writable folder with enough free space"
+            ) from err
+
+    def _build(self, directory: Path) -> None:
         tok = self.tokenizer
+        source = self.source
+        stamps = self._stamps
+        meta: dict[str, Any] = {"source": self._fingerprint, "tokenizer": tok.fingerprint}
+        if isinstance(source, FileSourceMixin):
+            meta.update(source_key=self.source_key, files=[st.as_list() for st in stamps or []])
+
+        def documents():
+            yield from source.iter_documents(tok.vocab_size)
+            if stamps is not None:
+                changes = changed_files(stamps, source.last_read)
+                if changes:
+                    raise DataError(
+                        f"the source changed while its token store was being built ({len(changes)} file(s): "
+                        f"{'; '.join(changes[:5])}); nothing was written. Finish editing the files, then "
+                        f"run again: prepare_data() builds the store for the files as they are."
+                    )
+            skipped = getattr(source, "skipped_binary", None)
+            if skipped:
+                meta["skipped_binary"] = skipped
+
+        log.info("building the token store %s", directory)
         write_store(
-            directory,
-            self.source.iter_documents(tok.vocab_size),
-            tok.encode_batch,
-            tok.vocab_size,
-            meta={"source": self.source.fingerprint, "tokenizer": tok.fingerprint},
-        )
+            directory, documents(), tok.encode_batch, tok.vocab_size, meta=meta,
+            eos_id=getattr(tok, "eos_id", None), replace=True,
+        )  # fmt: skip
 
     def setup(self, stage: str | None = None) -> None:
         trainer = self._trainer_or_none()
@@ -281,7 +388,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
                         f"ByteScaleDataModule({name}={mine}) disagrees with the trainer ({theirs}); "
                         f"leave {name} unset under a Trainer"
                     )
-        self.store = TokenStore.open(self.store_dir)
+        self.store = self._open_store()
         pool = self.pool_tokens(self.context_length)
         max_len = self.context_length if self.context_length is not None else pool
         if max_len is None:
@@ -301,11 +408,72 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self.train_samples = self._samples(train_docs, "the training data")
         longest = int(self.train_samples.length.max())
         if self.tokens_per_step < longest:
+            if self.context_length is None:
+                how = (
+                    f"context_length is unset, so it defaults to the pool (world_size {self.world_size} x "
+                    f"capacity {self.planner_options().get('capacity')}: {self.max_length} tokens)"
+                )
+            else:
+                how = f"context_length={self.context_length}"
             raise DataError(
                 f"tokens_per_step={self.tokens_per_step} is smaller than the longest sample ({longest} "
-                f"tokens); raise tokens_per_step to at least the context length ({self.max_length})"
+                f"tokens; {how}); raise tokens_per_step to at least {longest}, or set context_length to at "
+                f"most {self.tokens_per_step} so that longer documents follow "
+                f"long_document_policy={self.long_document_policy!r}"
             )
         self.val_samples = self._samples(val_docs, "the validation split") if val_docs is not None else None
+
+    def _open_store(self) -> TokenStore:
+        """Open this module's store (waiting for a build in progress), naming what went wrong."""
+        directory = self.store_dir
+        lock = store_lock(directory)
+        try:
+            lock.acquire(timeout=1)
+        except Timeout:
+            log.info("waiting for the build of the token store %s to finish", directory)
+            lock.acquire()
+        except OSError:  # a read-only cache: nobody builds there, open without the lock
+            lock = None
+        try:
+            store = TokenStore.open(directory, verify=self.verify_store, vocab_limit=self.vocab_size)
+        except StoreNotFoundError:
+            raise self._missing_store(directory) from None
+        finally:
+            if lock is not None:
+                lock.release()
+        log.info(
+            "rank %d: token store %s (content %s): %d documents, %d tokens",
+            self.rank, directory, store.content_hash, store.num_docs, store.num_tokens,
+        )  # fmt: skip
+        return store
+
+    def _missing_store(self, directory: Path) -> StoreNotFoundError:
+        """Why no store exists for the source as it is now: it changed since a store was built?"""
+        key = self.source_key
+        related = []
+        if key is not None and self.cache_dir.is_dir():
+            for other in self.cache_dir.glob(STORE_PREFIX + "*"):
+                meta = read_meta(other) if other.is_dir() else None
+                if meta and meta.get("source_key") == key:
+                    related.append((other.stat().st_mtime, other, meta))
+        if related and self._stamps is not None:
+            from lightning_bytescale.data.sources import stamps_from_lists
+
+            _, other, meta = max(related, key=lambda t: t[0])
+            changes = changed_files(stamps_from_lists(meta.get("files", [])), self._stamps)
+            return StoreNotFoundError(
+                f"no token store for the source as it is now ({directory}): it changed after prepare_data() "
+                f"built {other} ({len(changes)} file(s) differ: {'; '.join(changes[:5]) or 'unknown'}). Every "
+                f"rank must read the same data: stop editing the files, then run again; prepare_data() "
+                f"(which Lightning runs on each node's local rank 0) builds the store for the files as they "
+                f"are (rebuild=True forces a fresh build)."
+            )
+        return StoreNotFoundError(
+            f"no token store at {directory}: prepare_data() has not built it for this source. Under a "
+            f"Trainer, Lightning runs prepare_data() on each node's local rank 0 (on global rank 0 only with "
+            f"prepare_data_per_node=False: then cache_dir must be shared by all nodes); without a Trainer "
+            f"call dm.prepare_data() before dm.setup(). To force a fresh build pass rebuild=True."
+        )
 
     def _split_documents(self) -> tuple[np.ndarray, np.ndarray | None]:
         n = self.store.num_docs
@@ -374,3 +542,9 @@ class ByteScaleDataModule(pl.LightningDataModule):
             self._train_loader.load_state_dict(train)
         else:
             self._pending_state = train
+
+
+def _touch(path: Path) -> None:
+    """Mark a store as used now (for ``prune --unused-days``); a read-only cache is fine."""
+    with contextlib.suppress(OSError):
+        path.touch()

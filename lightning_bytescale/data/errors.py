@@ -10,8 +10,20 @@ class DataError(ValueError):
     """Bad data or a bad data configuration."""
 
 
+class StoreNotFoundError(DataError):
+    """No token store exists at the expected folder (it was never built, or the source changed)."""
+
+
 class CorruptIndexError(DataError):
     """The token store's files are missing, truncated or inconsistent."""
+
+
+class CorruptTokensError(CorruptIndexError):
+    """A block of ``tokens.bin`` does not match the checksum written when the store was built."""
+
+
+class OutOfVocabularyError(DataError):
+    """A stored token id is outside the vocabulary (of the store's tokenizer or of the model)."""
 
 
 class EmptySampleError(DataError):

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -68,6 +69,7 @@ class StepDataset(Dataset):
     seed: int = 0
     validate_plans: bool = True
     split: str = "train"  # tagged into every batch's stats
+    _identity: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -80,6 +82,21 @@ class StepDataset(Dataset):
     def tokens(self, sample: int) -> np.ndarray:
         s = self.samples
         return self.store.read(int(s.doc[sample]), int(s.start[sample]), int(s.length[sample]))
+
+    def data_identity(self, ids: np.ndarray) -> str:
+        """What this step reads, by content: the store's content hash, the sample table, the batch.
+
+        Every rank of a run must compute the same string (it is folded into the step digest
+        the strategy compares before any exchange); it names no path, so identical stores in
+        different folders or on different nodes agree.
+        """
+        if self._identity is None:
+            h = xxhash.xxh3_64()
+            for a in (self.samples.doc, self.samples.start, self.samples.length):
+                h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+            self._identity = f"store {self.store.content_hash[:16]}, samples {h.hexdigest()}"
+        batch = xxhash.xxh3_64_hexdigest(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+        return f"{self._identity}, batch {batch}"
 
     def plan(self, epoch: int, step: int):
         ids = self.sample_ids(epoch, step)
@@ -97,7 +114,13 @@ class StepDataset(Dataset):
         t0 = time.perf_counter()
         plan = self.plan(epoch, step)
         plan_ms = (time.perf_counter() - t0) * 1e3
-        batch = build_step(plan, self.rank, lambda j: self.tokens(int(ids[j])), step=step)
+        batch = build_step(
+            plan,
+            self.rank,
+            lambda j: self.tokens(int(ids[j])),
+            step=step,
+            data_identity=self.data_identity(ids),
+        )
         stats = dict(batch.stats)
         stats.update(epoch=epoch, split=self.split, plan_ms=plan_ms)
         stats.setdefault("lengths", list(plan.lengths))
@@ -154,9 +177,18 @@ class StepLoader(StatefulDataLoader):
         if self.restart_each_iter:
             sampler.epoch, sampler.step = 0, 0
         epoch = sampler.epoch
-        for batch in super().__iter__():
-            sampler.mark_consumed(epoch, batch.step)
-            yield batch
+        batches = super().__iter__()
+        try:
+            for batch in batches:
+                sampler.mark_consumed(epoch, batch.step)
+                yield batch
+        except BaseException:
+            # a failed step (bad data in a worker) or an abandoned pass: stop the workers now,
+            # not when the iterator is collected (a traceback keeps it alive)
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if callable(shutdown) and not self.persistent_workers:
+                shutdown()
+            raise
 
     def state_dict(self) -> dict:
         """``{"epoch", "step", "batching"}``: the next step to train on and what it belongs to."""

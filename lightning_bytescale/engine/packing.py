@@ -176,8 +176,24 @@ def plan_digest(plan: Plan) -> str:
     return h.hexdigest()[:16]
 
 
-def build_step(plan: Plan, rank: int, tokens: TokenSource, step: int = 0) -> StepBatch:
-    """Everything ``rank`` runs in one step of ``plan``, packed."""
+def step_digest(plan: Plan, data_identity: str = "") -> str:
+    """The digest ranks compare before a step: the plan's, with the data identity folded in."""
+    digest = plan_digest(plan)
+    if not data_identity:
+        return digest
+    return hashlib.sha256(f"{digest}|{data_identity}".encode()).hexdigest()[:16]
+
+
+def build_step(
+    plan: Plan, rank: int, tokens: TokenSource, step: int = 0, data_identity: str = ""
+) -> StepBatch:
+    """Everything ``rank`` runs in one step of ``plan``, packed.
+
+    ``data_identity`` names what the step reads by content (the data module passes the token
+    store's content hash, its sample table and the batch's samples); it is folded into the
+    digest, so ranks that read different data for the same lengths stop at the digest check,
+    before any exchange, instead of training on it.
+    """
     if not 0 <= rank < plan.world_size:
         raise PackingError(f"rank {rank} is outside the plan's world size {plan.world_size}")
     if len(plan.ranks) != plan.world_size:
@@ -196,7 +212,8 @@ def build_step(plan: Plan, rank: int, tokens: TokenSource, step: int = 0) -> Ste
         micro_batches=mbs,
         num_global_tokens=num_global,
         num_tokens=int(sum(int(s) for s in plan.lengths)),
-        digest=plan_digest(plan),
+        digest=step_digest(plan, data_identity),
         step=step,
         stats=stats,
+        data_identity=data_identity,
     )

@@ -52,6 +52,14 @@ PAPER_TABLE_ATTENTION_MS = (0.8, 1.8, 4.8, 14.1, 48.2, 175.5)
 PAPER_TABLE_MLP_MS = (0.9, 1.8, 3.6, 7.5, 15.1, 28.2)
 
 _RATIO_GRID = 1_000_000  # offload ratios are rounded up to 1e-6 so plans serialise exactly
+# A cost model must add up any step without overflow: times at this many tokens, times this headroom.
+_PROBE_TOKENS = 2**31
+_PROBE_HEADROOM = 2.0**40
+
+
+def _is_number(v: object) -> bool:
+    """A real number, not a bool (``true`` in a JSON file is not a coefficient)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -80,18 +88,43 @@ class CostModel:
     def __post_init__(self) -> None:
         for f in ("a", "b", "g", "c", "d", "kv_bytes_per_token_per_layer", "comm_passes"):
             v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if not (_is_number(v) and math.isfinite(v) and v >= 0):
                 raise PlanError(f"cost model field {f} must be a finite number >= 0, got {v!r}")
-        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) or self.num_layers < 1:
             raise PlanError(f"cost model num_layers must be an integer >= 1, got {self.num_layers!r}")
         for f in ("bandwidth_intra", "bandwidth_inter"):
             v = getattr(self, f)
-            if v is not None and not (math.isfinite(v) and v > 0):
+            if v is not None and not (_is_number(v) and math.isfinite(v) and v > 0):
                 raise PlanError(f"cost model {f} must be > 0 bytes/s or None (not modelled), got {v!r}")
-        if self.ranks_per_node is not None and self.ranks_per_node < 1:
-            raise PlanError(f"ranks_per_node must be >= 1 or None, got {self.ranks_per_node}")
-        if not 0 < self.forward_fraction <= 1:
-            raise PlanError(f"forward_fraction must be in (0, 1], got {self.forward_fraction}")
+        rpn = self.ranks_per_node
+        if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
+            raise PlanError(f"ranks_per_node must be an integer >= 1 or None, got {rpn!r}")
+        if not (_is_number(self.forward_fraction) and 0 < self.forward_fraction <= 1):
+            raise PlanError(f"forward_fraction must be in (0, 1], got {self.forward_fraction!r}")
+        self._check_not_degenerate()
+
+    def _check_not_degenerate(self) -> None:
+        """Refuse models the planners cannot balance on: no time at all, or times that overflow."""
+        if self.a == 0 and self.b == 0 and self.g == 0:
+            raise PlanError(
+                f"cost model {self.name!r} gives every micro-batch zero time (a = b = g = 0), so the planners "
+                "have nothing to balance on (T(s) = a*s^2 + b*s + g); profile the model with bytescale-profile "
+                "or leave cost_model=None for the default"
+            )
+        s = float(_PROBE_TOKENS)
+        bw = min(v for v in (self.bandwidth_intra, self.bandwidth_inter, math.inf) if v is not None)
+        probes = {
+            "T(s) x num_layers": self.num_layers * self.layer_time(s),
+            "Act(s)": self.act_bytes(s),
+            "ring transfer": self.comm_passes * s * self.kv_bytes_per_token_per_layer / bw * self.num_layers,
+        }
+        for what, value in probes.items():
+            if not math.isfinite(value * _PROBE_HEADROOM):
+                raise PlanError(
+                    f"cost model {self.name!r} overflows: {what} at {_PROBE_TOKENS} tokens is {value:.3g}, "
+                    "too large to add up a step; check the units (a: s/token^2, b: s/token, g: s, c: bytes/token, "
+                    "d: bytes, bandwidths: bytes/s)"
+                )
 
     # ------------------------------------------------------------------ formulas
     def layer_time(self, s: float) -> float:
@@ -310,6 +343,10 @@ class CostModel:
 
     @classmethod
     def from_json_dict(cls, data: dict) -> CostModel:
+        if not isinstance(data, dict):
+            raise PlanError(
+                f"a cost model must be a JSON object of its fields (a, b, ...), got {type(data).__name__} {data!r}"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
