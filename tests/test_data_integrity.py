@@ -354,9 +354,15 @@ def test_prune_removes_unused_and_incomplete_stores_but_not_kept_ones(tmp_path):
     (dms[0].store_dir / INDEX_FILE).unlink()
     old = time.time() - 40 * 86400
     os.utime(dms[1].store_dir / "last_used", (old, old))
+    old_format = cache / "store-from-an-older-release"
+    write_store(old_format, iter([np.arange(5)]), None, 257)
+    raw = bytearray((old_format / INDEX_FILE).read_bytes())
+    raw[8] = 1  # format version 1
+    (old_format / INDEX_FILE).write_bytes(bytes(raw))
     acts = {a.path: a for a in prune_cache(cache, unused_days=30, keep=[dms[2].store_dir])}
     assert acts[dms[0].store_dir].reason == "incomplete" and acts[dms[1].store_dir].reason == "unused"
-    assert dms[2].store_dir.exists() and len(acts) == 2
+    assert acts[old_format].reason == "unusable" and "format version 1" in acts[old_format].detail
+    assert dms[2].store_dir.exists() and len(acts) == 3
 
 
 # ============================================================== case 8: encodings and binary files

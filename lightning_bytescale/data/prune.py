@@ -7,6 +7,7 @@ cache folder:
 * ``leftover``: temporary folders of builds that were killed (or replaced stores whose removal
   was interrupted);
 * ``incomplete``: store folders that lack one of their files;
+* ``unusable``: stores whose index is damaged or of another format version (older releases);
 * ``stale``: stores of a file source whose files changed or vanished since the build (their
   recorded content digests no longer match; a size change is enough, else the file is hashed);
   with ``source_key`` given, instead every store of that source except those in ``keep``;
@@ -31,12 +32,14 @@ from pathlib import Path
 
 from filelock import Timeout
 
+from lightning_bytescale.data.errors import DataError
 from lightning_bytescale.data.sources import FileStamp, file_digest, stamps_from_lists
 from lightning_bytescale.data.store import (
     LAST_USED_FILE,
     LEFTOVER_MARKS,
     META_FILE,
     STORE_FILES,
+    TokenStore,
     read_meta,
     store_lock,
 )
@@ -55,7 +58,7 @@ class PruneAction:
     """One folder removed (or, in a dry run, that would be)."""
 
     path: Path
-    reason: str  # leftover | incomplete | stale | unused
+    reason: str  # leftover | incomplete | unusable | stale | unused
     detail: str
     bytes: int
 
@@ -98,6 +101,10 @@ def _verdict(store: Path, source_key: str | None, unused_days: float | None) -> 
     missing = [f for f in STORE_FILES if not (store / f).is_file()]
     if missing:
         return "incomplete", f"{', '.join(missing)} missing"
+    try:
+        TokenStore.open(store, verify="none")  # reads the index only
+    except DataError as err:  # damaged, or written in another format version
+        return "unusable", str(err).split(". ")[0]
     meta = read_meta(store) or {}
     if source_key is not None:
         if meta.get("source_key") == source_key:
