@@ -20,12 +20,13 @@ from lightning_bytescale.planner import (
     available_planners,
     best_fit_decreasing,
     make_plan,
+    offload_options,
     ranks_without_offload,
 )
 from lightning_bytescale.planner import distributions as dist
 from lightning_bytescale.planner.plan import MicroBatch, Piece
 
-PLANNERS = ("static", "naive", "balance")
+PLANNERS = ("static", "naive", "balance", "lpt")
 PLANNER_DIR = pathlib.Path(__file__).resolve().parents[1] / "lightning_bytescale" / "planner"
 
 
@@ -45,20 +46,28 @@ def cases(draw):
     return world, cap, lengths, draw(st.integers(0, 3))
 
 
-def _check_sharding(plan: Plan, offload: bool) -> None:
-    """Paper §8 invariant 6: short sequences whole on one rank, long ones on D(s) ranks."""
+def _check_sharding(plan: Plan, offload: bool, grow: bool = False) -> None:
+    """Paper §8 invariant 6: short sequences whole on one rank, long ones on D(s) ranks.
+
+    Offload may shrink a ring below ``D(s)`` (never below Eq. 3's fewest ranks); ``balance``
+    may grow one above it (``grow_rings``), never beyond the world.
+    """
     holders: dict[int, set[int]] = {}
     for r, mbs in enumerate(plan.ranks):
         for mb in mbs:
             for p in mb.pieces:
                 holders.setdefault(p.seq, set()).add(r)
+    cost = CostModel.from_json_dict(plan.options["cost_model"])
+    link = plan.options.get("offload")
+    link = OffloadConfig.from_json_dict(link) if offload and link else None
     for q, s in enumerate(plan.lengths):
         d = ranks_without_offload(s, plan.capacity)
         if s <= plan.capacity:
             assert len(holders[q]) == 1
-        elif offload:
-            assert len(holders[q]) <= d
-        else:
+            continue
+        fewest = offload_options(s, plan.capacity, cost, link)[0][0]
+        assert fewest <= len(holders[q]) <= (plan.world_size if grow else d)
+        if not (offload or grow):
             assert len(holders[q]) == d
 
 
@@ -72,7 +81,7 @@ def test_every_plan_validates(planner, case):
     assert len(plan.ranks) == world
     assert all(mb.est_time > 0 for mbs in plan.ranks for mb in mbs)
     if planner != "static":
-        _check_sharding(plan, offload=planner == "balance")
+        _check_sharding(plan, offload=planner == "balance", grow=planner == "balance")
     # determinism: same input, same plan
     again = make_plan(list(lengths), world_size=world, capacity=cap, planner=planner, seed=seed)
     assert again.digest() == plan.digest()
@@ -96,7 +105,7 @@ def test_pp_balance_and_topology_validate(case, p, rpn, reading):
     )
     plan = make_plan(lengths, **kw)
     plan.validate()
-    _check_sharding(plan, offload=True)
+    _check_sharding(plan, offload=True, grow=True)
 
 
 # --------------------------------------------------------------------------- validate() catches faults
@@ -460,7 +469,7 @@ def test_offload_plans_validate(planner, case):
         world_size=world, capacity=cap, planner=planner, cost_model=cm, ranks_per_node=rpn, comm_aware=aware
     )
     plan = make_plan(lengths, offload=link, **kw).validate()
-    _check_sharding(plan, offload=True)
+    _check_sharding(plan, offload=True, grow=planner == "balance")
     for mbs in plan.ranks:
         for mb in mbs:
             if mb.offload_ratio > 0:  # only long sequences offload, and only alone

@@ -20,6 +20,16 @@ boundaries sit on the anchor thresholds, so the anchors hold *exactly* in expect
 * fewer long samples than ``byted`` (0.33% of samples >= 128K, none at 2M; 74% <= 4K); mean
   about 6.4K.
 
+Two stress shapes for the planners (not from the paper; their shares are exact in expectation
+like the anchors above):
+
+* ``short`` (short-heavy, e.g. chat or instruction data): 99% of samples and about 75% of the
+  tokens are in sequences of at most 8K; the rest thins out to 512K.  Balancing many local
+  micro-batches of different quadratic cost is the whole game.
+* ``mixed`` (very mixed): a power law with exponent 1 from 256 tokens to 2M
+  (``p(s) ~ s^-2``), so every doubling of the length carries the same share of the tokens
+  (1/13 each): short, medium and very long sequences compete for the same ranks.
+
 Scaling to a context length ``L`` (:func:`sample_global_batch`): ``mode="split"`` (default)
 keeps the documents and cuts those longer than ``L`` into ``L``-token pieces plus a remainder
 (the paper's setting: the same data trained at 256K..2M contexts); ``mode="scale"`` multiplies
@@ -53,7 +63,7 @@ class _Piece:
             return lo
         if self.kind == "loguniform":
             return (hi - lo) / np.log(hi / lo)
-        num = (hi ** (1 - a) - lo ** (1 - a)) / (1 - a)
+        num = np.log(hi / lo) if a == 1 else (hi ** (1 - a) - lo ** (1 - a)) / (1 - a)
         den = (hi ** (-a) - lo ** (-a)) / (-a)
         return num / den
 
@@ -96,6 +106,13 @@ DISTRIBUTIONS: dict[str, tuple[_Piece, ...]] = {
         _Piece(0.00215609, "loguniform", 128 * K, 256 * K),
         _Piece(0.00117374, "pareto", 256 * K, _M, 1.5),
     ),
+    "short": (
+        _Piece(0.80, "loguniform", 16, 2 * K),
+        _Piece(0.19, "loguniform", 2 * K, 8 * K),
+        _Piece(0.009, "loguniform", 8 * K, 64 * K),
+        _Piece(0.001, "pareto", 64 * K, 512 * K, 1.5),
+    ),
+    "mixed": (_Piece(1.0, "pareto", 256, _M, 1.0),),
 }
 
 

@@ -18,8 +18,14 @@
   count), and inside a group Karmarkar-Karp splits the sequences into micro-batches on
   veRL's workload ``24576 s + s**2``.  A micro-batch over ``cp > 1`` ranks is one ring item
   sharding every sequence zigzag over the group, as in the static mesh.
+* ``lpt``: a plain longest-processing-time greedy, the textbook baseline.  Each long
+  sequence is one ring item on its minimal ring ``D(s) = ceil(s / C)`` (zigzag slots within
+  ``C``); short sequences are packed best-fit-decreasing into ``C``-token micro-batches.
+  Items, longest member time first (the communication-aware cost model), go to the ``D``
+  least-loaded ranks, which start the item together when the last of them is free.  No
+  node awareness, no ring sizing, no gap filling: what ``balance`` must beat.
 
-Both produce ordinary :class:`~.plan.Plan` objects (``plan.validate()`` holds), so the
+All three produce ordinary :class:`~.plan.Plan` objects (``plan.validate()`` holds), so the
 engine and the simulator run them unchanged.
 """
 
@@ -29,7 +35,9 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
+from lightning_bytescale.planner.cost_model import CostModel, ranks_without_offload
 from lightning_bytescale.planner.errors import PlanError
+from lightning_bytescale.planner.packing import best_fit_decreasing
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
 from lightning_bytescale.planner.zigzag import slots_per_member
 
@@ -89,6 +97,25 @@ def _ring_item(lengths: Sequence[int], seqs: Sequence[int], ring: tuple[int, ...
 
 def _local(seqs: Sequence[int], lengths: Sequence[int]) -> MicroBatch:
     return MicroBatch(pieces=[Piece(s, ((0, lengths[s]),)) for s in seqs])
+
+
+def _place(
+    ranks: list[list[MicroBatch]],
+    lengths: Sequence[int],
+    seqs: list[int],
+    members: tuple[int, ...],
+    item: int,
+) -> int:
+    """Append one item to its members' lists: local on one rank, else ring item number ``item``.
+
+    Returns the next ring item number (ring items are numbered in placement order).
+    """
+    if len(members) == 1:
+        ranks[members[0]].append(_local(seqs, lengths))
+        return item
+    for r, mb in zip(members, _ring_item(lengths, seqs, members, item), strict=True):
+        ranks[r].append(mb)
+    return item + 1
 
 
 def _ring_slots(lengths: Sequence[int], seqs: Sequence[int], n: int) -> int:
@@ -298,14 +325,7 @@ def plan_verl_kk(
         for gi, parts in enumerate(parts_per_group):
             if m >= len(parts) or not parts[m]:
                 continue
-            members = tuple(range(gi * cp, (gi + 1) * cp))
-            seqs = sorted(parts[m])
-            if cp == 1:
-                ranks[members[0]].append(_local(seqs, lens))
-                continue
-            for r, mb in zip(members, _ring_item(lens, seqs, members, item), strict=True):
-                ranks[r].append(mb)
-            item += 1
+            item = _place(ranks, lens, sorted(parts[m]), tuple(range(gi * cp, (gi + 1) * cp)), item)
     return Plan(
         world_size=world_size,
         capacity=capacity,
@@ -313,4 +333,67 @@ def plan_verl_kk(
         lengths=tuple(lens),
         ranks=ranks,
         options={"cp_size": cp, "dp_size": dp, "micro_batches_per_rank": count},
+    )
+
+
+# --------------------------------------------------------------------------- lpt
+
+
+def _on_one_node(ring: Sequence[int], ranks_per_node: int | None) -> bool:
+    return ranks_per_node is not None and len({r // ranks_per_node for r in ring}) == 1
+
+
+def plan_lpt(
+    lengths: Sequence[int],
+    *,
+    world_size: int,
+    capacity: int,
+    cost_model: CostModel,
+    ranks_per_node: int | None = None,
+    **_: object,
+) -> Plan:
+    """Longest-processing-time greedy on minimal rings (module docstring)."""
+    lens = _check(lengths, world_size, capacity)
+    items: list[tuple[list[int], int]] = []  # (sequences, ring size)
+    short = []
+    for i, s in enumerate(lens):
+        if s <= capacity:
+            short.append(i)
+            continue
+        d = ranks_without_offload(s, capacity)
+        if d > world_size:
+            raise PeerPlanError(
+                f"sequence {i} has length {s} and needs {d} ranks of capacity {capacity}, but world_size "
+                f"is {world_size}; add ranks, raise capacity, or split/truncate documents to the context length"
+            )
+        items.append(([i], d))
+    items.extend((sorted(b), 1) for b in best_fit_decreasing(lens, capacity, short))
+
+    def member_time(seqs: list[int], d: int, intra: bool) -> float:
+        sl = [lens[q] for q in seqs]
+        if d == 1:
+            return cost_model.local_time(sl)
+        return cost_model.ring_member_time(sl, d, intra=intra, comm_aware=True)[0]
+
+    rpn = ranks_per_node
+    key = [member_time(seqs, d, rpn is not None and d <= rpn) for seqs, d in items]
+    order = sorted(range(len(items)), key=lambda k: (-key[k], -items[k][1], items[k][0][0]))
+    heap = [(0.0, r) for r in range(world_size)]
+    ranks: list[list[MicroBatch]] = [[] for _ in range(world_size)]
+    item = 0
+    for k in order:
+        seqs, d = items[k]
+        got = [heapq.heappop(heap) for _ in range(d)]
+        members = tuple(sorted(r for _, r in got))
+        end = max(load for load, _ in got) + member_time(seqs, d, _on_one_node(members, rpn))
+        for r in members:
+            heapq.heappush(heap, (end, r))
+        item = _place(ranks, lens, seqs, members, item)
+    return Plan(
+        world_size=world_size,
+        capacity=capacity,
+        planner="lpt",
+        lengths=tuple(lens),
+        ranks=ranks,
+        options={"ranks_per_node": rpn},
     )

@@ -75,32 +75,36 @@ no hashing of strings, so every process builds the same plan.
 
 from __future__ import annotations
 
-import bisect
 import gc
 import heapq
 import importlib
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from lightning_bytescale.planner.cost_model import (
-    CostModel,
-    OffloadConfig,
-    max_offload_ratio,
-    member_slots,
-    offload_options,
-)
+from lightning_bytescale.planner.balance import plan_balance
+from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig, member_slots
 from lightning_bytescale.planner.errors import PlanError
+from lightning_bytescale.planner.items import (
+    Item,
+    PlanContext,
+    emit,
+    local_mb,
+    make_items,
+    plan_options,
+    resolve_offload,
+    ring_mbs,
+)
 from lightning_bytescale.planner.packing import best_fit_decreasing
-from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
-from lightning_bytescale.planner.zigzag import all_member_ranges
+from lightning_bytescale.planner.plan import MicroBatch, Plan
+from lightning_bytescale.planner.ring_sizes import apply_picks, ring_choice_times
 
 PlannerFn = Callable[..., Plan]
 
 _REGISTRY: dict[str, PlannerFn | str] = {
     "megatron_dcp": "lightning_bytescale.planner.peers:plan_megatron_dcp",
     "verl_kk": "lightning_bytescale.planner.peers:plan_verl_kk",
+    "lpt": "lightning_bytescale.planner.peers:plan_lpt",
 }
 
 
@@ -164,111 +168,6 @@ def check_lengths(lengths: Sequence[int]) -> list[int]:
     return out
 
 
-def resolve_offload(
-    offload, cost: CostModel, pipeline_degree: int, *, default_on: bool
-) -> OffloadConfig | None:
-    """``None`` -> planner default; ``True``/``False``; an :class:`OffloadConfig` or its dict."""
-    if offload is None:
-        offload = default_on and cost.c > 0
-    if offload is False:
-        return None
-    if offload is True:
-        return OffloadConfig(layers_per_rank=max(1, cost.num_layers // pipeline_degree))
-    if isinstance(offload, OffloadConfig):
-        return offload
-    if isinstance(offload, dict):
-        return OffloadConfig.from_json_dict(offload)
-    raise PlanError(f"offload must be None, True, False, an OffloadConfig or its dict, got {offload!r}")
-
-
-@dataclass
-class _Ctx:
-    lengths: list[int]
-    world: int
-    cap: int
-    cost: CostModel
-    rpn: int | None
-    offload: OffloadConfig | None
-
-    def node(self, r: int) -> int:
-        return 0 if self.rpn is None else r // self.rpn
-
-    def intra(self, ring: Sequence[int]) -> bool:
-        if self.rpn is None:
-            return False
-        n0 = ring[0] // self.rpn
-        return all(x // self.rpn == n0 for x in ring)
-
-    def pool_limit(self, i: int) -> str:
-        """The pool's size for sequence ``i``, offload-aware: what the error message quotes."""
-        plain = self.world * self.cap
-        if self.offload is None or self.offload.layers_per_rank <= 2:
-            return f"the pool holds {plain} tokens"
-        d_off, ratio = offload_options(self.lengths[i], self.cap, self.cost, self.offload)[0]
-        if ratio == 0.0:  # Eq. 3's fallback: no hidden ratio saves a rank for this sequence
-            r_star = max_offload_ratio(self.lengths[i], self.cost, self.offload)
-            return (
-                f"the pool holds {plain} tokens; offload cannot shrink this sequence: its hidden "
-                f"ratio r* = {r_star:.3f} is below Eq. 3's lower bound"
-            )
-        r_star = max_offload_ratio(self.lengths[i], self.cost, self.offload)
-        frac = self.offload.resident_fraction(r_star)
-        return (
-            f"with offload at this sequence's largest hidden ratio r* = {r_star:.3f} a rank holds "
-            f"{self.cap / frac:.0f} of its tokens, so the pool holds about {plain / frac:.0f} tokens "
-            f"of it; {plain} without offload"
-        )
-
-    def too_long(self, i: int, need: int, what: str) -> PlanError:
-        s = self.lengths[i]
-        fixes = "add ranks, raise capacity, " + ("" if self.offload else "enable offload, ")
-        return PlanError(
-            f"sequence {i} has length {s} and needs {need} ranks of capacity {self.cap} ({what}), but "
-            f"world_size is {self.world} ({self.pool_limit(i)}); {fixes}"
-            "or split/truncate documents to the context length"
-        )
-
-
-def _local_mb(ctx: _Ctx, seqs: Sequence[int], ratio: float = 0.0) -> MicroBatch:
-    lens = ctx.lengths
-    return MicroBatch(
-        pieces=[Piece(q, ((0, lens[q]),)) for q in seqs],
-        offload_ratio=ratio,
-        est_time=ctx.cost.local_time([lens[q] for q in seqs]),
-    )
-
-
-def _ring_mbs(
-    ctx: _Ctx, seqs: Sequence[int], ring: tuple[int, ...], item: int, ratio: float
-) -> list[MicroBatch]:
-    lens = ctx.lengths
-    n = len(ring)
-    sl = [lens[q] for q in seqs]
-    t, exposed = ctx.cost.ring_member_time(sl, n, intra=ctx.intra(ring), comm_aware=True)
-    per_member: list[list[Piece]] = [[] for _ in range(n)]
-    for q in seqs:
-        for m, ranges in enumerate(all_member_ranges(lens[q], n)):
-            per_member[m].append(Piece(q, ranges))
-    out = []
-    for pieces in per_member:
-        out.append(
-            MicroBatch(
-                pieces=pieces, ring=ring, item=item, offload_ratio=ratio, est_time=t, exposed_time=exposed
-            )
-        )
-    return out
-
-
-def _options(ctx: _Ctx, **kw) -> dict:
-    out = {
-        "cost_model": ctx.cost.to_json_dict(),
-        "offload": None if ctx.offload is None else ctx.offload.to_json_dict(),
-        "ranks_per_node": ctx.rpn,
-    }
-    out.update(kw)
-    return out
-
-
 # ====================================================================== static
 
 
@@ -297,7 +196,7 @@ def plan_static(
     pipeline_degree=1,
     **_,
 ) -> Plan:
-    ctx = _Ctx(lengths, world_size, capacity, cost_model, ranks_per_node, None)
+    ctx = PlanContext(lengths, world_size, capacity, cost_model, ranks_per_node, None)
     if cp_size is None:
         cp = static_cp_size(lengths, world_size, capacity)
     else:
@@ -325,10 +224,10 @@ def plan_static(
         g = k % dp
         seqs = sorted(b)
         if cp == 1:
-            ranks[g].append(_local_mb(ctx, seqs))
+            ranks[g].append(local_mb(ctx, seqs))
             continue
         ring = tuple(range(g * cp, (g + 1) * cp))
-        for r, mb in zip(ring, _ring_mbs(ctx, seqs, ring, item, 0.0)):
+        for r, mb in zip(ring, ring_mbs(ctx, seqs, ring, item, 0.0)):
             ranks[r].append(mb)
         item += 1
     return Plan(
@@ -337,105 +236,8 @@ def plan_static(
         "static",
         tuple(lengths),
         ranks,
-        _options(ctx, cp_size=cp, dp_size=dp, seed=seed, pipeline_degree=pipeline_degree),
+        plan_options(ctx, cp_size=cp, dp_size=dp, seed=seed, pipeline_degree=pipeline_degree),
     )
-
-
-# ====================================================================== items shared by naive and balance
-
-
-@dataclass
-class _Item:
-    seqs: list[int]
-    choices: list[tuple[int, float]]  # feasible (ring size, offload ratio), fewest ranks first
-    pick: int = -1  # index into choices
-    size: int = 0  # ring size of the pick
-    ratio: float = 0.0  # offload ratio of the pick
-
-    def choose(self, j: int) -> None:
-        self.pick = j
-        self.size, self.ratio = self.choices[j]
-
-
-def _items(ctx: _Ctx, pack_short: bool = True) -> list[_Item]:
-    """Long sequences (each its own item, with its ring-size choices) and short ones.
-
-    Short sequences come as best-fit-decreasing bins of ``C`` tokens (``pack_short``), or one
-    item each, for a planner that places them one by one and packs each rank's share afterwards
-    (:func:`_emit` with ``repack_local``).
-    """
-    short: list[int] = []
-    out: list[_Item] = []
-    for i, s in enumerate(ctx.lengths):
-        if s <= ctx.cap:
-            short.append(i)
-            continue
-        choices = [c for c in offload_options(s, ctx.cap, ctx.cost, ctx.offload) if c[0] <= ctx.world]
-        if not choices:
-            d_off = offload_options(s, ctx.cap, ctx.cost, ctx.offload)[0][0]
-            raise ctx.too_long(i, d_off, "with offload" if ctx.offload else "without offload")
-        out.append(_Item([i], choices))
-    bins = best_fit_decreasing(ctx.lengths, ctx.cap, short) if pack_short else [[i] for i in short]
-    for b in bins:
-        out.append(_Item(sorted(b), [(1, 0.0)], 0, 1, 0.0))
-    return out
-
-
-def _emit(
-    ctx: _Ctx,
-    assignment: list[tuple[_Item, tuple[int, ...], tuple]],
-    name: str,
-    options: dict,
-    repack_local: bool = False,
-) -> Plan:
-    """Build the plan; ``assignment`` entries are ``(item, members, order key)`` in global order.
-
-    Ring items are numbered in assignment order; each rank runs its micro-batches sorted by
-    order key (ring items keep assignment order; gap-filling local items sort before the ring
-    item whose wait they fill).  With ``repack_local``, each run of consecutive local,
-    non-offloaded micro-batches of a rank (between two of its ring items) is re-packed
-    best-fit-decreasing into micro-batches of ``C`` tokens: sequences placed one by one balance
-    finely, and packing them afterwards saves the per-micro-batch overhead.
-    """
-    keyed: list[list[tuple[tuple, MicroBatch]]] = [[] for _ in range(ctx.world)]
-    item_id = 0
-    for it, members, key in assignment:
-        if len(members) == 1:
-            if repack_local and it.ratio == 0.0:
-                keyed[members[0]].append((key, it.seqs))  # packed per rank below
-            else:
-                keyed[members[0]].append((key, _local_mb(ctx, it.seqs, it.ratio)))
-            continue
-        for r, mb in zip(members, _ring_mbs(ctx, it.seqs, members, item_id, it.ratio)):
-            keyed[r].append((key, mb))
-        item_id += 1
-    ranks = []
-    for lst in keyed:
-        lst.sort(key=lambda e: e[0])
-        ranks.append(_pack_local_runs(ctx, [entry for _, entry in lst]))
-    return Plan(ctx.world, ctx.cap, name, tuple(ctx.lengths), ranks, _options(ctx, **options))
-
-
-def _pack_local_runs(ctx: _Ctx, entries: list[MicroBatch | list[int]]) -> list[MicroBatch]:
-    """Pack every run of consecutive sequence lists into best-fit-decreasing bins of ``C`` tokens."""
-    out: list[MicroBatch] = []
-    run: list[int] = []
-
-    def flush() -> None:
-        if len(run) == 1:
-            out.append(_local_mb(ctx, run))
-        elif run:
-            out.extend(_local_mb(ctx, sorted(b)) for b in best_fit_decreasing(ctx.lengths, ctx.cap, run))
-
-    for entry in entries:
-        if isinstance(entry, MicroBatch):
-            flush()
-            run = []
-            out.append(entry)
-        else:
-            run.extend(entry)
-    flush()
-    return out
 
 
 # ====================================================================== naive (Alg. 1)
@@ -466,8 +268,8 @@ def plan_naive(
     if offload_policy not in OFFLOAD_POLICIES:
         raise PlanError(f"offload_policy must be one of {OFFLOAD_POLICIES}, got {offload_policy!r}")
     off = resolve_offload(offload, cost_model, pipeline_degree, default_on=False)
-    ctx = _Ctx(lengths, world_size, capacity, cost_model, ranks_per_node, off)
-    items = _items(ctx)
+    ctx = PlanContext(lengths, world_size, capacity, cost_model, ranks_per_node, off)
+    items = make_items(ctx)
     if offload_policy == "paper_min_ranks":
         for it in items:
             it.choose(0)  # Eq. 3's optimum (fewest ranks); D(s) without offload
@@ -486,10 +288,10 @@ def plan_naive(
     opts = {"seed": seed, "pipeline_degree": pipeline_degree}
     if off is not None:
         opts["offload_policy"] = offload_policy
-    return _emit(ctx, assignment, "naive", opts)
+    return emit(ctx, assignment, "naive", opts)
 
 
-def _naive_pays(ctx: _Ctx, items: list[_Item], cm: bool, slack: float) -> None:
+def _naive_pays(ctx: PlanContext, items: list[Item], cm: bool, slack: float) -> None:
     """``offload_policy="pays"``: shrink a ring only where it pays for a planner blind to time.
 
     ``naive`` gives every rank the same number of micro-batches whatever they cost, so a ring
@@ -501,380 +303,18 @@ def _naive_pays(ctx: _Ctx, items: list[_Item], cm: bool, slack: float) -> None:
     ``D`` ways) and stay as they are; communication-bound rings (a member's transfer hardly
     shrinks with more members) do much less work on fewer ranks and shrink.
     """
-    cost_of, multi, _ = _ring_choice_times(ctx, items, cm)
+    cost_of, multi, _ = ring_choice_times(ctx, items, cm)
     picks = []
     for k, ts, _ in multi:
-        t0, d0 = ts[-1], items[k].choices[-1][0]
-        j = len(ts) - 1
+        base = items[k].base
+        t0, d0 = ts[base], items[k].choices[base][0]
+        j = base
         for i, t in enumerate(ts):
             if t <= (1.0 + slack) * t0 and items[k].choices[i][0] * t <= (1.0 - slack) * d0 * t0:
                 j = i
                 break
         picks.append(j)
-    _apply_picks(items, multi, picks, cost_of)
-
-
-# ====================================================================== balance (Alg. 2)
-
-
-def _member_time(ctx: _Ctx, it: _Item, size: int, intra: bool, comm_aware: bool) -> float:
-    lens = [ctx.lengths[q] for q in it.seqs]
-    if size == 1:
-        return ctx.cost.local_time(lens)
-    return ctx.cost.ring_member_time(lens, size, intra=intra, comm_aware=comm_aware)[0]
-
-
-def _likely_intra(ctx: _Ctx, size: int) -> bool:
-    return ctx.rpn is not None and size <= ctx.rpn
-
-
-def _ring_choice_times(
-    ctx: _Ctx, items: list[_Item], cm: bool
-) -> tuple[list[float], list[tuple[int, list[float], list[float]]], float]:
-    """Fix single-choice items; list the member times of every choice of the others.
-
-    Returns ``(cost_of, multi, floor)``: ``cost_of[k]`` is the member time of fixed item ``k``;
-    ``multi`` holds ``(item index, member time of each choice, -prefix minimum)``; ``floor`` is
-    the largest member time no ring size can go below.
-    """
-    floor = 0.0
-    cost_of: list[float] = [0.0] * len(items)
-    multi: list[tuple[int, list[float], list[float]]] = []
-    for k, it in enumerate(items):
-        if len(it.choices) == 1:
-            it.choose(0)
-            d = it.size
-            cost_of[k] = _member_time(ctx, it, d, _likely_intra(ctx, d), cm)
-            floor = max(floor, cost_of[k])
-            continue
-        ts = [_member_time(ctx, it, d, _likely_intra(ctx, d), cm) for d, _ in it.choices]
-        neg_pm, m = [], math.inf
-        for t in ts:
-            m = min(m, t)
-            neg_pm.append(-m)
-        floor = max(floor, m)
-        multi.append((k, ts, neg_pm))
-    return cost_of, multi, floor
-
-
-def _pick_at(multi, level: float, bound: float | None = None) -> list[int]:
-    """Per multi-choice item: the fewest ranks whose member time is at most ``level`` (else
-    at most ``bound``; with no bound, ``D(s)``)."""
-    out = []
-    for _, ts, neg_pm in multi:
-        j = bisect.bisect_left(neg_pm, -level)  # first j with prefix-min <= level
-        if j == len(ts):
-            j = len(ts) - 1 if bound is None else bisect.bisect_left(neg_pm, -bound)
-        out.append(min(j, len(ts) - 1))
-    return out
-
-
-def _apply_picks(items: list[_Item], multi, picks: list[int], cost_of: list[float]) -> list[float]:
-    for (k, ts, _), j in zip(multi, picks):
-        items[k].choose(j)
-        cost_of[k] = ts[j]
-    return cost_of
-
-
-def _choose_ring_sizes(ctx: _Ctx, items: list[_Item], cm: bool, pipeline_degree: int = 1) -> list[float]:
-    """Pick each item's ring size; return its planned member time.
-
-    Without offload an item has one choice, ``D(s)``.  With offload, choose a load level ``T``
-    and give every sequence the fewest ranks whose member time is at most ``T``: a larger ``T``
-    means fewer ranks and less total work (the mean load ``M(T)`` falls) but coarser items.
-    Data parallel (``pipeline_degree`` 1): ``T`` is the crossing ``M(T) = T`` (bisection), which
-    minimises ``max(M(T), T)``, a lower bound on the step time.  A sequence that cannot get
-    within ``T`` (a comm-bound ring's member time stops falling with more ranks) takes the
-    fewest ranks whose member time is within the step-time bound ``max(T, largest
-    smallest-member-time)``: beyond its own floor it cannot go, and fewer ranks cost less work.
-    Pipelines: :func:`_choose_ring_sizes_pp`.
-    """
-    if pipeline_degree > 1:
-        return _choose_ring_sizes_pp(ctx, items, cm, pipeline_degree)
-    cost_of, multi, floor = _ring_choice_times(ctx, items, cm)
-    if not multi:
-        return cost_of
-    multi_ks = {k for k, _, _ in multi}
-    fixed = sum(items[k].size * cost_of[k] for k in range(len(items)) if k not in multi_ks)
-
-    def mean_load(picks: list[int]) -> float:
-        work = fixed
-        for (k, ts, _), j in zip(multi, picks):
-            work += items[k].choices[j][0] * ts[j]
-        return work / ctx.world
-
-    lo, hi = 0.0, mean_load(_pick_at(multi, 0.0))
-    for _ in range(40):
-        mid = 0.5 * (lo + hi)
-        if mean_load(_pick_at(multi, mid)) > mid:
-            lo = mid
-        else:
-            hi = mid
-    return _apply_picks(items, multi, _pick_at(multi, hi, max(hi, floor)), cost_of)
-
-
-PP_LEVELS = 48  # load levels tried by the pipeline ring-size choice
-PP_MIN_GAIN = 0.01  # shrink rings under pipelines only for an estimated gain above 1%
-
-
-def _choose_ring_sizes_pp(ctx: _Ctx, items: list[_Item], cm: bool, p: int) -> list[float]:
-    """Ring sizes under pipelines: offload shrinks rings only where the 1F1B load model says it pays.
-
-    A pipeline's load is ``sum(t) / p + (p - 1) max(t) / p``: its longest micro-batch counts
-    almost fully, so a shrunk ring (longer member time) costs every pipeline it lands on a
-    bigger bubble even when the total work ``W`` does not fall (attention-bound rings do the
-    same work on any number of ranks).  For a set of ring sizes the planner estimates the step
-    time as ``max(M, t_max)`` with the mean pipeline load
-    ``M = W / (world p) + (p - 1) / p x mean of the world longest member-time slots``
-    (balanced placement gives each pipeline one of the longest slots as its maximum; an item of
-    ``D`` ranks fills ``D`` slots) and ``t_max`` the longest member time (an item costs its
-    pipeline at least its own time).  Candidates: no shrinking at all (``D(s)`` for every
-    sequence) and ``PP_LEVELS`` load levels ``T`` (every sequence on the fewest ranks whose
-    member time is at most ``T``, as in the data-parallel rule) spaced geometrically between the
-    floor and the longest fewest-ranks member time.  The lowest estimate wins, but a shrinking
-    must beat no shrinking by ``PP_MIN_GAIN`` (1%, below the estimate's accuracy the larger
-    rings are kept): offload is used only where it pays.
-    """
-    cost_of, multi, floor = _ring_choice_times(ctx, items, cm)
-    if not multi:
-        return cost_of
-    multi_ks = {k for k, _, _ in multi}
-    fixed_work = 0.0
-    fixed_slots: list[tuple[float, int]] = []  # (member time, ranks) of the fixed items
-    for k, it in enumerate(items):
-        if k not in multi_ks:
-            fixed_work += it.size * cost_of[k]
-            fixed_slots.append((cost_of[k], it.size))
-    fixed_slots.sort(reverse=True)
-    world = ctx.world
-
-    def estimate(picks: list[int]) -> float:
-        work = fixed_work
-        slots = []
-        t_max = 0.0
-        for (k, ts, _), j in zip(multi, picks):
-            d = items[k].choices[j][0]
-            work += d * ts[j]
-            slots.append((ts[j], d))
-            t_max = max(t_max, ts[j])
-        slots.sort(reverse=True)
-        # sum of the world longest slots: merge the two sorted lists
-        need, top, a, b = world, 0.0, 0, 0
-        while need > 0 and (a < len(slots) or b < len(fixed_slots)):
-            if b >= len(fixed_slots) or (a < len(slots) and slots[a][0] >= fixed_slots[b][0]):
-                t, n = slots[a]
-                a += 1
-            else:
-                t, n = fixed_slots[b]
-                b += 1
-            n = min(n, need)
-            top += t * n
-            need -= n
-        if fixed_slots:
-            t_max = max(t_max, fixed_slots[0][0])
-        mean = work / (world * p) + (p - 1) * top / (world * p)
-        return max(mean, t_max)
-
-    best_picks = [len(ts) - 1 for _, ts, _ in multi]  # D(s) for every sequence: no offload
-    best = estimate(best_picks)
-    lo = max(floor, 1e-12)
-    hi = max(ts[0] for _, ts, _ in multi)
-    if hi > lo:
-        ratio = (hi / lo) ** (1.0 / PP_LEVELS)
-        level = lo
-        for _ in range(PP_LEVELS + 1):
-            picks = _pick_at(multi, level, max(level, floor))
-            e = estimate(picks)
-            if e < best * (1.0 - PP_MIN_GAIN):
-                best, best_picks = e, picks
-            level *= ratio
-    return _apply_picks(items, multi, best_picks, cost_of)
-
-
-def plan_balance(
-    lengths,
-    *,
-    world_size,
-    capacity,
-    cost_model,
-    seed=0,
-    offload=None,
-    slack=0.05,
-    num_buckets=8,
-    pipeline_degree=1,
-    ranks_per_node=None,
-    comm_aware=True,
-    pp_reading="sequential",
-    **_,
-) -> Plan:
-    if pp_reading not in ("round_robin", "sequential"):
-        raise PlanError(f"pp_reading must be 'round_robin' or 'sequential', got {pp_reading!r}")
-    off = resolve_offload(offload, cost_model, pipeline_degree, default_on=True)
-    ctx = _Ctx(lengths, world_size, capacity, cost_model, ranks_per_node, off)
-    # DP-Balance places short sequences one by one (LPT balances finely) and packs each rank's
-    # share afterwards; PP-Balance keeps C-token bins (its 1F1B load model prices whole micro-batches)
-    dp = pipeline_degree <= 1
-    items = _items(ctx, pack_short=not dp)
-    cm = comm_aware and cost_model.models_comm
-
-    cost_of = _choose_ring_sizes(ctx, items, cm, pipeline_degree)
-
-    order = sorted(range(len(items)), key=lambda k: (-cost_of[k], -items[k].size, items[k].seqs[0]))
-    buckets = _buckets([(items[k], cost_of[k]) for k in order], num_buckets)
-    if pipeline_degree <= 1:
-        assignment = _dp_balance(ctx, [x for b in buckets for x in b], slack, cm)
-    else:
-        assignment = _pp_balance(ctx, buckets, slack, cm, pipeline_degree, pp_reading == "round_robin")
-    return _emit(
-        ctx,
-        assignment,
-        "balance",
-        {
-            "seed": seed,
-            "slack": slack,
-            "num_buckets": num_buckets,
-            "pipeline_degree": pipeline_degree,
-            "comm_aware": bool(comm_aware),
-            "pp_reading": pp_reading,
-        },
-        repack_local=dp,
-    )
-
-
-def _buckets(seq: list[tuple[_Item, float]], num_buckets: int) -> list[list[tuple[_Item, float]]]:
-    """Cut the sorted items into ``num_buckets`` runs of about equal work (ranks x member time)."""
-    total = sum(it.size * t for it, t in seq)
-    per = total / num_buckets if num_buckets > 0 else total
-    out: list[list[tuple[_Item, float]]] = [[]]
-    acc = 0.0
-    for it, t in seq:
-        if out[-1] and acc >= per * len(out) and len(out) < num_buckets:
-            out.append([])
-        out[-1].append((it, t))
-        acc += it.size * t
-    return [b for b in out if b]
-
-
-def _pick_members(
-    ctx: _Ctx, heap: list[tuple[float, int]], it: _Item, slack: float, cm: bool
-) -> tuple[list[tuple[float, int]], list[tuple[float, int]], float]:
-    """Pop the members of a ring (or the one rank of a local item) off the load heap.
-
-    Returns ``(chosen, to push back, member time)``.  Candidates are the ``d`` least-loaded
-    ranks plus those within ``delta = max(slack * t, t_inter - t_intra)`` of the ``d``-th (at most
-    ``d + 2 * ranks_per_node``; beyond that no candidate can finish earlier).  Options: the ``d``
-    least loaded, or the ``d`` least loaded of one node; the one that ends first wins (then the
-    one that wastes least waiting, then the lower node).
-    """
-    d = it.size
-    got = [heapq.heappop(heap) for _ in range(d)]
-    if d == 1:
-        return got, [], _member_time(ctx, it, 1, False, cm)
-    ring = tuple(r for _, r in got)
-    t_got = _member_time(ctx, it, d, ctx.intra(ring), cm)
-    if ctx.rpn is None or d > ctx.rpn:
-        return got, [], t_got
-    t_intra = _member_time(ctx, it, d, True, cm)
-    t_inter = _member_time(ctx, it, d, False, cm)
-    limit = got[-1][0] + max(slack * t_inter, t_inter - t_intra)
-    cap = d + 2 * ctx.rpn
-    while heap and len(got) < cap and heap[0][0] <= limit:
-        got.append(heapq.heappop(heap))
-    first = got[:d]
-    best_end = max(x for x, _ in first) + t_got
-    best = (best_end, sum(best_end - t_got - x for x, _ in first), -1)
-    best_set, best_t = first, t_got
-    by_node: dict[int, list[tuple[float, int]]] = {}
-    for e in got:  # got is in (load, rank) order
-        by_node.setdefault(ctx.node(e[1]), []).append(e)
-    for nd in sorted(by_node):
-        cand = by_node[nd][:d]
-        if len(cand) < d:
-            continue
-        start = cand[-1][0]
-        key = (start + t_intra, sum(start - x for x, _ in cand), nd)
-        if key < best:
-            best, best_set, best_t = key, cand, t_intra
-    chosen_ranks = {r for _, r in best_set}
-    return best_set, [e for e in got if e[1] not in chosen_ranks], best_t
-
-
-def _dp_balance(ctx: _Ctx, seq: list[tuple[_Item, float]], slack: float, cm: bool):
-    """LPT over ranks with ring members starting together; local items back-fill ring waits.
-
-    A ring's members start when the latest is ready; the earlier ones wait.  Each wait is kept as
-    a gap (before that ring item in the rank's order); a later local item that fits a gap
-    (best fit) runs there for free instead of at the end of the least-loaded rank.
-    """
-    heap = [(0.0, r) for r in range(ctx.world)]
-    gaps: list[tuple[float, int, int]] = []  # (length, rank, gap id), sorted
-    gap_at: list[tuple[int, int]] = []  # gap id -> (assignment index of the ring after it, fills)
-    assignment = []
-    for it, _ in seq:
-        d = it.size
-        k = len(assignment)
-        if d == 1:
-            t = _member_time(ctx, it, 1, False, cm)
-            pos = bisect.bisect_left(gaps, (t, -1, -1))
-            if pos < len(gaps):
-                length, r, gid = gaps.pop(pos)
-                ring_k, fills = gap_at[gid]
-                gap_at[gid] = (ring_k, fills + 1)
-                assignment.append((it, (r,), (ring_k, -1, fills)))
-                if length - t > 0:
-                    bisect.insort(gaps, (length - t, r, gid))
-                continue
-            load, r = heapq.heappop(heap)
-            heapq.heappush(heap, (load + t, r))
-            assignment.append((it, (r,), (k, 0)))
-            continue
-        chosen, back, t = _pick_members(ctx, heap, it, slack, cm)
-        members = tuple(sorted(r for _, r in chosen))
-        start = max(load for load, _ in chosen)
-        end = start + t
-        for load, r in chosen:
-            if start - load > 0:
-                gap_at.append((k, 0))
-                bisect.insort(gaps, (start - load, r, len(gap_at) - 1))
-            heapq.heappush(heap, (end, r))
-        for e in back:
-            heapq.heappush(heap, e)
-        assignment.append((it, members, (k, 0)))
-    return assignment
-
-
-def _pp_balance(ctx: _Ctx, buckets, slack: float, cm: bool, p: int, round_robin: bool):
-    """PP-Balance: the least-loaded pipeline draws next, from its own bucket (``round_robin``)
-    or from the first non-empty bucket (``sequential``, the other reading of §4.5 item 5)."""
-    nb = len(buckets)
-    queues = [list(reversed(b)) for b in buckets]  # pop() from the end = next item of the bucket
-    remaining = sum(len(b) for b in buckets)
-    cur = [r % nb for r in range(ctx.world)] if nb else [0] * ctx.world
-    tsum = [0.0] * ctx.world
-    tmax = [0.0] * ctx.world
-    heap = [(0.0, r) for r in range(ctx.world)]
-    assignment = []
-    while remaining:
-        load, r0 = heap[0]
-        b = cur[r0] if round_robin else 0
-        for step in range(nb):
-            if queues[(b + step) % nb]:
-                b = (b + step) % nb
-                break
-        it, _ = queues[b].pop()
-        remaining -= 1
-        chosen, back, t = _pick_members(ctx, heap, it, slack, cm)
-        members = tuple(sorted(r for _, r in chosen))
-        for e in back:
-            heapq.heappush(heap, e)
-        for _, r in chosen:
-            tsum[r] += t
-            tmax[r] = max(tmax[r], t)
-            cur[r] = b
-            new = tsum[r] / p + (p - 1) * tmax[r] / p
-            heapq.heappush(heap, (new, r))
-        assignment.append((it, members, (len(assignment), 0)))
-    return assignment
+    apply_picks(items, multi, picks, cost_of)
 
 
 register_planner("static", plan_static)
@@ -965,7 +405,7 @@ def _fill_costs(plan: Plan, cost: CostModel, rpn: int | None) -> None:
     if "cost_model" not in opts:
         opts["cost_model"] = cost.to_json_dict()
     opts.setdefault("ranks_per_node", rpn)
-    ctx = _Ctx(list(plan.lengths), plan.world_size, plan.capacity, cost, rpn, None)
+    ctx = PlanContext(list(plan.lengths), plan.world_size, plan.capacity, cost, rpn, None)
     for mbs in plan.ranks:
         for mb in mbs:
             if mb.est_time:

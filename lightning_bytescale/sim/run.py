@@ -33,9 +33,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "naive_offload_min_ranks": ("naive", {"offload": True, "offload_policy": "paper_min_ranks"}),
     "balance": ("balance", {"offload": True}),
     "balance_no_offload": ("balance", {"offload": False}),
+    "balance_min_rings": ("balance", {"offload": False, "grow_rings": False}),
     "balance_compute_only": ("balance", {"offload": True, "comm_aware": False}),
     "megatron_dcp": ("megatron_dcp", {}),
     "verl_kk": ("verl_kk", {}),
+    "lpt": ("lpt", {}),
 }
 
 SUMMARY_KEYS = (

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from lightning_bytescale.planner import distributions
+
 DEFAULT_PLANNERS = ("static", "naive", "balance", "megatron_dcp", "verl_kk")
 
 
@@ -129,8 +131,11 @@ class Scenario:
                 f"scenario {self.name}: {self.gpus} GPUs do not split into TP={self.tensor_parallel} x "
                 f"PP={self.pipeline_degree} groups; pick degrees that divide the GPU count"
             )
-        if self.dataset not in DATASETS and not self.dataset.startswith("fixed:"):
-            raise ValueError(f"scenario {self.name}: unknown dataset {self.dataset!r}; use one of {DATASETS}")
+        known = distributions.names()
+        if self.dataset not in known and not self.dataset.startswith("fixed:"):
+            raise ValueError(
+                f"scenario {self.name}: unknown dataset {self.dataset!r}; use one of {known} or 'fixed:<lengths>'"
+            )
         if self.context_length > self.ranks * self.capacity:
             raise ValueError(
                 f"scenario {self.name}: a {self.context_length}-token sequence does not fit "

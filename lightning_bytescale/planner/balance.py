@@ -1,0 +1,237 @@
+"""``balance``: paper Alg. 2 (DP-Balance, PP-Balance) on the communication-aware cost model.
+
+The decisions the paper leaves open are in :mod:`.planners`' docstring.  The planner builds
+the items (:mod:`.items`), offers rings larger than ``D(s)`` (:mod:`.ring_sizes`), and for
+every candidate set of ring sizes runs the placement (:func:`_dp_balance` or
+:func:`_pp_balance`); the candidate whose placement ends first under the cost model wins.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+
+from lightning_bytescale.planner.errors import PlanError
+from lightning_bytescale.planner.items import (
+    Item,
+    PlanContext,
+    emit,
+    make_items,
+    member_time,
+    resolve_offload,
+)
+from lightning_bytescale.planner.pipeline import one_f_one_b
+from lightning_bytescale.planner.plan import Plan
+from lightning_bytescale.planner.ring_sizes import add_growth_choices, ring_size_candidates
+
+
+def plan_balance(
+    lengths,
+    *,
+    world_size,
+    capacity,
+    cost_model,
+    seed=0,
+    offload=None,
+    slack=0.05,
+    num_buckets=8,
+    pipeline_degree=1,
+    ranks_per_node=None,
+    comm_aware=True,
+    pp_reading="sequential",
+    grow_rings=True,
+    **_,
+) -> Plan:
+    if pp_reading not in ("round_robin", "sequential"):
+        raise PlanError(f"pp_reading must be 'round_robin' or 'sequential', got {pp_reading!r}")
+    off = resolve_offload(offload, cost_model, pipeline_degree, default_on=True)
+    ctx = PlanContext(lengths, world_size, capacity, cost_model, ranks_per_node, off)
+    # DP-Balance places short sequences one by one (LPT balances finely) and packs each rank's
+    # share afterwards; PP-Balance keeps C-token bins (its 1F1B load model prices whole micro-batches)
+    dp = pipeline_degree <= 1
+    items = make_items(ctx, pack_short=not dp)
+    cm = comm_aware and cost_model.models_comm
+    if grow_rings:
+        add_growth_choices(ctx, items, cm, pipeline_degree)
+
+    times, candidates = ring_size_candidates(ctx, items, cm, pipeline_degree, grow_rings)
+    best = None
+    for choice in candidates:
+        for it, j in zip(items, choice):
+            it.choose(j)
+        cost_of = [ts[j] for ts, j in zip(times, choice)]
+        order = sorted(range(len(items)), key=lambda k: (-cost_of[k], -items[k].size, items[k].seqs[0]))
+        buckets = _buckets([(items[k], cost_of[k]) for k in order], num_buckets)
+        if dp:
+            assignment, end = _dp_balance(ctx, [x for b in buckets for x in b], slack, cm)
+        else:
+            assignment, end = _pp_balance(
+                ctx, buckets, slack, cm, pipeline_degree, pp_reading == "round_robin"
+            )
+        if best is None or end < best[0]:
+            best = (end, choice, assignment)
+    _, choice, assignment = best
+    for it, j in zip(items, choice):
+        it.choose(j)
+    return emit(
+        ctx,
+        assignment,
+        "balance",
+        {
+            "seed": seed,
+            "slack": slack,
+            "num_buckets": num_buckets,
+            "pipeline_degree": pipeline_degree,
+            "comm_aware": bool(comm_aware),
+            "pp_reading": pp_reading,
+            "grow_rings": bool(grow_rings),
+        },
+        repack_local=dp,
+    )
+
+
+def _buckets(seq: list[tuple[Item, float]], num_buckets: int) -> list[list[tuple[Item, float]]]:
+    """Cut the sorted items into ``num_buckets`` runs of about equal work (ranks x member time)."""
+    total = sum(it.size * t for it, t in seq)
+    per = total / num_buckets if num_buckets > 0 else total
+    out: list[list[tuple[Item, float]]] = [[]]
+    acc = 0.0
+    for it, t in seq:
+        if out[-1] and acc >= per * len(out) and len(out) < num_buckets:
+            out.append([])
+        out[-1].append((it, t))
+        acc += it.size * t
+    return [b for b in out if b]
+
+
+def _pick_members(
+    ctx: PlanContext, heap: list[tuple[float, int]], it: Item, slack: float, cm: bool
+) -> tuple[list[tuple[float, int]], list[tuple[float, int]], float]:
+    """Pop the members of a ring (or the one rank of a local item) off the load heap.
+
+    Returns ``(chosen, to push back, member time)``.  Candidates are the ``d`` least-loaded
+    ranks plus those within ``delta = max(slack * t, t_inter - t_intra)`` of the ``d``-th (at most
+    ``d + 2 * ranks_per_node``; beyond that no candidate can finish earlier).  Options: the ``d``
+    least loaded, or the ``d`` least loaded of one node; the one that ends first wins (then the
+    one that wastes least waiting, then the lower node).
+    """
+    d = it.size
+    got = [heapq.heappop(heap) for _ in range(d)]
+    if d == 1:
+        return got, [], member_time(ctx, it, 1, False, cm)
+    ring = tuple(r for _, r in got)
+    t_got = member_time(ctx, it, d, ctx.intra(ring), cm)
+    if ctx.rpn is None or d > ctx.rpn:
+        return got, [], t_got
+    t_intra = member_time(ctx, it, d, True, cm)
+    t_inter = member_time(ctx, it, d, False, cm)
+    limit = got[-1][0] + max(slack * t_inter, t_inter - t_intra)
+    cap = d + 2 * ctx.rpn
+    while heap and len(got) < cap and heap[0][0] <= limit:
+        got.append(heapq.heappop(heap))
+    first = got[:d]
+    best_end = max(x for x, _ in first) + t_got
+    best = (best_end, sum(best_end - t_got - x for x, _ in first), -1)
+    best_set, best_t = first, t_got
+    by_node: dict[int, list[tuple[float, int]]] = {}
+    for e in got:  # got is in (load, rank) order
+        by_node.setdefault(ctx.node(e[1]), []).append(e)
+    for nd in sorted(by_node):
+        cand = by_node[nd][:d]
+        if len(cand) < d:
+            continue
+        start = cand[-1][0]
+        key = (start + t_intra, sum(start - x for x, _ in cand), nd)
+        if key < best:
+            best, best_set, best_t = key, cand, t_intra
+    chosen_ranks = {r for _, r in best_set}
+    return best_set, [e for e in got if e[1] not in chosen_ranks], best_t
+
+
+def _dp_balance(ctx: PlanContext, seq: list[tuple[Item, float]], slack: float, cm: bool):
+    """LPT over ranks with ring members starting together; local items back-fill ring waits.
+
+    A ring's members start when the latest is ready; the earlier ones wait.  Each wait is kept as
+    a gap (before that ring item in the rank's order); a later local item that fits a gap
+    (best fit) runs there for free instead of at the end of the least-loaded rank.
+    """
+    heap = [(0.0, r) for r in range(ctx.world)]
+    gaps: list[tuple[float, int, int]] = []  # (length, rank, gap id), sorted
+    gap_at: list[tuple[int, int]] = []  # gap id -> (assignment index of the ring after it, fills)
+    assignment = []
+    for it, t in seq:  # t: the item's member time (exact for local items)
+        d = it.size
+        k = len(assignment)
+        if d == 1:
+            pos = bisect.bisect_left(gaps, (t, -1, -1))
+            if pos < len(gaps):
+                length, r, gid = gaps.pop(pos)
+                ring_k, fills = gap_at[gid]
+                gap_at[gid] = (ring_k, fills + 1)
+                assignment.append((it, (r,), (ring_k, -1, fills)))
+                if length - t > 0:
+                    bisect.insort(gaps, (length - t, r, gid))
+                continue
+            load, r = heap[0]
+            heapq.heapreplace(heap, (load + t, r))
+            assignment.append((it, (r,), (k, 0)))
+            continue
+        chosen, back, t = _pick_members(ctx, heap, it, slack, cm)
+        members = tuple(sorted(r for _, r in chosen))
+        start = max(load for load, _ in chosen)
+        end = start + t
+        for load, r in chosen:
+            if start - load > 0:
+                gap_at.append((k, 0))
+                bisect.insort(gaps, (start - load, r, len(gap_at) - 1))
+            heapq.heappush(heap, (end, r))
+        for e in back:
+            heapq.heappush(heap, e)
+        assignment.append((it, members, (k, 0)))
+    return assignment, max(load for load, _ in heap)
+
+
+def _pp_balance(ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round_robin: bool):
+    """PP-Balance: the least-loaded pipeline draws next, from its own bucket (``round_robin``)
+    or from the first non-empty bucket (``sequential``, the other reading of §4.5 item 5)."""
+    nb = len(buckets)
+    queues = [list(reversed(b)) for b in buckets]  # pop() from the end = next item of the bucket
+    remaining = sum(len(b) for b in buckets)
+    cur = [r % nb for r in range(ctx.world)] if nb else [0] * ctx.world
+    tsum = [0.0] * ctx.world
+    tmax = [0.0] * ctx.world
+    durations: list[list[float]] = [[] for _ in range(ctx.world)]
+    heap = [(0.0, r) for r in range(ctx.world)]
+    assignment = []
+    while remaining:
+        load, r0 = heap[0]
+        b = cur[r0] if round_robin else 0
+        for step in range(nb):
+            if queues[(b + step) % nb]:
+                b = (b + step) % nb
+                break
+        it, _ = queues[b].pop()
+        remaining -= 1
+        chosen, back, t = _pick_members(ctx, heap, it, slack, cm)
+        members = tuple(sorted(r for _, r in chosen))
+        for e in back:
+            heapq.heappush(heap, e)
+        for _, r in chosen:
+            tsum[r] += t
+            tmax[r] = max(tmax[r], t)
+            durations[r].append(t)
+            cur[r] = b
+            new = tsum[r] / p + (p - 1) * tmax[r] / p
+            heapq.heappush(heap, (new, r))
+        assignment.append((it, members, (len(assignment), 0)))
+    return assignment, _pipelines_end(durations, heap, p, ctx.cost.forward_fraction)
+
+
+PP_EXACT_PIPELINES = 32  # pipelines timed by the exact 1F1B schedule when candidates are compared
+
+
+def _pipelines_end(durations: list[list[float]], heap: list[tuple[float, int]], p: int, fwd: float) -> float:
+    """When the slowest pipeline ends: the exact 1F1B makespan of the ``PP_EXACT_PIPELINES``
+    pipelines with the largest load estimate (``sum/p + (p - 1) max/p`` ranks them)."""
+    top = heapq.nlargest(PP_EXACT_PIPELINES, heap)
+    return max(one_f_one_b(durations[r], p, fwd) for _, r in top)
