@@ -1,0 +1,117 @@
+"""The strategy throughput figures in the README and docs/strategy.md are one set, from one results file.
+
+Both documents quote ``benchmarks/results/strategy.json`` (written by
+``benchmarks/strategy_throughput.py``) and name it.  Every throughput (``13.1K``), ratio
+(``7.0x``) and ring-traffic (``13.3 MB``) figure in their strategy-benchmark passages must be a
+value of that file, rounded as printed, and the headline figures must appear in both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = "benchmarks/results/strategy.json"
+FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(K|x| MB)(?!\w)")
+
+
+def kilo(tokens_per_s: float) -> str:
+    return f"{tokens_per_s / 1000:.1f}K"
+
+
+def ratios(r: float) -> set[str]:
+    return {f"{r:.1f}x", f"{r:.2f}x"}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return json.loads((ROOT / RESULTS).read_text())
+
+
+def allowed_figures(res: dict) -> set[str]:
+    """Every figure the documents may quote from the file, as printed."""
+    out: set[str] = set()
+    runs = [*res["long_tail"].values(), *res["all_short"].values()]
+    for run in runs:
+        out |= {kilo(run["tokens_per_s"]), kilo(run["tokens_per_s_mean"])}
+        if "ring_mbytes_per_step" in run:
+            out.add(f"{run['ring_mbytes_per_step']:.1f} MB")
+    for r in res["ratios"].values():
+        out |= ratios(r)
+    short = res["all_short"]
+    for hdp, ddp in zip(
+        short["bytescale"]["tokens_per_s_all_rounds"], short["ddp"]["tokens_per_s_all_rounds"]
+    ):
+        out |= ratios(hdp / ddp)  # per-round ratios
+    return out
+
+
+def headline(res: dict) -> set[str]:
+    """The figures both documents must quote."""
+    lt, sh, r = res["long_tail"], res["all_short"], res["ratios"]
+    return {
+        kilo(lt["balance"]["tokens_per_s"]),
+        kilo(lt["naive"]["tokens_per_s"]),
+        kilo(lt["static"]["tokens_per_s"]),
+        kilo(sh["bytescale"]["tokens_per_s"]),
+        kilo(sh["ddp"]["tokens_per_s"]),
+        f"{r['balance_over_static']:.1f}x",
+        f"{r['bytescale_over_ddp_short']:.2f}x",
+    }
+
+
+def readme_passage() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("**On this machine")
+    end = text.find("\n\n", start)
+    return text[start : end if end >= 0 else None]
+
+
+def strategy_doc_passage() -> str:
+    text = (ROOT / "docs" / "strategy.md").read_text()
+    start = text.index(f"### Measured (CPU, `{RESULTS}`)")
+    end = text.find("\n### ", start + 1)
+    return text[start : end if end >= 0 else None]
+
+
+PASSAGES = {"README.md": readme_passage, "docs/strategy.md": strategy_doc_passage}
+
+
+@pytest.mark.parametrize("document", sorted(PASSAGES))
+def test_every_figure_comes_from_the_results_file(document, results):
+    passage = PASSAGES[document]()
+    assert RESULTS in passage, f"{document} must name {RESULTS} where it quotes it"
+    quoted = {"".join(m) for m in FIGURE.findall(passage)}
+    assert quoted, f"no figures found in {document}'s benchmark passage"
+    stray = quoted - allowed_figures(results)
+    assert not stray, f"{document} quotes {sorted(stray)}, which {RESULTS} does not hold"
+
+
+@pytest.mark.parametrize("document", sorted(PASSAGES))
+def test_both_documents_quote_the_headline_figures(document, results):
+    quoted = {"".join(m) for m in FIGURE.findall(PASSAGES[document]())}
+    missing = headline(results) - quoted
+    assert not missing, f"{document} does not quote {sorted(missing)} from {RESULTS}"
+
+
+def test_the_strategy_table_rows_match_the_file(results):
+    passage = strategy_doc_passage()
+    rows = {
+        ("long_tail", "balance"): "| `balance` |",
+        ("long_tail", "naive"): "| `naive` |",
+        ("long_tail", "static"): "| `static` (cp_size 4) |",
+        ("all_short", "bytescale"): "| `bytescale` (balance) |",
+        ("all_short", "ddp"): "| plain `ddp` |",
+    }
+    for (data, name), label in rows.items():
+        run = results[data][name]
+        line = next(line for line in passage.splitlines() if label in line)
+        cells = [c.strip() for c in line.split("|")]
+        assert kilo(run["tokens_per_s"]) in cells and kilo(run["tokens_per_s_mean"]) in cells, line
+        if "max_over_mean_planned" in run:
+            imbalance = f"{run['max_over_mean_planned']:.2f} / {run['max_over_mean_measured']:.2f}"
+            assert imbalance in cells, f"{line}: expected planned / measured {imbalance}"

@@ -1,0 +1,141 @@
+"""docs/multi-node.md's launch paths on this machine: torchrun, and srun's environment on two "nodes".
+
+Under ``torchrun`` Lightning picks ``TorchElasticEnvironment``; under ``srun`` (``SLURM_NTASKS``
+set, job name not ``bash``/``interactive``) ``SLURMEnvironment``.  Both create the processes
+themselves, so the strategy starts no launcher and takes ranks, world size and node rank from
+the environment.  Each run trains a few steps in float64 on CPU ranks (gloo, loopback) and must log
+the loss of one process on the whole batch.  ``srun`` is not installed here: the test sets the
+variables srun sets for each task (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from test_strategy import reference
+from test_strategy_launch import SCRIPT as TWO_NODE_SCRIPT
+
+pytestmark = pytest.mark.multiprocess
+
+TESTS = Path(__file__).resolve().parent
+STEPS = int(re.search(r"max_steps=(\d+)", TWO_NODE_SCRIPT).group(1))  # what the script trains
+# The two-node script of test_strategy_launch (float64, writes done_<rank>.json with
+# rank, world, node and the logged loss), plus what the environment and the strategy made of it.
+SCRIPT = TWO_NODE_SCRIPT + textwrap.dedent(
+    """
+    with open(os.path.join(out, f"env_{{trainer.global_rank}}.json"), "w") as fh:
+        json.dump({{"local": trainer.local_rank, "launcher": trainer.strategy.launcher is not None,
+                   "environment": type(trainer.strategy.cluster_environment).__name__}}, fh)
+    """
+)
+LAUNCH_VARIABLES = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_",
+    "SLURM_",
+    "TORCHELASTIC",
+)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", *LAUNCH_VARIABLES))}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    errors = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        if p.returncode != 0:
+            errors.append(f"exit {p.returncode}: {err[-3000:]}")
+    assert not errors, "\n".join(errors)
+
+
+def _results(out: Path, world: int) -> list[dict]:
+    return [
+        {
+            **json.loads((out / f"done_{r}.json").read_text()),
+            **json.loads((out / f"env_{r}.json").read_text()),
+        }
+        for r in range(world)
+    ]
+
+
+def _assert_single_process_loss(done: list[dict]) -> None:
+    _, losses = reference(STEPS)
+    for row in done:
+        assert row["loss"] == pytest.approx(losses[-1], abs=1e-12)
+
+
+def test_torchrun_one_node_two_processes(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(TESTS)))
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    command = [
+        torchrun,
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(tmp_path),
+        "2",
+        "1",
+    ]
+    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _run([proc], timeout=240)
+    done = _results(tmp_path, 2)
+    assert [(d["rank"], d["local"], d["node"], d["world"]) for d in done] == [(0, 0, 0, 2), (1, 1, 0, 2)]
+    assert {d["environment"] for d in done} == {"TorchElasticEnvironment"}
+    assert not any(d["launcher"] for d in done)  # torchrun made the processes
+    _assert_single_process_loss(done)
+
+
+def test_srun_two_nodes_one_task_each(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(TESTS)))
+    port = _free_port()
+    job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_NNODES": "2",
+           "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path), "1", "2"],
+            env=_env(**job, SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    _run(procs, timeout=240)
+    done = _results(tmp_path, 2)
+    assert [(d["rank"], d["local"], d["node"], d["world"]) for d in done] == [(0, 0, 0, 2), (1, 0, 1, 2)]
+    assert {d["environment"] for d in done} == {"SLURMEnvironment"}
+    assert not any(d["launcher"] for d in done)
+    _assert_single_process_loss(done)
