@@ -11,7 +11,9 @@ Writes under ``benchmarks/results/``:
 * ``sim_plan_time.png``           planning time against ranks (32M tokens).
 
 Run: ``.venv/bin/python benchmarks/sim_report.py`` (about 10 minutes on 2 busy cores; the
-scenario cache makes re-runs fast).  ``--only case,comm,plantime,paper`` picks parts.
+scenario cache makes re-runs fast).  ``--only case,comm,plantime,paper`` picks parts;
+``--refresh balance,balance_no_offload`` recomputes those planners in every cached scenario
+(after a planner change), ``--force`` recomputes everything.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from lightning_bytescale.sim.scenario import CONTEXTS, DATASETS, MODELS, SCENARI
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = RESULTS / "sim_scenarios"
-PAPER_PLANNERS = ("static", "naive", "balance", "balance_no_offload", "megatron_dcp", "verl_kk")
+PAPER_PLANNERS = ("static", "naive", "balance", "balance_no_offload", "megatron_dcp", "verl_kk", "lpt")
 CASE_PLANNERS = (
     "static",
     "naive",
@@ -45,6 +47,9 @@ PLAN_TIME_RANKS = (1024, 2048, 4096, 8192, 16384)
 PLAN_TIME_PLANNERS = ("naive", "balance", "megatron_dcp")
 
 
+REFRESH: set[str] = set()  # planners to recompute in every cached scenario (--refresh)
+
+
 def cached_run(sc: Scenario, planners, force: bool) -> dict:
     """``run_scenario`` with a per-scenario cache; planners missing from the cache are added.
 
@@ -53,6 +58,9 @@ def cached_run(sc: Scenario, planners, force: bool) -> dict:
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / f"{sc.name}.json"
     data = None if force or not path.exists() else json.loads(path.read_text())
+    if data is not None:
+        for p in REFRESH:
+            data["planners"].pop(p, None)
     missing = list(planners) if data is None else [p for p in planners if p not in data["planners"]]
     if not missing:
         return data
@@ -90,12 +98,13 @@ def paper_part(force: bool) -> dict:
                     b = rows[f"paper-{m}-{ds}-{c1}"]["planners"][p]["tokens_per_s"]
                     ratios.append(a / b)
             drop[ds][p] = math.exp(statistics.fmean(math.log(r) for r in ratios))
-    behind = []
+    behind: dict[str, list] = {"balance": [], "balance_no_offload": []}
     for name, r in rows.items():
-        bal = r["planners"]["balance"]["tokens_per_s"]
-        for p in ("static", "megatron_dcp", "verl_kk"):
-            if r["planners"][p]["tokens_per_s"] > bal:
-                behind.append((name, p, r["planners"][p]["tokens_per_s"] / bal))
+        for ours, found in behind.items():
+            bal = r["planners"][ours]["tokens_per_s"]
+            for p in ("static", "megatron_dcp", "verl_kk", "lpt"):
+                if r["planners"][p]["tokens_per_s"] > bal:
+                    found.append((name, p, r["planners"][p]["tokens_per_s"] / bal))
     return {"scenarios": rows, "drop_per_doubling": drop, "balance_behind": behind}
 
 
@@ -231,7 +240,7 @@ def tables(report: dict) -> str:
             out.append("| model | planner | " + " | ".join(c.upper() for c in CONTEXTS) + " |")
             out.append("|---|---|" + "---|" * len(CONTEXTS))
             for m in MODELS:
-                for p in ("naive", "balance", "balance_no_offload", "megatron_dcp", "verl_kk"):
+                for p in ("naive", "balance", "balance_no_offload", "megatron_dcp", "verl_kk", "lpt"):
                     cells = [
                         _f(rows[f"paper-{m}-{ds}-{c}"]["planners"][p]["speedup_vs_static"]) for c in CONTEXTS
                     ]
@@ -241,11 +250,11 @@ def tables(report: dict) -> str:
         out.append("|---|" + "---|" * len(PAPER_PLANNERS))
         for ds, d in report["paper"]["drop_per_doubling"].items():
             out.append(f"| {ds} | " + " | ".join(f"{d[p]:.2f}x" for p in PAPER_PLANNERS) + " |")
-        out.append("| paper | ~2x | 1.23x | 1.08x | - | - | - |")
-        beh = report["paper"]["balance_behind"]
-        out.append(f"\nScenarios where a baseline beats `balance`: {len(beh)}")
-        for name, p, ratio in beh:
-            out.append(f"- {name}: {p} is {ratio:.2f}x balance's throughput")
+        out.append("| paper | ~2x | 1.23x | 1.08x | - | - | - | - |")
+        for ours, beh in report["paper"]["balance_behind"].items():
+            out.append(f"\nScenarios where a baseline beats `{ours}`: {len(beh)}")
+            for name, p, ratio in beh:
+                out.append(f"- {name}: {p} is {ratio:.3f}x {ours}'s throughput")
         out.append("\n#### Step time (s), all planners\n")
         out.append("| scenario | ranks | " + " | ".join(PAPER_PLANNERS) + " | balance plan ms |")
         out.append("|---|---|" + "---|" * len(PAPER_PLANNERS) + "---|")
@@ -314,7 +323,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="case,comm,plantime,paper")
     ap.add_argument("--force", action="store_true", help="recompute cached scenario results")
+    ap.add_argument("--refresh", default="", help="comma-separated planners to recompute in cached scenarios")
     args = ap.parse_args()
+    REFRESH.update(p for p in args.refresh.split(",") if p)
     parts = set(args.only.split(","))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "sim_report.json"

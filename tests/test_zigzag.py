@@ -56,3 +56,60 @@ def test_hand_cases():
         zigzag.chunk_size(0, 2)
     with pytest.raises(ValueError):
         zigzag.member_chunks(2, 2)
+
+
+def _areas(chunk_tokens: list[int]) -> list[int]:
+    """Causal area of each member when chunk ``k`` holds ``chunk_tokens[k]`` real tokens in order."""
+    n = len(chunk_tokens) // 2
+    start, area = 0, []
+    for t in chunk_tokens:
+        area.append(t * start + t * (t + 1) // 2)
+        start += t
+    return [area[m] + area[2 * n - 1 - m] for m in range(n)]
+
+
+def _spread(s: int, n: int) -> list[int]:
+    """The proposed layout (docs/planner.md, "Zigzag padding"): every chunk keeps c slots and
+    holds q = s // 2n or q + 1 real tokens; the r = s mod 2n extra tokens go to the first
+    chunks of members 0, 1, ..., n - 1, then to the last chunks of members 0, 1, ..."""
+    q, r = divmod(s, 2 * n)
+    tokens = [q] * (2 * n)
+    for k in (list(range(n)) + list(range(2 * n - 1, n - 1, -1)))[:r]:
+        tokens[k] += 1
+    return tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(s=st.integers(1, 3000), n=st.integers(1, 32))
+def test_member_causal_area_counts_the_pairs_of_its_positions(s, n):
+    areas = [zigzag.member_causal_area(s, n, m) for m in range(n)]
+    assert areas == [_mask_area(zigzag.member_positions(s, n, m), s) for m in range(n)]
+    assert sum(areas) == s * (s + 1) // 2
+    c = zigzag.chunk_size(s, n)
+    today = [max(0, min(c, s - k * c)) for k in range(2 * n)]  # padding at the end
+    assert areas == _areas(today)
+
+
+def test_padding_at_the_end_starves_member_zero():
+    """The measurement behind issue 16's zigzag bullet: 907 tokens on a ring of 16."""
+    areas = [zigzag.member_causal_area(907, 16, m) for m in range(16)]
+    assert areas[0] == min(areas)
+    assert areas[0] / max(areas) == pytest.approx(0.284, abs=0.001)
+    # the proposed layout: within 3.5% of each other, in the same 2c = 58 slots per member
+    spread = _areas(_spread(907, 16))
+    assert min(spread) / max(spread) > 0.965
+    assert max(_spread(907, 16)) <= zigzag.chunk_size(907, 16)
+
+
+@settings(max_examples=500, deadline=None)
+@given(n=st.integers(1, 64), data=st.data())
+def test_spread_padding_keeps_every_member_within_one_row_of_the_others(n, data):
+    """Design check for the layout docs/planner.md proposes: for s >= 2n, no two members' causal
+    areas differ by as much as one full row of the mask (s pairs, what one query adds at most);
+    with padding at the end they differ by up to most of a member's area."""
+    s = data.draw(st.integers(2 * n, 200 * n))
+    tokens = _spread(s, n)
+    assert sum(tokens) == s and max(tokens) <= zigzag.chunk_size(s, n)
+    areas = _areas(tokens)
+    assert sum(areas) == s * (s + 1) // 2
+    assert max(areas) - min(areas) < s

@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--lengths", metavar="FILE", help="JSON list, .npy, or text file with one length per line"
     )
-    src.add_argument("--distribution", metavar="NAME", help="synthetic distribution: github or byted")
+    src.add_argument(
+        "--distribution", metavar="NAME", help="synthetic distribution: github, byted, short or mixed"
+    )
     ap.add_argument("--tokens", type=int, help="global batch tokens (with --distribution)")
     ap.add_argument(
         "--context-length",
@@ -76,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--world-size", type=int, required=True, help="HDP ranks")
     ap.add_argument("--capacity", type=int, required=True, help="tokens per rank per micro-batch (C)")
     ap.add_argument(
-        "--planner", default="balance", help="static, naive, balance (or a registered peer planner)"
+        "--planner",
+        default="balance",
+        help="static, naive, balance, or a peer: megatron_dcp, verl_kk, lpt (or a registered planner)",
     )
     ap.add_argument(
         "--cp-size", type=int, default=None, help="static planner's CP degree (default: smallest that fits)"

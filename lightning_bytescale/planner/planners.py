@@ -9,7 +9,9 @@
   rank), items in seeded random (data) order, each to the ranks with the *fewest* micro-batches:
   equal micro-batch counts, blind to time.
 * ``balance`` -- paper Alg. 2 (DP-Balance; PP-Balance when ``pipeline_degree > 1``) on the
-  communication-aware cost model.
+  communication-aware cost model (:mod:`.balance`).
+
+Peers users would pick instead (``megatron_dcp``, ``verl_kk``, ``lpt``) live in :mod:`.peers`.
 
 Decisions where the paper is silent (bytescale-paper §4.5):
 
@@ -50,19 +52,23 @@ Issue-9 additions (communication-aware planning):
 * ``comm_aware=True`` (default) balances on ``linear + max(attention, transfer)``;
   ``comm_aware=False`` balances on the paper's compute-only model (ablation).  Either way the
   micro-batches' ``est_time``/``exposed_time`` come from the full model, so plans compare fairly.
-* Ring size: never more ranks than memory requires (``D(s)``).  With offload, every size from
-  Eq. 3's optimum up to ``D(s)`` is feasible; ``balance`` takes the fewest ranks whose member time
-  stays within a load level ``T`` solving ``mean load(T) = T`` (fewer ranks mean bigger chunks,
-  more hidden transfer and less total work, but an item longer than the mean load would set the
-  step time).  A sequence whose member time cannot get under ``T`` (a comm-bound ring stops
-  getting faster with more ranks) takes the fewest ranks within the step-time bound
-  ``max(T, largest floor)``.  Under pipelines (``pipeline_degree > 1``) the ring sizes are the
-  candidate (no shrinking, or one of ``PP_LEVELS`` load levels) with the lowest estimated step
-  time in the 1F1B load model, and a shrinking must gain ``PP_MIN_GAIN``: a pipeline pays
-  about ``(p - 1) / p`` of its longest micro-batch once more, so a shrunk ring pays only where
-  it saves real work (see :func:`_choose_ring_sizes_pp`).  ``naive`` takes Eq. 3's optimum
-  (``offload_policy="paper_min_ranks"``, default) or shrinks only where that saves work at
-  about the same member time (``offload_policy="pays"``, see :func:`_naive_pays`).
+* Ring size: at least what memory requires (``D(s)``, or Eq. 3's optimum with offload), and
+  possibly more (issue 16, ``grow_rings=True``, default; :mod:`.ring_sizes`).  A *load level*
+  ``T`` gives every sequence the fewest ranks whose member time is at most ``T``.  Data
+  parallel: ``T`` solves ``mean load(T) = T`` (fewer ranks mean bigger chunks, more hidden
+  transfer and less total work, but an item longer than the mean load would set the step
+  time; more ranks than ``D(s)`` shorten an attention-bound item that would).  A sequence whose
+  member time cannot get under ``T`` (a comm-bound ring stops getting faster with more ranks)
+  takes the fewest ranks within ``max(T, largest floor)``.  Under pipelines
+  (``pipeline_degree > 1``) the level is the one with the lowest estimated 1F1B step time: a
+  pipeline pays about ``(p - 1) / p`` of its longest micro-batch once more, so grown rings pay
+  there even at the mean load.  The planner places several candidate ring-size sets (offload
+  on and off, grown rings or ``D(s)``, and ``D(s)`` rounded up to a power of two so that rings
+  tile the ranks) and keeps the one whose placement ends first: with pipelines it times the
+  slowest pipelines' exact 1F1B schedules (:mod:`.pipeline`, the simulator's function).
+  ``naive`` takes Eq. 3's optimum (``offload_policy="paper_min_ranks"``, default) or shrinks
+  only where that saves work at about the same member time (``offload_policy="pays"``, see
+  :func:`_naive_pays`); it never grows a ring.
 * Placement: rings inside one node when that ends earlier (item 2 above); the exposed ring time
   of every micro-batch is in ``exposed_time`` and summed in ``Plan.stats()``.
 * Offload default (``offload=None``): on for ``balance`` when the cost model has activation

@@ -171,8 +171,8 @@ PP_LEVELS = 48  # load levels tried by the pipeline ring-size choice, per range
 PP_PLACED_LEVELS = 1  # the best levels by the estimate, placed and timed exactly
 
 
-def _pp_level_picks(multi, items: list[Item], fixed, world: int, p: int, floor: float) -> list[int]:
-    """Ring sizes under pipelines: the load level with the lowest estimated 1F1B step time.
+def _pp_level_picks(multi, items: list[Item], fixed, world: int, p: int, floor: float) -> list[list[int]]:
+    """Ring sizes under pipelines: the load levels with the lowest estimated 1F1B step time.
 
     A pipeline's load is ``sum(t) / p + (p - 1) max(t) / p``: its longest micro-batch counts
     almost fully.  A shrunk ring (offload: longer member time) costs every pipeline it lands on
@@ -184,8 +184,9 @@ def _pp_level_picks(multi, items: list[Item], fixed, world: int, p: int, floor: 
     (balanced placement gives each pipeline one of the longest slots as its maximum; an item of
     ``D`` ranks fills ``D`` slots) and ``t_max`` the longest member time.  Candidates: ``D(s)``
     for every sequence, and the load levels of :func:`_levels` (every sequence on the fewest
-    ranks whose member time is at most the level).  The lowest estimate wins, but leaving
-    ``D(s)`` must gain ``PP_MIN_GAIN`` (1%, below the estimate's accuracy ``D(s)`` is kept).
+    ranks whose member time is at most the level).  Returns the ``PP_PLACED_LEVELS`` distinct
+    choices with the lowest estimates (ties: ``D(s)`` first, then lower levels); the planner
+    places them and times them exactly, so the estimate only has to rank.
     """
     fixed_work, fixed_slots = fixed
 
@@ -251,12 +252,14 @@ def ring_size_candidates(
 ) -> tuple[list[list[float]], list[list[int]]]:
     """Member times of every choice, and the candidate ring sizes (a choice index per item).
 
-    One candidate per family of choices: with and without offload (when it is on), with and
-    without rings larger than ``D(s)`` (when ``grow``); each family's ring sizes come from the
-    data-parallel crossing (:func:`_dp_level_picks`) or the pipeline estimate
-    (:func:`_pp_level_picks`).  The planner places every distinct candidate and keeps the one
-    whose placement ends first: a family that cannot help (offload on attention-bound rings,
-    growth on communication-bound ones) never costs anything.
+    Families of choices: offload with grown rings (when offload is on), no offload with grown
+    rings (when ``grow``), and ``D(s)`` for every sequence (the paper's plan, always); each
+    family's ring sizes come from the data-parallel crossing (:func:`_dp_level_picks`) or the
+    pipeline estimate (:func:`_pp_level_picks`).  With ``grow``, one more: every ring on
+    :func:`tile_size` ranks (Megatron-DCP's power-of-two sizes, which tile the ranks when the
+    last rings of a step would otherwise leave odd gaps).  The planner places every distinct
+    candidate and keeps the one whose placement ends first: a family that cannot help (offload
+    on attention-bound rings, growth on communication-bound ones) never costs anything.
     """
     cost_of, multi, _ = ring_choice_times(ctx, items, cm)
     times = [[t] for t in cost_of]

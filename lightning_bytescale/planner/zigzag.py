@@ -8,6 +8,13 @@ slots carry positions ``>= s``, hold no real token, and are masked out of attent
 the loss.  Every member therefore holds exactly ``2c`` slots of the sequence, which keeps the
 ring homogeneous (same shapes, same bytes on every ring step).
 
+Padding at the end costs balance: the last chunks hold few real tokens, and member 0 holds
+the very last one, so its share of the causal-mask area can fall far below ``1/n`` (907 tokens
+on 16 ranks: member 0 gets 28% of the largest member's area).  :func:`member_causal_area`
+measures it; docs/planner.md ("Zigzag padding") has the layout that spreads the padding,
+which needs the attention kernels to mask padding keys inside a chunk before it can replace
+this one.
+
 Pure Python: the planner, the engine and the simulator all use these formulas.
 """
 
@@ -86,3 +93,13 @@ def all_member_ranges(s: int, n: int) -> list[tuple[tuple[int, int], ...]]:
         else:
             out.append(((b0, b1),) if b0 < b1 else ())
     return out
+
+
+def member_causal_area(length: int, ring_size: int, member: int) -> int:
+    """Causal query-key pairs of ``member``'s real tokens: ``sum(q + 1)`` over the positions it holds.
+
+    Every real query at position ``q`` attends to the ``q + 1`` keys at or before it; padding
+    queries and keys count nothing.  With ``2n`` dividing the length every member gets exactly
+    ``1/n`` of ``length (length + 1) / 2``.
+    """
+    return sum((b - a) * (a + b + 1) // 2 for a, b in member_ranges(length, ring_size, member))
