@@ -1,0 +1,67 @@
+"""Hugging Face models on packed micro-batches: ``attn_implementation="bytescale"`` and `HFCausalLM`.
+
+``import lightning_bytescale.hf`` registers ``"bytescale"`` with transformers' attention and
+mask interfaces, so ``AutoModelForCausalLM.from_config(cfg, attn_implementation="bytescale")``
+and ``.from_pretrained(path, attn_implementation="bytescale")`` run local variable-length or
+zigzag ring attention on packed ``input_ids [1, T]`` / ``position_ids [1, T]``.
+:class:`HFCausalLM` (imported on first use: it needs Lightning) is the LightningModule that
+builds or loads such a model and trains it under ``ByteScaleStrategy``.
+
+transformers is an optional dependency: ``pip install "lightning-bytescale[hf]"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+try:
+    import transformers  # noqa: F401
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "lightning_bytescale.hf needs transformers 5: pip install 'lightning-bytescale[hf]' "
+        "(or pip install 'transformers>=5,<6')"
+    ) from err
+
+from lightning_bytescale.hf.attention import (
+    ATTN_IMPLEMENTATION,
+    bytescale_attention,
+    bytescale_mask,
+    count_attention_calls,
+    layout_from_positions,
+    register,
+)
+from lightning_bytescale.hf.checks import check_config, check_model, config_problems, model_problems
+
+register()
+
+_LAZY = {
+    "HFCausalLM": "lightning_bytescale.hf.module",
+    "LoadReport": "lightning_bytescale.hf.module",
+    "ModelSource": "lightning_bytescale.hf.loading",
+    "OptimizerOptions": "lightning_bytescale.hf.optim",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_bytescale.hf' has no attribute {name!r}")
+
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "HFCausalLM",
+    "LoadReport",
+    "ModelSource",
+    "OptimizerOptions",
+    "bytescale_attention",
+    "bytescale_mask",
+    "check_config",
+    "check_model",
+    "config_problems",
+    "count_attention_calls",
+    "layout_from_positions",
+    "model_problems",
+    "register",
+]

@@ -1,0 +1,266 @@
+"""`HFCausalLM`: fine-tune a Hugging Face causal LM under ``ByteScaleStrategy``.
+
+The LightningModule a user needs for an HF model: it builds or loads the model in
+``configure_model`` with ``attn_implementation="bytescale"``, refuses configs the packed
+attention would train wrongly (:mod:`.checks`), feeds each packed micro-batch as
+``input_ids [1, T]`` / ``position_ids [1, T]`` and returns ``mb.loss(logits)``: the token loss
+over the global token count, so training equals one process on the whole batch.
+
+Loading a checkpoint on N ranks: under ``ByteScaleStrategy`` only global rank 0 reads the
+checkpoint files; the other ranks build the same model from its config with uninitialised
+weights, and the strategy's broadcast of rank 0's parameters and buffers (right after
+``configure_model``) fills them.  Before that broadcast the ranks compare the structure of
+their models (names, shapes, dtypes, tied weights) in one small collective, so a mismatch is a
+clear error rather than a broadcast of misaligned buffers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_bytescale.attention import attention_context
+from lightning_bytescale.attention.context import current_scope
+from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.hf.attention import (
+    ATTN_IMPLEMENTATION,
+    count_attention_calls,
+    layout_from_positions,
+    register,
+)
+from lightning_bytescale.hf.checks import check_config, check_model
+from lightning_bytescale.hf.loading import ModelSource
+from lightning_bytescale.hf.optim import OptimizerOptions
+
+LOAD_ON = ("rank_zero", "every_rank")
+
+
+@dataclass
+class LoadReport:
+    """How this rank got its weights: ``checkpoint``, ``config`` (random init) or ``broadcast``."""
+
+    weights: str
+    seconds: float
+    rank: int
+
+
+def _refuse_labels(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if kwargs.get("labels") is not None:
+        raise ConfigError(
+            "labels= was passed to the Hugging Face model: its built-in loss is a mean over this "
+            "micro-batch's tokens, which weights tokens differently on each rank and micro-batch and breaks "
+            "the global token normalisation. Call the model without labels and return "
+            "mb.loss(logits) (lightning_bytescale.token_loss(logits, mb.labels, mb.num_global_tokens))"
+        )
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether the HF model recomputes layers in backward (the property's v5 and older names)."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else None
+    return bool(getattr(model, name or "is_gradient_checkpointing", False))
+
+
+def structure_digest(model: nn.Module) -> str:
+    """A hash of the names, shapes and dtypes of the parameters and buffers, and of which are tied."""
+    seen: dict[int, str] = {}
+    rows = []
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        rows.append((name, tuple(t.shape), str(t.dtype), seen.setdefault(id(t), name)))
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
+
+
+class HFCausalLM(pl.LightningModule):
+    """A Hugging Face causal LM trained on packed micro-batches.
+
+    ``name_or_path``: a local folder or hub name (its weights are loaded), or with
+    ``from_config=True`` a folder/hub name/model type (``"llama"``) whose config is initialised
+    from scratch; a ``transformers`` config (or its dict) always builds from config.
+    ``config_overrides`` change config fields before the model is built.  ``dtype`` is the
+    dtype the weights are built or loaded in (default: the precision plugin's default dtype,
+    e.g. float64 under ``precision="64-true"``, float32 under ``"bf16-mixed"``).
+    ``load_on="rank_zero"`` (default) reads a checkpoint on global rank 0 only under
+    ``ByteScaleStrategy`` (the others receive rank 0's weights); ``"every_rank"`` loads it on
+    every rank.  Optimizer: AdamW with ``lr``, ``weight_decay``, ``betas``, ``eps``,
+    ``warmup_steps``, ``schedule`` (``constant``/``linear``/``cosine``) and ``min_lr_ratio``.
+    """
+
+    def __init__(
+        self,
+        name_or_path: Any,
+        *,
+        from_config: bool = False,
+        config_overrides: dict[str, Any] | None = None,
+        dtype: torch.dtype | str | None = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        local_files_only: bool | None = None,
+        load_on: str = "rank_zero",
+        model_kwargs: dict[str, Any] | None = None,
+        lr: float = 2e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        schedule: str = "constant",
+        min_lr_ratio: float = 0.0,
+    ) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        if load_on not in LOAD_ON:
+            raise ConfigError(f"load_on must be one of {LOAD_ON}, got {load_on!r}")
+        self.source = ModelSource(
+            name_or_path,
+            from_config=from_config,
+            config_overrides=dict(config_overrides or {}),
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            local_files_only=local_files_only,
+            model_kwargs=dict(model_kwargs or {}),
+        )
+        self.optim = OptimizerOptions(
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=tuple(betas),
+            eps=eps,
+            warmup_steps=warmup_steps,
+            schedule=schedule,
+            min_lr_ratio=min_lr_ratio,
+        )
+        self.load_on = load_on
+        self.weights_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.model: nn.Module | None = None
+        self.load_report: LoadReport | None = None
+        self._attention_layers = 0
+        self.save_hyperparameters(ignore=["name_or_path"])
+        self.hparams["name_or_path"] = (
+            name_or_path.to_dict() if isinstance(name_or_path, PretrainedConfig) else name_or_path
+        )
+
+    # ------------------------------------------------------------------ model
+    def _broadcast_fills_weights(self) -> bool:
+        """Whether this run's strategy gives every rank rank 0's parameters after ``configure_model``."""
+        trainer = self._trainer
+        if (
+            trainer is None
+            or trainer.world_size <= 1
+            or self.source.from_config
+            or self.load_on != "rank_zero"
+        ):
+            return False
+        from lightning_bytescale.strategy import ByteScaleStrategy
+
+        return isinstance(trainer.strategy, ByteScaleStrategy)
+
+    def configure_model(self) -> None:
+        """Build or load the model (once), with ``"bytescale"`` attention, after checking its config."""
+        if self.model is not None:
+            return
+        register()
+        config = self.source.config()
+        check_config(config, training=True)
+        dtype = self.weights_dtype or torch.get_default_dtype()
+        rank = self.global_rank
+        started = time.perf_counter()
+        if self._broadcast_fills_weights() and rank != 0:
+            model, weights = self.source.build_empty(config, dtype), "broadcast"
+        elif self.source.from_config:
+            model, weights = self.source.build(config, dtype), "config"
+        else:
+            device = self.trainer.strategy.root_device if self._trainer is not None else None
+            model, weights = self.source.load(config, dtype, device), "checkpoint"
+        self.load_report = LoadReport(weights, time.perf_counter() - started, rank)
+        check_model(model, training=True)
+        model.register_forward_pre_hook(_refuse_labels, with_kwargs=True)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self._attention_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+        self.model = model
+        if self._broadcast_fills_weights():
+            self._check_same_structure()
+
+    def _check_same_structure(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        mine = structure_digest(self.model)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        odd = [r for r, d in enumerate(gathered) if d != gathered[0]]
+        if odd:
+            raise ConfigError(
+                f"ranks {odd} built a model whose parameters, shapes, dtypes or tied weights differ from rank 0's "
+                f"{type(self.model).__name__}, so rank 0's weights cannot be broadcast to them. Give every rank "
+                "the same config, config_overrides and dtype, or set load_on='every_rank'"
+            )
+
+    def _require_model(self) -> nn.Module:
+        if self.model is None:
+            raise ConfigError(
+                "HFCausalLM has no model yet: it is built in configure_model, which the Trainer calls; outside "
+                "a Trainer call module.configure_model() first"
+            )
+        return self.model
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Logits ``[T, V]`` of one packed micro-batch (``input_ids``, ``position_ids``: ``[T]``)."""
+        model = self._require_model()  # a labels= keyword is refused by the model's pre-hook
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ConfigError(
+                f"HFCausalLM takes packed input_ids [T] and position_ids [T], got {tuple(input_ids.shape)} and "
+                f"{tuple(position_ids.shape)}"
+            )
+        if _checkpointing(model):
+            raise ConfigError(
+                "gradient checkpointing of the HF model recomputes attention during backward, outside the "
+                "micro-batch's attention layout (ring attention cannot be recomputed there); turn it off "
+                "(model.activation_checkpointing_disable()) and use the strategy's activation offload instead"
+            )
+        # Under the strategy the micro-batch's layout is installed; called directly, the sequences are
+        # the runs of consecutive positions (whether or not the model hands position_ids to attention).
+        layout = (
+            nullcontext()
+            if current_scope() is not None
+            else attention_context(layout_from_positions(position_ids, input_ids.shape[0]))
+        )
+        with count_attention_calls() as counted, layout:
+            out = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **kwargs)
+        if self._attention_layers and counted.calls != self._attention_layers:
+            raise ConfigError(
+                f'{type(model).__name__} ran attn_implementation="{ATTN_IMPLEMENTATION}" in {counted.calls} of '
+                f"its {self._attention_layers} layers; the other layers mix tokens another way and would "
+                "attend across packed sequences. This model cannot train on packed micro-batches"
+            )
+        return out.logits[0]
+
+    def training_step(self, mb: Any, batch_idx: int) -> torch.Tensor:
+        return mb.loss(self(mb.input_ids, mb.position_ids))
+
+    def validation_step(self, mb: Any, batch_idx: int) -> torch.Tensor:
+        return mb.loss(self(mb.input_ids, mb.position_ids))
+
+    def test_step(self, mb: Any, batch_idx: int) -> torch.Tensor:
+        return mb.loss(self(mb.input_ids, mb.position_ids))
+
+    # --------------------------------------------------------------- optimizer
+    def configure_optimizers(self) -> dict[str, Any]:
+        total = None
+        if self.optim.schedule != "constant":
+            steps = self.trainer.estimated_stepping_batches
+            total = int(steps) if steps != float("inf") else None
+        return self.optim.build(self.named_parameters(), total)
+
+    # ------------------------------------------------------------------ export
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
+        """Write the (fine-tuned) HF model as a ``from_pretrained`` folder (call it on one rank)."""
+        self._require_model().save_pretrained(path, **kwargs)
