@@ -13,6 +13,9 @@ and returns the sum of their losses.  The families share no parameter, AdamW and
 act per parameter and there is no gradient clipping, so each family's trajectory is exactly the
 one it would have alone (the per-family reference checks precisely that).
 
+One run also offloads half of every micro-batch's activations of the HF decoder layers (the
+strategy finds them), the memory saving that replaces HF gradient checkpointing here.
+
 The loss mask is what the data side produces for chat data: labels -100 on masked positions
 (here a "prompt" prefix of each sequence and a scattered pattern) and ``num_global_tokens``
 counting only trained tokens, the same on every rank.
@@ -75,8 +78,8 @@ def trained_tokens(lengths: list[int], mask: bool) -> int:
 class StepData(Dataset):
     """Item ``k``: this rank's StepBatch of global batch ``k``, loss-masked on request."""
 
-    def __init__(self, world: int, rank: int, mask: bool) -> None:
-        self.world, self.rank, self.mask = world, rank, mask
+    def __init__(self, world: int, rank: int, mask: bool, offload_ratio: float = 0.0) -> None:
+        self.world, self.rank, self.mask, self.offload_ratio = world, rank, mask, offload_ratio
 
     def __len__(self) -> int:
         return STEPS
@@ -86,6 +89,8 @@ class StepData(Dataset):
         lengths = [len(s) for s in seqs]
         plan = make_plan(lengths, world_size=self.world, capacity=CAPACITY, planner="balance")
         batch = build_step(plan, self.rank, lambda j: seqs[j], step=k)
+        for mb in batch.micro_batches:
+            mb.offload_ratio = self.offload_ratio
         if self.mask:
             n = trained_tokens(lengths, mask=True)
             for mb in batch.micro_batches:
@@ -99,13 +104,13 @@ class StepData(Dataset):
 
 
 class StepDataModule(pl.LightningDataModule):
-    def __init__(self, mask: bool) -> None:
+    def __init__(self, mask: bool, offload_ratio: float) -> None:
         super().__init__()
-        self.mask = mask
+        self.mask, self.offload_ratio = mask, offload_ratio
 
     def train_dataloader(self):
         t = self.trainer
-        data = StepData(t.world_size, t.global_rank, self.mask)
+        data = StepData(t.world_size, t.global_rank, self.mask, self.offload_ratio)
         return StatefulDataLoader(data, batch_size=None, shuffle=False, num_workers=0)
 
 
@@ -136,7 +141,11 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stats = trainer.strategy.step_stats
-        self.rows.append({"loss": float(outputs["loss"]), "cp_degrees": stats["cp_degrees"]})
+        offloader = trainer.strategy._offloader
+        offloaded = offloader.stats.offloaded_bytes if offloader is not None else 0
+        self.rows.append(
+            {"loss": float(outputs["loss"]), "cp_degrees": stats["cp_degrees"], "offloaded": offloaded}
+        )
 
     def on_train_end(self, trainer, pl_module):
         r = trainer.global_rank
@@ -147,12 +156,20 @@ class Recorder(pl.Callback):
         )
 
 
-def fit(out: Path, folders: dict[str, str], world: int, mask: bool) -> None:
+def fit(out: Path, folders: dict[str, str], world: int, mask: bool, offload: bool) -> None:
     os.environ.pop("MASTER_PORT", None)
+    strategy = ByteScaleStrategy(
+        planner="balance",
+        capacity=CAPACITY,
+        start_method="fork",
+        timeout=60,
+        offload=offload,
+        offloader_options={"keep_last": 0, "min_bytes": 0} if offload else None,
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=ByteScaleStrategy(planner="balance", capacity=CAPACITY, start_method="fork", timeout=60),
+        strategy=strategy,
         precision="64-true",
         max_steps=STEPS,
         logger=False,
@@ -164,7 +181,7 @@ def fit(out: Path, folders: dict[str, str], world: int, mask: bool) -> None:
         callbacks=[Recorder(out)],
         default_root_dir=out,
     )
-    trainer.fit(Families(folders), datamodule=StepDataModule(mask))
+    trainer.fit(Families(folders), datamodule=StepDataModule(mask, 0.5 if offload else 0.0))
 
 
 # ----------------------------------------------------------------------------- reference
@@ -214,13 +231,16 @@ def checkpoints(root: Path) -> dict[str, str]:
     return folders
 
 
-@pytest.mark.parametrize("mask", [False, True], ids=["all-tokens", "loss-mask"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_hf_families_equal_one_process(tmp_path, world, mask):
+@pytest.mark.parametrize(
+    ("world", "mask", "offload"),
+    [(2, False, False), (3, False, False), (2, True, False), (3, True, False), (2, True, True)],
+    ids=["2-all-tokens", "3-all-tokens", "2-loss-mask", "3-loss-mask", "2-loss-mask-offload"],
+)
+def test_hf_families_equal_one_process(tmp_path, world, mask, offload):
     folders = checkpoints(tmp_path / "ckpt")
     out = tmp_path / "run"
     out.mkdir()
-    fit(out, folders, world, mask)
+    fit(out, folders, world, mask, offload)
 
     results = {f: reference(path, world, mask) for f, path in folders.items()}
     want_losses = [sum(results[f][1][k] for f in folders) for k in range(STEPS)]
@@ -229,6 +249,8 @@ def test_hf_families_equal_one_process(tmp_path, world, mask):
         # only rank 0 read the checkpoints; the others were filled by the broadcast
         assert set(record["loads"].values()) == {"checkpoint" if r == 0 else "broadcast"}
         assert [row["loss"] for row in record["rows"]] == pytest.approx(want_losses, abs=1e-12, rel=0)
+        if offload:  # the decoder layers' activations went through the host (bit-identical gradients)
+            assert all(row["offloaded"] > 0 for row in record["rows"])
         degrees = [d for row in record["rows"] for d in row["cp_degrees"]]
         assert max(degrees) == world and 1 in degrees  # long sequences on rings, short ones local
         got = torch.load(out / f"params_{r}.pt")
