@@ -58,6 +58,7 @@ from lightning_bytescale.engine.executor import (
     LocalResult,
     StepResult,
     check_step,
+    describe_micro_batch,
     run_micro_batches,
     sync_step,
 )
@@ -70,6 +71,9 @@ from lightning_bytescale.failures import is_peer_failure
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.accelerators import Accelerator
+
+    from lightning_bytescale.preemption import PreemptionHandler
+    from lightning_bytescale.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +149,16 @@ class ByteScaleStrategy(ParallelStrategy):
             fingerprint every parameter inside the step's all-reduce and stop with
             :class:`~lightning_bytescale.errors.ParameterDivergenceError` naming the ranks and
             the first parameters that differ; ``0`` turns it off.
+        watchdog: a rank whose step makes no progress for ``timeout`` seconds (or for
+            ``watchdog`` seconds when it is a number: a stuck ``training_step``, a hung data
+            worker it waits on) writes where it was (phase, step, micro-batch, ring, its stack),
+            ends its own children and exits with code 124 (:mod:`~lightning_bytescale.watchdog`).
+            Collectives and ring micro-batches get the process-group timeout plus a margin, so
+            that ranks waiting for a stuck peer fail with the peer error.  ``False`` turns it off.
+        preemption: SIGTERM (or the signals named, e.g. ``("SIGTERM", "SIGUSR1")``) sets a flag
+            that rides in the step's all-reduce; at the next step boundary every rank saves
+            ``<default_root_dir>/hpc_ckpt_<n>.ckpt`` and exits with code 143
+            (:mod:`~lightning_bytescale.preemption`).  ``False`` leaves Lightning's handler.
         log_loss: log the global token-mean loss of the step as ``loss_name`` (progress bar too).
         loss_name: the metric name used by ``log_loss``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
@@ -173,6 +187,8 @@ class ByteScaleStrategy(ParallelStrategy):
         check_finite: bool = True,
         check_loss_normalization: bool = True,
         check_parameters_every_n_steps: int = 100,
+        watchdog: bool | float = True,
+        preemption: bool | tuple[str, ...] = True,
         log_loss: bool = True,
         loss_name: str = "train/loss",
         accelerator: Accelerator | None = None,
@@ -220,6 +236,15 @@ class ByteScaleStrategy(ParallelStrategy):
         self.check_finite = bool(check_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
         self.check_parameters_every_n_steps = check_parameters_every_n_steps
+        if isinstance(watchdog, bool):
+            self.watchdog: bool | float = watchdog
+        elif isinstance(watchdog, (int, float)) and watchdog > 0:
+            self.watchdog = float(watchdog)
+        else:
+            raise ConfigError(
+                f"watchdog must be True, False or a positive number of seconds, got {watchdog!r}"
+            )
+        self.preemption = preemption
         self.log_loss = bool(log_loss)
         self.loss_name = loss_name
         self.step_stats: dict[str, Any] = {}
@@ -231,6 +256,8 @@ class ByteScaleStrategy(ParallelStrategy):
         self._steps_run = 0
         self._loss_probe_done = False
         self._warned_partial_loss = False
+        self._watchdog: StepWatchdog | None = None
+        self._preemption: PreemptionHandler | None = None
 
     # ------------------------------------------------------------------ what DDP would provide
     @property
@@ -276,7 +303,11 @@ class ByteScaleStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
-                self._launcher = compat._SubprocessScriptLauncher(
+                # Lightning's popen launcher, with ranks that die with rank 0 and named causes of death
+                # (imported here: those modules import Lightning, which registers this module)
+                from lightning_bytescale.launcher import ByteScaleScriptLauncher
+
+                self._launcher = ByteScaleScriptLauncher(
                     self.cluster_environment, self.num_processes, self.num_nodes
                 )
         else:
@@ -333,6 +364,58 @@ class ByteScaleStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             compat._optimizers_to_device(self.optimizers, self.root_device)
         self._steps_run = 0
+        self._setup_lifecycle(trainer)
+
+    def _setup_lifecycle(self, trainer: pl.Trainer) -> None:
+        """The step watchdog and the preemption handler (its callback installs it at train start)."""
+        from lightning_bytescale.preemption import PreemptionCallback, PreemptionHandler
+        from lightning_bytescale.watchdog import StepWatchdog
+
+        if self._watchdog is None and self.watchdog is not False:
+            seconds = self.watchdog if self.watchdog is not True else self._pg_seconds()
+            if seconds is not None:
+                option = (
+                    "ByteScaleStrategy(watchdog=...)"
+                    if self.watchdog is not True
+                    else "ByteScaleStrategy(timeout=...)"
+                )
+                self._watchdog = StepWatchdog(float(seconds), self.global_rank, timeout_option=option).start()
+        if self.preemption is False or trainer.state.fn != TrainerFn.FITTING:
+            return
+        callback = next((c for c in trainer.callbacks if isinstance(c, PreemptionCallback)), None)
+        if callback is None:
+            signals = ("SIGTERM",) if self.preemption is True else tuple(self.preemption)
+            callback = PreemptionCallback(PreemptionHandler(signals))
+            trainer.callbacks.append(callback)
+        self._preemption = callback.handler
+
+    def _pg_seconds(self) -> float | None:
+        return None if self._timeout is None else self._timeout.total_seconds()
+
+    def _beat(self, phase: str, *, waits_on_peers: bool = False) -> None:
+        """Record where this rank is (for errors) and that it progresses (for the watchdog)."""
+        self._phase = phase
+        dog = self._watchdog
+        if dog is None:
+            return
+        pg = self._pg_seconds()
+        if waits_on_peers and pg is not None:
+            # bounded by the process-group timeout: a rank waiting on a stuck peer fails with the
+            # peer error first, and the stuck rank's own watchdog names where it is
+            dog.beat(phase, max(dog.timeout_s, pg + max(30.0, pg / 2)))
+        else:
+            dog.beat(phase)
+
+    def _idle(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.idle()
+
+    @override
+    def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        super().teardown()
 
     @override
     def model_to_device(self) -> None:
@@ -422,7 +505,7 @@ class ByteScaleStrategy(ParallelStrategy):
         return [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
 
     def _set_phase(self, text: str) -> None:
-        self._phase = text
+        self._beat(text, waits_on_peers="(ring" in text)
 
     def _offload_context(self, mb: PackedMicroBatch) -> contextlib.AbstractContextManager:
         if self.offload in (None, False) or mb.offload_ratio <= 0:
@@ -485,7 +568,7 @@ class ByteScaleStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         t_start = time.perf_counter()
-        self._phase = f"the plan digest check of step {batch.step}"
+        self._beat(f"the plan digest check of step {batch.step}", waits_on_peers=True)
         check_step(batch)  # an all-gather over all ranks: before any ring P2P of the step
         named = self._named_params()
         for _, p in named:
@@ -563,6 +646,7 @@ class ByteScaleStrategy(ParallelStrategy):
         try:
             return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
         finally:
+            self._idle()
             self._optimizer = None
             if self._pending is not None and "stats" in self._pending:
                 stats = self._pending["stats"]
@@ -582,7 +666,8 @@ class ByteScaleStrategy(ParallelStrategy):
         batch: StepBatch = pending["batch"]
         local: LocalResult = pending["local"]
         extra, num_seqs = _sequence_telemetry(batch)
-        self._phase = f"the gradient all-reduce of step {batch.step}"
+        self._beat(f"the gradient all-reduce of step {batch.step}", waits_on_peers=True)
+        preemption = self._preemption
         result = sync_step(
             self._named_params(),
             batch,
@@ -590,7 +675,10 @@ class ByteScaleStrategy(ParallelStrategy):
             extra=extra,
             check_finite=self.check_finite,
             check_parameters=self._check_parameters_now(batch.step),
+            stop_request=preemption is not None and preemption.requested,
         )
+        if preemption is not None:  # the preemption callback acts on it after this step
+            preemption.record_agreement(result.stop_requested)
         self._steps_run += 1
         if pending["probing"]:
             self._after_probe(result, batch.step)
@@ -650,10 +738,14 @@ class ByteScaleStrategy(ParallelStrategy):
             if hook == "validation_step"
             else self.precision_plugin.test_step_context
         )
-        with context():
-            for mb in batch.micro_batches:
-                with attention_context(mb.layout), self._offload_context(mb):
-                    outputs.append(getattr(module, hook)(mb, *args[1:], **kwargs))
+        try:
+            with context():
+                for mb in batch.micro_batches:
+                    self._set_phase(f"{hook} of {describe_micro_batch(mb, batch.step)}")
+                    with attention_context(mb.layout), self._offload_context(mb):
+                        outputs.append(getattr(module, hook)(mb, *args[1:], **kwargs))
+        finally:
+            self._idle()
         losses = [o.get("loss") if isinstance(o, dict) else o for o in outputs]
         if not all(isinstance(t, Tensor) and t.dim() == 0 for t in losses):
             return outputs[-1] if outputs else None
@@ -706,10 +798,14 @@ class ByteScaleStrategy(ParallelStrategy):
         assert module is not None
         check_step(batch)
         outputs = []
-        with self.precision_plugin.predict_step_context():
-            for mb in batch.micro_batches:
-                with attention_context(mb.layout):
-                    outputs.append(module.predict_step(mb, *args[1:], **kwargs))
+        try:
+            with self.precision_plugin.predict_step_context():
+                for mb in batch.micro_batches:
+                    self._set_phase(f"predict_step of {describe_micro_batch(mb, batch.step)}")
+                    with attention_context(mb.layout):
+                        outputs.append(module.predict_step(mb, *args[1:], **kwargs))
+        finally:
+            self._idle()
         return outputs
 
     # ------------------------------------------------------------------ errors
