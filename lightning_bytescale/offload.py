@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_bytescale.errors import ByteScaleError
+
 __all__ = [
     "ActCtx",
     "ActivationOffloader",
@@ -58,7 +60,7 @@ __all__ = [
 OUTSIDE = -1  # layer index of tensors saved outside the given layers (or in fallback mode)
 
 
-class OffloadError(ValueError):
+class OffloadError(ByteScaleError, ValueError):
     """Bad offload configuration (ratio out of range, bad layer list, nested contexts...)."""
 
 

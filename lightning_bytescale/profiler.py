@@ -53,13 +53,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_bytescale.attention.layout import AttentionLayout
+from lightning_bytescale.errors import ByteScaleError
 from lightning_bytescale.offload import OUTSIDE, ActivationOffloader
 from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig
 
 FORMAT = "bytescale-profile/1"
 
 
-class ProfileError(ValueError):
+class ProfileError(ByteScaleError, ValueError):
     """The profiler cannot run as asked (bad lengths, no layers found, budget too small...)."""
 
 

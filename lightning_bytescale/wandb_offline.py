@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_bytescale.errors import ByteScaleError
+
 __all__ = [
     "OfflineRun",
     "WandbFileError",
@@ -37,7 +39,7 @@ _REC_HEADER = 7
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
-class WandbFileError(ValueError):
+class WandbFileError(ByteScaleError, ValueError):
     """The file is not a W&B transaction log, or it is truncated/corrupt."""
 
 

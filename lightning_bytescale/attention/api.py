@@ -7,9 +7,10 @@ import torch
 from lightning_bytescale.attention.context import current_scope
 from lightning_bytescale.attention.local import varlen_attention
 from lightning_bytescale.attention.ring import ring_attention
+from lightning_bytescale.errors import ByteScaleError
 
 
-class AttentionShapeError(ValueError):
+class AttentionShapeError(ByteScaleError, ValueError):
     """The q/k/v tensors do not have packed ``[T, H, D]`` / ``[T, Hkv, D]`` shapes that fit together."""
 
 

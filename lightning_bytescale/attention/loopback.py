@@ -31,10 +31,11 @@ from lightning_bytescale.attention.comm import hand_over, post_on_comm_stream
 from lightning_bytescale.attention.layout import AttentionLayout
 from lightning_bytescale.attention.ring import Steps, backward_steps, forward_steps
 from lightning_bytescale.attention.ring_plan import RingLayoutError, RingSetup, ring_setup
+from lightning_bytescale.errors import ByteScaleError
 from lightning_bytescale.planner import zigzag
 
 
-class LoopbackError(RuntimeError):
+class LoopbackError(ByteScaleError, RuntimeError):
     """The members of a loopback ring fell out of step (a wait with nothing posted for it)."""
 
 

@@ -24,12 +24,13 @@ import torch.distributed as dist
 
 from lightning_bytescale.attention.layout import AttentionLayout
 from lightning_bytescale.attention.segments import Rows, Segments, to_device
+from lightning_bytescale.errors import ByteScaleError
 from lightning_bytescale.planner import zigzag
 
 _LAST_SETUP: dict[tuple, RingSetup] = {}
 
 
-class RingLayoutError(ValueError):
+class RingLayoutError(ByteScaleError, ValueError):
     """The layout does not match the tensors or this rank's place in the ring."""
 
 

@@ -27,6 +27,7 @@ from lightning_bytescale.conf.schema import (
     TrainerConfig,
     WandbLoggerConfig,
 )
+from lightning_bytescale.errors import ConfigError  # a recipe config that does not compose
 
 __all__ = [
     "GROUPS",
@@ -39,10 +40,6 @@ __all__ = [
 PRIMARY = "pretrain"
 GROUPS = ("strategy", "data", "model", "trainer", "logger", "experiment")
 ENV_CONF_DIR = "BYTESCALE_CONF_DIR"
-
-
-class ConfigError(ValueError):
-    """A recipe config did not compose: an unknown key, a wrong type, a missing preset."""
 
 
 def _store_schemas() -> None:

@@ -1,12 +1,14 @@
 """Errors the data pipeline raises, each naming the cause and the fix.
 
-All are ``ValueError`` subclasses so callers that catch bad input generically still work.
+All are ``ByteScaleError`` and ``ValueError`` subclasses so callers that catch bad input generically still work.
 """
 
 from __future__ import annotations
 
+from lightning_bytescale.errors import ByteScaleError
 
-class DataError(ValueError):
+
+class DataError(ByteScaleError, ValueError):
     """Bad data or a bad data configuration."""
 
 

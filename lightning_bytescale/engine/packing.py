@@ -25,6 +25,7 @@ import torch
 
 from lightning_bytescale.attention.layout import AttentionLayout
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
+from lightning_bytescale.errors import ByteScaleError
 from lightning_bytescale.planner import zigzag
 from lightning_bytescale.planner.plan import MicroBatch, Plan
 
@@ -33,7 +34,7 @@ IGNORE_INDEX = -100
 TokenSource = Callable[[int], "Sequence[int] | np.ndarray | torch.Tensor"]
 
 
-class PackingError(ValueError):
+class PackingError(ByteScaleError, ValueError):
     """A plan and its token data do not fit together (or the batch cannot be trained on)."""
 
 

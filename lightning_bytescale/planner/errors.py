@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from lightning_bytescale.errors import ByteScaleError
 
-class PlanError(ValueError):
+
+class PlanError(ByteScaleError, ValueError):
     """The input cannot be planned as given (bad length, capacity, world size or option).
 
     The message names the cause (sequence index and length, the option and its value) and

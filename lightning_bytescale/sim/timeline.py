@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lightning_bytescale.errors import ByteScaleError
 from lightning_bytescale.planner.pipeline import one_f_one_b
 from lightning_bytescale.planner.plan import MicroBatch, Plan
 
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 
-class SimulationError(ValueError):
+class SimulationError(ByteScaleError, ValueError):
     """The plan cannot be run as given (for example, ring items in an order that deadlocks)."""
 
 
