@@ -1,11 +1,12 @@
 """Cluster simulator: the real planners on thousands of simulated ranks.
 
 :func:`run_scenario` draws global batches for a :class:`Scenario`, plans each with every
-planner (``static``, ``naive``, ``balance`` and the peers ``megatron_dcp``, ``verl_kk``),
-and simulates every rank's timeline with the planner's own communication-aware cost model:
+planner (``static``, ``naive``, ``balance`` and the peers ``megatron_dcp``, ``verl_kk``,
+``lpt``), and simulates every rank's timeline with the planner's own communication-aware cost model:
 compute, ring transfers not hidden behind attention, offload copies beyond Eq. 3's overlap,
 ring partners waiting for each other, barriers, 1F1B pipelines and the gradient all-reduce.
-The console script ``bytescale-sim`` (:mod:`.cli`) prints the comparison.
+The console script ``bytescale-sim`` (:mod:`.cli`) prints the comparison; :mod:`.compare`
+runs the no-offload planner comparison on a grid of distributions, world sizes and cost models.
 """
 
 from __future__ import annotations

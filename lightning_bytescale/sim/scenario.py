@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from lightning_bytescale.planner import distributions
 
-DEFAULT_PLANNERS = ("static", "naive", "balance", "megatron_dcp", "verl_kk")
+DEFAULT_PLANNERS = ("static", "naive", "balance", "megatron_dcp", "verl_kk", "lpt")
 
 
 @dataclass(frozen=True)
