@@ -182,7 +182,7 @@ def import_module(name: str) -> types.ModuleType:
     except ImportError as err:
         raise SystemExit(
             f"cannot import {name} ({err}); install every extra before generating the API page: "
-            'pip install -e ".[dev,hf]" (and transformers for lightning_bytescale.hf)'
+            'pip install -e ".[dev,hf]"'
         ) from err
 
 
