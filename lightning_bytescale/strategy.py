@@ -258,6 +258,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self._warned_partial_loss = False
         self._watchdog: StepWatchdog | None = None
         self._preemption: PreemptionHandler | None = None
+        self._in_micro_batches = False
 
     # ------------------------------------------------------------------ what DDP would provide
     @property
@@ -265,6 +266,19 @@ class ByteScaleStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning reads this for strategies it does not know: ``sync_dist`` logging and samplers.
+
+        ``ByteScaleDataModule``'s sampler is already distributed (a ``DistributedSampler``), so
+        Lightning leaves its loaders alone, and ``self.log(..., sync_dist=True)`` reduces over
+        the ranks in hooks every rank runs once per step.  Inside the micro-batch loops it is
+        ``False``: ranks run different numbers of micro-batches, so a collective per
+        ``self.log`` call there would pair with another rank's next collective and hang; each
+        rank logs its own value there instead (docs/strategy.md).
+        """
+        return not self._in_micro_batches
 
     @property
     def num_nodes(self) -> int:
@@ -504,6 +518,15 @@ class ByteScaleStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         return [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
 
+    @contextmanager
+    def _micro_batch_loop(self) -> Iterator[None]:
+        """Ranks run different numbers of micro-batches here: no per-call collectives (``is_distributed``)."""
+        self._in_micro_batches = True
+        try:
+            yield
+        finally:
+            self._in_micro_batches = False
+
     def _set_phase(self, text: str) -> None:
         self._beat(text, waits_on_peers="(ring" in text)
 
@@ -586,19 +609,20 @@ class ByteScaleStrategy(ParallelStrategy):
                 with compat.discarded_logging(compat.module_trainer(module)):  # the probe's logs do not count
                     return plain_forward(model, mb)
 
-        local = run_micro_batches(
-            module,
-            batch.micro_batches,
-            forward=forward,
-            backward=self._backward_fn(),
-            micro_batch_context=self._offload_context,
-            sync_timing=self.root_device.type == "cuda",
-            check_finite=self.check_finite and scaler is None,
-            params=[p for _, p in named],
-            check_loss_scaling=probing,
-            on_phase=self._set_phase,
-            step=batch.step,
-        )
+        with self._micro_batch_loop():
+            local = run_micro_batches(
+                module,
+                batch.micro_batches,
+                forward=forward,
+                backward=self._backward_fn(),
+                micro_batch_context=self._offload_context,
+                sync_timing=self.root_device.type == "cuda",
+                check_finite=self.check_finite and scaler is None,
+                params=[p for _, p in named],
+                check_loss_scaling=probing,
+                on_phase=self._set_phase,
+                step=batch.step,
+            )
         # Lightning zeroes gradients between training_step and backward: keep ours aside until then.
         self._stashed_grads = [p.grad for _, p in named]
         for _, p in named:
@@ -739,7 +763,7 @@ class ByteScaleStrategy(ParallelStrategy):
             else self.precision_plugin.test_step_context
         )
         try:
-            with context():
+            with context(), self._micro_batch_loop():
                 for mb in batch.micro_batches:
                     self._set_phase(f"{hook} of {describe_micro_batch(mb, batch.step)}")
                     with attention_context(mb.layout), self._offload_context(mb):
@@ -799,7 +823,7 @@ class ByteScaleStrategy(ParallelStrategy):
         check_step(batch)
         outputs = []
         try:
-            with self.precision_plugin.predict_step_context():
+            with self.precision_plugin.predict_step_context(), self._micro_batch_loop():
                 for mb in batch.micro_batches:
                     self._set_phase(f"predict_step of {describe_micro_batch(mb, batch.step)}")
                     with attention_context(mb.layout):
