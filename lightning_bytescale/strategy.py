@@ -316,14 +316,15 @@ class ByteScaleStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            if not self.cluster_environment.creates_processes_externally:
-                # Lightning's popen launcher, with ranks that die with rank 0 and named causes of death
-                # (imported here: those modules import Lightning, which registers this module)
-                from lightning_bytescale.launcher import ByteScaleScriptLauncher
+            # Lightning's popen launcher, with ranks that die with rank 0 and named causes of death.
+            # Under torchrun or SLURM it starts no process but still checks devices x num_nodes
+            # against the environment's world size, as DDP does.  (Imported here: those modules
+            # import Lightning, which registers this module.)
+            from lightning_bytescale.launcher import ByteScaleScriptLauncher
 
-                self._launcher = ByteScaleScriptLauncher(
-                    self.cluster_environment, self.num_processes, self.num_nodes
-                )
+            self._launcher = ByteScaleScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
         else:
             self._launcher = compat._MultiProcessingLauncher(self, start_method=self._start_method)
 

@@ -2,7 +2,7 @@
 
 Under ``torchrun`` Lightning picks ``TorchElasticEnvironment``; under ``srun`` (``SLURM_NTASKS``
 set, job name not ``bash``/``interactive``) ``SLURMEnvironment``.  Both create the processes
-themselves, so the strategy starts no launcher and takes ranks, world size and node rank from
+themselves, so the strategy's launcher starts no process (it only checks devices x num_nodes) and takes ranks, world size and node rank from
 the environment.  Each run trains a few steps in float64 on CPU ranks (gloo, loopback) and must log
 the loss of one process on the whole batch.  ``srun`` is not installed here: the test sets the
 variables srun sets for each task (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ...).
@@ -34,7 +34,7 @@ STEPS = int(re.search(r"max_steps=(\d+)", TWO_NODE_SCRIPT).group(1))  # what the
 SCRIPT = TWO_NODE_SCRIPT + textwrap.dedent(
     """
     with open(os.path.join(out, f"env_{{trainer.global_rank}}.json"), "w") as fh:
-        json.dump({{"local": trainer.local_rank, "launcher": trainer.strategy.launcher is not None,
+        json.dump({{"local": trainer.local_rank, "launcher": len(getattr(trainer.strategy.launcher, "procs", [])),
                    "environment": type(trainer.strategy.cluster_environment).__name__}}, fh)
     """
 )
@@ -113,7 +113,7 @@ def test_torchrun_one_node_two_processes(tmp_path):
     done = _results(tmp_path, 2)
     assert [(d["rank"], d["local"], d["node"], d["world"]) for d in done] == [(0, 0, 0, 2), (1, 1, 0, 2)]
     assert {d["environment"] for d in done} == {"TorchElasticEnvironment"}
-    assert not any(d["launcher"] for d in done)  # torchrun made the processes
+    assert not any(d["launcher"] for d in done)  # torchrun made the processes: the launcher started none
     _assert_single_process_loss(done)
 
 
@@ -139,3 +139,20 @@ def test_srun_two_nodes_one_task_each(tmp_path):
     assert {d["environment"] for d in done} == {"SLURMEnvironment"}
     assert not any(d["launcher"] for d in done)
     _assert_single_process_loss(done)
+
+
+def test_devices_that_disagree_with_the_environment_are_refused_before_anything_starts(tmp_path):
+    """torchrun started 2 processes per node but the Trainer says devices=1: a clear error, at once."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(TESTS)))
+    elastic = {"LOCAL_RANK": "0", "RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "1", "1"],
+        env=_env(**elastic),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "does not match the world size (2)" in done.stderr, done.stderr[-3000:]
