@@ -253,9 +253,10 @@ def replan(trainer: Any, batch: Any) -> Any:
             return None
         stats = batch.stats if isinstance(batch.stats, dict) else {}
         plan = dataset.plan(int(stats.get("epoch", trainer.current_epoch)), int(batch.step))
-        from lightning_bytescale.engine.packing import plan_digest
+        from lightning_bytescale.engine.packing import step_digest
 
-        return plan if plan_digest(plan) == batch.digest else None
+        identity = getattr(batch, "data_identity", "") or ""
+        return plan if step_digest(plan, identity) == batch.digest else None
     except Exception:  # a missing table must never stop training
         return None
 
