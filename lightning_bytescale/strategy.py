@@ -62,6 +62,7 @@ from lightning_bytescale.engine.executor import (
     run_micro_batches,
     sync_step,
 )
+from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX
 from lightning_bytescale.engine.loss_check import LossScaling
 from lightning_bytescale.engine.state_sync import broadcast_module_state
@@ -106,7 +107,6 @@ _DDP_ONLY = {
     "find_unused_parameters",
     "static_graph",
     "gradient_as_bucket_view",
-    "bucket_cap_mb",
     "broadcast_buffers",
     "ddp_comm_hook",
     "ddp_comm_state",
@@ -149,6 +149,14 @@ class ByteScaleStrategy(ParallelStrategy):
             fingerprint every parameter inside the step's all-reduce and stop with
             :class:`~lightning_bytescale.errors.ParameterDivergenceError` naming the ranks and
             the first parameters that differ; ``0`` turns it off.
+        gradient_sync: ``"bucketed"`` (default): the gradients live in buckets of
+            ``bucket_cap_mb`` and each bucket's all-reduce starts during the last micro-batch's
+            backward as soon as its gradients are final, on a process group of its own, with no
+            extra copy; the step's scalars travel in one small all-reduce after them
+            (:mod:`~lightning_bytescale.engine.grad_sync`).  ``"flat"``: every gradient and the
+            scalars in ONE all-reduce of one flat buffer after the loop (a full copy of the
+            gradients).
+        bucket_cap_mb: bucket size in MB for ``gradient_sync="bucketed"`` (DDP's default, 25).
         watchdog: a rank whose step makes no progress for ``timeout`` seconds (or for
             ``watchdog`` seconds when it is a number: a stuck ``training_step``, a hung data
             worker it waits on) writes where it was (phase, step, micro-batch, ring, its stack),
@@ -187,6 +195,8 @@ class ByteScaleStrategy(ParallelStrategy):
         check_finite: bool = True,
         check_loss_normalization: bool = True,
         check_parameters_every_n_steps: int = 100,
+        gradient_sync: Literal["bucketed", "flat"] = "bucketed",
+        bucket_cap_mb: float = 25.0,
         watchdog: bool | float = True,
         preemption: bool | tuple[str, ...] = True,
         log_loss: bool = True,
@@ -236,6 +246,16 @@ class ByteScaleStrategy(ParallelStrategy):
         self.check_finite = bool(check_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
         self.check_parameters_every_n_steps = check_parameters_every_n_steps
+        if gradient_sync not in ("bucketed", "flat"):
+            raise ConfigError(f"gradient_sync must be 'bucketed' or 'flat', got {gradient_sync!r}")
+        if (
+            isinstance(bucket_cap_mb, bool)
+            or not isinstance(bucket_cap_mb, (int, float))
+            or bucket_cap_mb <= 0
+        ):
+            raise ConfigError(f"bucket_cap_mb must be a positive number of megabytes, got {bucket_cap_mb!r}")
+        self.gradient_sync = gradient_sync
+        self.bucket_cap_mb = float(bucket_cap_mb)
         if isinstance(watchdog, bool):
             self.watchdog: bool | float = watchdog
         elif isinstance(watchdog, (int, float)) and watchdog > 0:
@@ -259,6 +279,8 @@ class ByteScaleStrategy(ParallelStrategy):
         self._watchdog: StepWatchdog | None = None
         self._preemption: PreemptionHandler | None = None
         self._in_micro_batches = False
+        self._grad_group: Any = None
+        self._grad_sync: BucketedGradSync | None = None
 
     # ------------------------------------------------------------------ what DDP would provide
     @property
@@ -379,6 +401,16 @@ class ByteScaleStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             compat._optimizers_to_device(self.optimizers, self.root_device)
         self._steps_run = 0
+        needs_group = trainer.state.fn == TrainerFn.FITTING and self.gradient_sync == "bucketed"
+        if (
+            needs_group
+            and self._grad_group is None
+            and compat._distributed_is_initialized()
+            and self.world_size > 1
+        ):
+            # the bucket all-reduces' own group (created once, here, on every rank): they may be
+            # in flight while ring exchanges run point-to-point on the global group
+            self._grad_group = dist.new_group(backend=self._process_group_backend)
         self._setup_lifecycle(trainer)
 
     def _setup_lifecycle(self, trainer: pl.Trainer) -> None:
@@ -425,8 +457,25 @@ class ByteScaleStrategy(ParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.idle()
 
+    def _bucketed_sync(self, params: list[Tensor]) -> BucketedGradSync | None:
+        """The bucketed gradient sync for ``params`` (rebuilt if the trained parameters changed)."""
+        if self.gradient_sync != "bucketed":
+            return None
+        sync = self._grad_sync
+        if sync is None or [id(p) for p in sync.params] != [id(p) for p in params]:
+            if sync is not None:
+                sync.close()
+            sync = BucketedGradSync(
+                params, group=self._grad_group, bucket_bytes=int(self.bucket_cap_mb * 2**20)
+            )
+            self._grad_sync = sync
+        return sync
+
     @override
     def teardown(self) -> None:
+        if self._grad_sync is not None:
+            self._grad_sync.close()
+            self._grad_sync = None
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -610,6 +659,7 @@ class ByteScaleStrategy(ParallelStrategy):
                 with compat.discarded_logging(compat.module_trainer(module)):  # the probe's logs do not count
                     return plain_forward(model, mb)
 
+        grad_sync = self._bucketed_sync([p for _, p in named])
         with self._micro_batch_loop():
             local = run_micro_batches(
                 module,
@@ -623,12 +673,19 @@ class ByteScaleStrategy(ParallelStrategy):
                 check_loss_scaling=probing,
                 on_phase=self._set_phase,
                 step=batch.step,
+                grad_sync=grad_sync,
             )
         # Lightning zeroes gradients between training_step and backward: keep ours aside until then.
         self._stashed_grads = [p.grad for _, p in named]
         for _, p in named:
             p.grad = None
-        self._pending = {"batch": batch, "local": local, "t_start": t_start, "probing": probing}
+        self._pending = {
+            "batch": batch,
+            "local": local,
+            "t_start": t_start,
+            "probing": probing,
+            "grad_sync": grad_sync,
+        }
         return local.loss.to(self.root_device, dtypes[0])
 
     @override
@@ -701,6 +758,7 @@ class ByteScaleStrategy(ParallelStrategy):
             check_finite=self.check_finite,
             check_parameters=self._check_parameters_now(batch.step),
             stop_request=preemption is not None and preemption.requested,
+            grad_sync=pending["grad_sync"],
         )
         if preemption is not None:  # the preemption callback acts on it after this step
             preemption.record_agreement(result.stop_requested)

@@ -238,6 +238,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     # Set-up: every group this run will ever use, on every rank, in the same order.
     groups = {w: dist.new_group(list(range(w))) for w in range(2, WORLD)}
     groups[WORLD] = None
+    grad_group = dist.new_group(list(range(WORLD)))  # the bucketed gradient sync's own group
     pg_setup = len(dist.distributed_c10d._world.pg_map)
     counters = Counters()
 
@@ -259,6 +260,19 @@ def _worker(rank: int, port: int, outdir: str) -> None:
                 model, plan, rank, tokens, groups[w], counters, ref_grads, ref_loss
             )
     report["training"] = _train_steps(rank, counters)
+    # The same plans with the bucketed gradient sync overlapped with the last backward (small
+    # buckets, so a step has several and some launch during the backward).
+    from lightning_bytescale.engine.grad_sync import BucketedGradSync
+
+    sync = BucketedGradSync(list(model.parameters()), group=grad_group, bucket_bytes=4096)
+    report["bucketed"] = {"buckets": len(sync.buckets), "cases": {}, "launched_in_backward": 0}
+    for name, plan in {**hand_plans(WORLD), **planner_plans(WORLD)}.items():
+        report["bucketed"]["cases"][name] = _run_case(
+            model, plan, rank, tokens, None, counters, ref_grads, ref_loss, grad_sync=sync
+        )
+        report["bucketed"]["launched_in_backward"] += sync.launched_in_backward
+    report["bucketed"]["extra_bytes"] = sync.extra_bytes
+    sync.close()
     # Negative test: the per-micro-batch mean must break the equivalence.
     report["negative"] = _run_case(
         model,
@@ -390,6 +404,19 @@ def test_planner_plans_match_single_process(reports, planner):
     for rank, name, case in found:
         assert case["grad_err"] <= TOLERANCE, f"{name} rank {rank}: grad error {case['grad_err']:.3e}"
         assert case["loss_err"] <= 1e-12, f"{name} rank {rank}: loss error {case['loss_err']:.3e}"
+
+
+def test_bucketed_gradient_sync_equals_one_process_and_overlaps_the_last_backward(reports):
+    for rep in reports:
+        bucketed = rep["bucketed"]
+        assert bucketed["buckets"] > 3, bucketed["buckets"]
+        assert bucketed["extra_bytes"] == 0  # float64 gradients are the buckets: no copy
+        for name, case in bucketed["cases"].items():
+            assert case["grad_err"] <= 1e-10, (name, case["grad_err"])
+            assert case["loss_err"] <= 1e-12, (name, case["loss_err"])
+            # buckets + one small all-reduce of the scalars; the digest all-gather
+            assert case["collectives"]["all_reduce"] == bucketed["buckets"] + 1, (name, case["collectives"])
+    assert any(rep["bucketed"]["launched_in_backward"] > 0 for rep in reports)
 
 
 def test_exactly_one_gradient_all_reduce_and_one_digest_all_gather_per_step(reports):

@@ -260,6 +260,8 @@ def fit(
     module: pl.LightningModule | None = None,
     offload: bool = False,
     offload_ratio: float = 0.0,
+    gradient_sync: str = "bucketed",
+    bucket_cap_mb: float = 25.0,
 ) -> pl.Trainer:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MASTER_PORT", None)
@@ -279,6 +281,8 @@ def fit(
             timeout=timeout,
             offload=bool(offload),
             offloader_options={"keep_last": 0, "min_bytes": 0} if offload else None,
+            gradient_sync=gradient_sync,
+            bucket_cap_mb=bucket_cap_mb,
         ),
         precision="64-true",
         max_steps=max_steps,
@@ -385,17 +389,28 @@ def test_comm_aware_and_cost_model_file_reach_make_plan(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("planner", "world", "zero1", "offload"),
+    ("planner", "world", "zero1", "offload", "gradient_sync"),
     [
-        ("balance", 3, False, False),
-        ("naive", 2, False, False),
-        ("static", 4, False, False),
-        ("balance", 4, True, False),
-        ("balance", 2, False, True),
+        ("balance", 3, False, False, "bucketed"),
+        ("naive", 2, False, False, "bucketed"),
+        ("static", 4, False, False, "bucketed"),
+        ("balance", 4, True, False, "bucketed"),
+        ("balance", 2, False, True, "bucketed"),
+        ("balance", 3, False, False, "flat"),
     ],
 )
-def test_equals_single_process(tmp_path, planner, world, zero1, offload):
-    fit(tmp_path, world, planner, zero1=zero1, offload=offload, offload_ratio=0.5 if offload else 0.0)
+def test_equals_single_process(tmp_path, planner, world, zero1, offload, gradient_sync):
+    # small buckets (about 16 KB of float64), so a step has many and the last backward launches some
+    fit(
+        tmp_path,
+        world,
+        planner,
+        zero1=zero1,
+        offload=offload,
+        offload_ratio=0.5 if offload else 0.0,
+        gradient_sync=gradient_sync,
+        bucket_cap_mb=1 / 64,
+    )
     expected, losses = reference(5)
     assert_params_equal(tmp_path, world, expected)
     for r in range(world):

@@ -37,6 +37,7 @@ from torch import nn
 
 from lightning_bytescale.engine import fingerprint as fp
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
+from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
 from lightning_bytescale.engine.loss_check import LossScaling, is_probe_candidate, probe_forward, verdict
 from lightning_bytescale.engine.step_checks import (
@@ -252,6 +253,7 @@ def run_micro_batches(
     check_loss_scaling: bool = False,
     on_phase: PhaseFn | None = None,
     step: int | None = None,
+    grad_sync: BucketedGradSync | None = None,
 ) -> LocalResult:
     """This rank's micro-batches in order, gradients accumulating locally, no barriers.
 
@@ -266,7 +268,10 @@ def run_micro_batches(
     verdict in :attr:`LocalResult.loss_scaling`.  ``sync_timing`` measures each micro-batch's
     device time: with CUDA events on a GPU (no host synchronisation inside the loop), with
     synchronised wall time elsewhere.  ``on_phase(text)`` is called before each micro-batch
-    with where the rank is (for a watchdog and error messages).
+    with where the rank is (for a watchdog and error messages).  ``grad_sync`` points the
+    gradients at its buckets before the first micro-batch and is armed right before the last
+    one, so its backward launches the buckets as they become final (call :func:`sync_step`
+    with the same ``grad_sync`` afterwards).
     """
     checked = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
     losses: list[torch.Tensor] = []
@@ -276,9 +281,13 @@ def run_micro_batches(
     verdicts: list[LossScaling] = []
     timers: list[tuple[int, tuple[torch.cuda.Event, torch.cuda.Event]]] = []
     sent0, wait0 = _comm_counters()
-    for mb in micro_batches:
+    if grad_sync is not None:
+        grad_sync.prepare()  # gradients accumulate into the sync's buckets
+    for position, mb in enumerate(micro_batches):
         if on_phase is not None:
             on_phase(describe_micro_batch(mb, step))
+        if grad_sync is not None and position == len(micro_batches) - 1:
+            grad_sync.arm()
         probing = (
             check_loss_scaling
             and is_probe_candidate(mb)
@@ -514,8 +523,9 @@ def sync_step(
     check_finite: bool = True,
     check_parameters: bool = False,
     stop_request: bool = False,
+    grad_sync: BucketedGradSync | None = None,
 ) -> StepResult:
-    """The step's ONE all-reduce: gradients, loss, token count, reports, flags; then the checks.
+    """The step's all-reduce: gradients, loss, token count, reports, flags; then the checks.
 
     ``params`` are the trained parameters (or ``(name, parameter)`` pairs, so errors can name
     them), identical in order on every rank.  Afterwards every ``p.grad`` holds the sum over
@@ -534,6 +544,11 @@ def sync_step(
     ``stop_request`` (this rank wants to stop at this step boundary, e.g. after SIGTERM) is
     OR-ed over ranks into :attr:`StepResult.stop_requested`.  ``check_parameters`` must be the
     same on every rank (it changes the buffer's size).
+
+    Without ``grad_sync`` everything is ONE all-reduce of one flat buffer (every gradient copied
+    into it).  With a :class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync` (armed by
+    :func:`run_micro_batches`), the gradients were summed in buckets overlapped with the last
+    backward (this waits for the rest), and the scalars travel in one small float64 all-reduce.
     """
     named = [(item if isinstance(item, tuple) else (f"param{i}", item)) for i, item in enumerate(params)]
     named = [(n, p) for n, p in named if p.requires_grad]
@@ -550,14 +565,23 @@ def sync_step(
     head[1] = int(bool(stop_request))
     if local.loss_scaling != LossScaling.UNCHECKED:
         head[1 + int(local.loss_scaling)] = 1
-    has_grad = torch.tensor([p.grad is not None for p in plist], dtype=torch.int64)
+    produced = grad_sync.produced if grad_sync is not None else (lambda p: p.grad is not None)
+    has_grad = torch.tensor([produced(p) for p in plist], dtype=torch.int64)
     counts = [head, has_grad]
     mine = None
     if check_parameters:
         mine = _fingerprint_counts(plist, world, me)
         counts.append(mine)
     t0 = time.perf_counter()
-    reduced = allreduce_gradients(plist, group=group, extra=torch.cat(floats), counts=torch.cat(counts))
+    if grad_sync is None:
+        reduced = allreduce_gradients(plist, group=group, extra=torch.cat(floats), counts=torch.cat(counts))
+    else:
+        grad_sync.finish()  # the buckets' all-reduces, started during the last backward
+        device = plist[0].device if plist else torch.device("cpu")
+        small = torch.cat(floats).to(device)
+        reduced = allreduce_gradients(
+            [], group=group, extra=small, counts=torch.cat(counts), reduce_dtype=torch.float64
+        )
     allreduce_s = time.perf_counter() - t0
     assert reduced is not None
     n_float = layout.n_float
@@ -641,6 +665,7 @@ def run_step(
     check_plan: bool = True,
     check_loss_scaling: bool = False,
     check_parameters: bool = False,
+    grad_sync: BucketedGradSync | None = None,
 ) -> StepResult:
     """:func:`check_step`, :func:`run_micro_batches`, then :func:`sync_step`: one whole HDP step.
 
@@ -665,6 +690,7 @@ def run_step(
         params=[p for _, p in named],
         check_loss_scaling=check_loss_scaling,
         step=step.step,
+        grad_sync=grad_sync,
     )
     return sync_step(
         named,
@@ -675,4 +701,5 @@ def run_step(
         check_tokens=check_tokens,
         check_finite=check_finite,
         check_parameters=check_parameters,
+        grad_sync=grad_sync,
     )
