@@ -90,12 +90,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
 
     datamodule = instantiate(_plain(cfg.data))
-    model_kwargs: dict[str, Any] = {}
-    if cfg.model.get("vocab") is None:
-        vocab = _data_vocab(datamodule)
-        if vocab is not None:
-            model_kwargs["vocab"] = vocab
-    model = instantiate(_plain(cfg.model), **model_kwargs)
+    model = instantiate(_model_for_data(_plain(cfg.model), datamodule))
+    if hasattr(datamodule, "model_vocab_size") and datamodule.model_vocab_size is None:
+        # the vocabulary check before the first step compares the data with this
+        datamodule.model_vocab_size = _model_vocab(model)
     strategy = instantiate(_plain(cfg.strategy))
     logger = instantiate(_plain(cfg.logger)) if cfg.get("logger") is not None else None
     callbacks = [instantiate(_plain(cfg.telemetry))]
@@ -136,6 +134,39 @@ def _plain(node: DictConfig) -> dict[str, Any]:
     out = OmegaConf.to_container(node, resolve=True, enum_to_str=True, throw_on_missing=True)
     assert isinstance(out, dict)
     return out
+
+
+def _model_for_data(model_cfg: dict[str, Any], datamodule: Any) -> dict[str, Any]:
+    """The model's config with the data's vocabulary where the model leaves it open.
+
+    The reference Llama (``vocab: null``) gets the tokenizer's vocabulary; so does a Hugging Face
+    model built from its config (``from_config: true``) unless ``config_overrides`` sets
+    ``vocab_size``.  A checkpoint keeps its own vocabulary (the data is checked against it).
+    """
+    vocab = None
+    if "vocab" in model_cfg and model_cfg["vocab"] is None:
+        vocab = _data_vocab(datamodule)
+        if vocab is not None:
+            model_cfg["vocab"] = vocab
+    if model_cfg.get("from_config") and "vocab_size" not in (model_cfg.get("config_overrides") or {}):
+        vocab = _data_vocab(datamodule)
+        if vocab is not None:
+            model_cfg["config_overrides"] = {**(model_cfg.get("config_overrides") or {}), "vocab_size": vocab}
+    return model_cfg
+
+
+def _model_vocab(model: Any) -> int | None:
+    """The model's vocabulary size: a ``vocab_size`` attribute, or a Hugging Face model's config."""
+    from lightning_bytescale.data.datamodule import model_vocab_size
+
+    found = model_vocab_size(model)
+    source = getattr(model, "source", None)
+    if found is None and callable(getattr(source, "config", None)):
+        config = source.config()
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        value = getattr(text, "vocab_size", None)
+        found = int(value) if isinstance(value, int) else None
+    return found
 
 
 def _data_vocab(datamodule: Any) -> int | None:

@@ -73,6 +73,11 @@ class PretrainModule(LightningModule):
         self.warmup_steps, self.min_lr_ratio = int(warmup_steps), float(min_lr_ratio)
         self.model: LlamaModel | None = None
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (rows of its embedding): the data module checks its ids against it."""
+        return int(self.config.vocab)
+
     def configure_model(self) -> None:
         if self.model is None:
             self.model = LlamaModel(self.config)

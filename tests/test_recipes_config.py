@@ -54,6 +54,10 @@ def test_every_group_option_composes_and_instantiates(tmp_path, group):
         overrides = [f"{group}={option}"]
         if group == "data" and option in ("text", "jsonl"):
             overrides.append(f"data.source={tmp_path}")  # these need a path
+        if group == "data" and option == "chat":  # records and a tokenizer: the package's sample
+            overrides += ["data.source.path=${sample:chat.jsonl}", "data.tokenizer=${sample:tokenizer.json}"]
+        if group == "model" and option == "hf":  # a model to build (no download)
+            overrides += ["model.name_or_path=llama", "model.from_config=true"]
         cfg = _compose(tmp_path, *overrides)
         node = _plain(cfg[group])
         assert node["_target_"], option
@@ -84,7 +88,10 @@ def test_every_experiment_composes(tmp_path, experiment):
     else:
         parts = build(cfg)  # the whole recipe short of fit, Trainer included
         assert parts["trainer"].strategy is parts["strategy"]
-        assert parts["model"].config.vocab == 257  # from the byte tokenizer
+        if experiment.startswith("hf_"):  # a Hugging Face model built from its config
+            assert parts["model"].source.config_overrides["vocab_size"] == parts["datamodule"].vocab_size
+        else:
+            assert parts["model"].config.vocab == 257  # from the byte tokenizer
 
 
 def test_paper_presets_span_256k_to_2m(tmp_path):

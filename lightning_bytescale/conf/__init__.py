@@ -16,9 +16,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_bytescale.conf.schema import (
+    ChatDataConfig,
     CSVLoggerConfig,
     DataConfig,
     FileDataConfig,
+    HFModelConfig,
     ModelConfig,
     PretrainConfig,
     StrategyConfig,
@@ -49,7 +51,9 @@ def _store_schemas() -> None:
     cs.store(group="strategy", name="base_strategy", node=StrategyConfig)
     cs.store(group="data", name="base_data", node=DataConfig)
     cs.store(group="data", name="base_data_files", node=FileDataConfig)
+    cs.store(group="data", name="base_data_chat", node=ChatDataConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="model", name="base_model_hf", node=HFModelConfig)
     cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
     cs.store(group="logger", name="base_wandb", node=WandbLoggerConfig)
     cs.store(group="logger", name="base_csv", node=CSVLoggerConfig)
@@ -66,11 +70,24 @@ def _stdlib_path(subdir: str = "") -> str:
     )
 
 
+def _sample_path(name: str) -> str:
+    """``${sample:chat.jsonl}``: a file of the package's chat sample (``lightning_bytescale/data/samples``)."""
+    folder = Path(__file__).resolve().parents[1] / "data" / "samples"
+    path = folder / name
+    if not path.exists():
+        raise ConfigError(
+            f"${{sample:{name}}}: no file {name} in {folder} (files: {sorted(p.name for p in folder.iterdir())})"
+        )
+    return str(path)
+
+
 def register_configs() -> None:
-    """Store the schemas and the ``stdlib`` resolver (idempotent)."""
+    """Store the schemas and the ``stdlib`` and ``sample`` resolvers (idempotent)."""
     _store_schemas()
     if not OmegaConf.has_resolver("stdlib"):
         OmegaConf.register_new_resolver("stdlib", _stdlib_path)
+    if not OmegaConf.has_resolver("sample"):
+        OmegaConf.register_new_resolver("sample", _sample_path)
 
 
 register_configs()

@@ -49,6 +49,23 @@ class BudgetMode(str, Enum):
     strict = "strict"
 
 
+class LossOn(str, Enum):
+    assistant = "assistant"
+    completion = "completion"
+    all = "all"
+
+
+class LRSchedule(str, Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class LoadOn(str, Enum):
+    rank_zero = "rank_zero"
+    every_rank = "every_rank"
+
+
 @dataclass
 class StrategyConfig:
     """`lightning_bytescale.strategy.ByteScaleStrategy` options."""
@@ -74,13 +91,15 @@ class DataConfig:
     """`lightning_bytescale.data.datamodule.ByteScaleDataModule` options (docs/data.md)."""
 
     _target_: str = "lightning_bytescale.data.datamodule.ByteScaleDataModule"
-    source: Any = None  # None: Python's stdlib sources; a path/glob, "github", "byted", "hf:<name>"
-    tokenizer: str | None = "byte"  # "byte": UTF-8 bytes (vocab 257); a path: a tokenizers JSON file
+    source: Any = None  # None: Python's stdlib sources; a path/glob, "github", "byted", "hf:<name>", a dict
+    tokenizer: str | None = (
+        "byte"  # "byte": UTF-8 bytes (vocab 257); a tokenizers JSON file; a tokenizer folder
+    )
     cache_dir: str | None = None  # token stores; None: $BYTESCALE_DATA_CACHE or ~/.cache/...
     rebuild: bool = False
     tokens_per_step: int = 16384  # the global batch's token budget
     context_length: int | None = 4096  # longest sample (None: world_size * capacity)
-    long_document_policy: LongDocumentPolicy = LongDocumentPolicy.split
+    long_document_policy: LongDocumentPolicy | None = None  # None: split for text, drop for chats
     empty_sample_policy: EmptySamplePolicy = EmptySamplePolicy.drop
     min_tokens: int = 2
     budget_mode: BudgetMode = BudgetMode.window
@@ -91,6 +110,11 @@ class DataConfig:
     num_workers: int = 1  # loader workers that plan and pack the next steps (0: inline)
     prefetch_factor: int | None = None
     validate_plans: bool = True
+    loss_on: LossOn | None = None  # trained tokens; None: assistant for chats, all for text
+    chat_template: str | None = None  # chats: None (the tokenizer's), "chatml", a .jinja file or the text
+    model_vocab_size: int | None = None  # None: read from the model (the recipe passes it)
+    tokenize_workers: int | None = None  # store-build processes; None: one per core for chats, 1 for text
+    progress: bool | None = None  # a bar while the store is built; None: on a terminal
 
 
 @dataclass
@@ -98,6 +122,16 @@ class FileDataConfig(DataConfig):
     """`DataConfig` whose ``source`` (a path or glob) must be given: ``data=text`` / ``data=jsonl``."""
 
     source: Any = MISSING
+
+
+@dataclass
+class ChatDataConfig(DataConfig):
+    """`DataConfig` for ``data=chat``: chat or prompt/completion records and an HF tokenizer (both given)."""
+
+    source: Any = field(default_factory=lambda: {"kind": "chat", "path": None, "name": None})
+    tokenizer: str | None = MISSING  # a tokenizers JSON file or a tokenizer folder (a model's folder)
+    loss_on: LossOn | None = LossOn.assistant
+    long_document_policy: LongDocumentPolicy | None = LongDocumentPolicy.drop
 
 
 @dataclass
@@ -113,6 +147,31 @@ class ModelConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+
+
+@dataclass
+class HFModelConfig:
+    """`lightning_bytescale.hf.HFCausalLM` options (docs/hf.md): a Hugging Face causal LM."""
+
+    _target_: str = "lightning_bytescale.hf.module.HFCausalLM"
+    name_or_path: str = MISSING  # a local folder or hub name; with from_config also a model type ("llama")
+    from_config: bool = False  # initialise from the config instead of loading weights
+    config_overrides: dict[str, Any] = field(
+        default_factory=dict
+    )  # config fields, e.g. {num_hidden_layers: 2}
+    dtype: str | None = None  # weights' dtype; None: the precision's default
+    revision: str | None = None
+    trust_remote_code: bool = False
+    local_files_only: bool | None = None  # None: HF_HUB_OFFLINE
+    load_on: LoadOn = LoadOn.rank_zero  # rank_zero: only rank 0 reads the checkpoint
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: LRSchedule = LRSchedule.constant
+    min_lr_ratio: float = 0.0
 
 
 @dataclass

@@ -14,6 +14,11 @@ Data identity: the store folder is named after the content of the source (not fi
 times), builds are locked and atomic, and every step's digest carries the store's content hash
 (``StepBatch.data_identity``), so ranks that read different data stop at the strategy's digest
 check instead of training on it.
+
+Chat data (a ``{"kind": "chat", ...}`` source): records are rendered with the tokenizer's chat
+template and stored with a loss mask (``loss_on``); labels of untrained tokens are -100 and
+``num_global_tokens`` counts trained tokens only.  Conversations are never split.  Before the
+first step the store's largest token id is checked against the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ import lightning.pytorch as pl
 import numpy as np
 from filelock import Timeout
 
-from lightning_bytescale.data.errors import DataError, StoreNotFoundError
+from lightning_bytescale.data.errors import DataError, OutOfVocabularyError, StoreNotFoundError
 from lightning_bytescale.data.loader import StepDataset, StepLoader
-from lightning_bytescale.data.policy import Samples, make_samples
+from lightning_bytescale.data.policy import Samples, drop_untrained, make_samples
 from lightning_bytescale.data.prune import STORE_PREFIX, default_cache_dir, prune_cache
 from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
 from lightning_bytescale.data.sources import FileSourceMixin, FileStamp, Source, changed_files, make_source
@@ -88,21 +93,37 @@ class ByteScaleDataModule(pl.LightningDataModule):
         source: where documents come from: ``None`` (Python's stdlib ``*.py`` files), a folder
             or glob of text files, a ``.jsonl`` path or glob, ``"github"`` / ``"byted"``
             (synthetic), ``"hf:<name>"``, a dict ``{"kind": ..., **options}`` or a source object.
-        tokenizer: ``None`` / ``"byte"`` (bytes + an end-of-document token, vocabulary 257) or
-            the path of a ``tokenizers`` JSON file.
+        tokenizer: ``None`` / ``"byte"`` (bytes + an end-of-document token, vocabulary 257), the
+            path of a ``tokenizers`` JSON file, or a tokenizer folder (``AutoTokenizer``; a
+            model's folder works).
+        loss_on: which tokens are trained: ``"assistant"`` (chat data's default),
+            ``"completion"`` or ``"all"`` (text data's only choice).  See :mod:`.chat_encoder`.
+        chat_template: the chat template for chat data: ``None`` (the tokenizer's own), a
+            built-in name (``"chatml"``), a ``.jinja`` file or the template text.
+        tokenize_workers: processes that tokenize while the store is built (``None``: one per
+            core for chat data, whose templates render in Python; 1 for text, which the
+            tokenizer already encodes on every core).
+        progress: a progress bar while the store is built (``None``: on a terminal).
         cache_dir: folder for token stores (default ``$BYTESCALE_DATA_CACHE`` or
             ``~/.cache/lightning_bytescale/data``); one sub-folder per source and tokenizer.
         rebuild: rebuild the token store in ``prepare_data`` even if one exists (the fix for a
             damaged store; processes that asked together share one rebuild).
         verify_store: check ``tokens.bin`` against its block checksums ``lazy`` (default: each
             block when first read), ``full`` (all at ``setup``) or ``none``.
-        vocab_size: the model's vocabulary size, when known: an id at or above it fails naming
-            the store and the document (default: the tokenizer's vocabulary).
+        model_vocab_size: the model's vocabulary size (rows of its input embedding), when known
+            beforehand; otherwise it is read from the trainer's LightningModule (a
+            ``vocab_size`` attribute, or a Hugging Face model's input embeddings) when the
+            loaders are made.  A stored id at or above it fails before the first step, naming
+            both sizes, the store and the document.  (``vocab_size=``: the same, older name.)
+            ``dm.vocab_size`` is the tokenizer's vocabulary, what a model built for the data
+            needs.
         prune_stale: after ``prepare_data``, remove this cache's stores of older versions of
             this source (and leftovers of killed builds).  Not while another job reads them.
         context_length: the longest sample; longer documents follow ``long_document_policy``.
             ``None``: the pool, ``world_size * capacity``.  It is capped at the pool in any case.
-        long_document_policy: ``split`` (default) | ``truncate`` | ``drop`` | ``error``.
+        long_document_policy: ``split`` | ``truncate`` | ``drop`` | ``error``; ``None``
+            (default): ``split`` for text, ``drop`` for chat data (conversations are never split:
+            ``split`` is refused for them; dropped ones are counted and logged).
         empty_sample_policy: ``drop`` (default) | ``error``, for documents below ``min_tokens``.
         min_tokens: the shortest usable sample (default 2: one token has nothing to predict).
         tokens_per_step: the global batch's token budget.
@@ -131,7 +152,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         vocab_size: int | None = None,
         prune_stale: bool = False,
         context_length: int | None = None,
-        long_document_policy: str = "split",
+        long_document_policy: str | None = None,
         empty_sample_policy: str = "drop",
         min_tokens: int = 2,
         tokens_per_step: int = 32768,
@@ -154,6 +175,11 @@ class ByteScaleDataModule(pl.LightningDataModule):
         rank: int | None = None,
         world_size: int | None = None,
         validate_plans: bool = True,
+        loss_on: str | None = None,
+        chat_template: str | None = None,
+        model_vocab_size: int | None = None,
+        tokenize_workers: int | None = None,
+        progress: bool | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
@@ -164,18 +190,59 @@ class ByteScaleDataModule(pl.LightningDataModule):
             raise DataError(f"num_workers={num_workers} must be >= 0")
         if verify_store not in VERIFY_MODES:
             raise DataError(f"verify_store={verify_store!r}; use one of {VERIFY_MODES}")
-        if vocab_size is not None and vocab_size < 1:
-            raise DataError(f"vocab_size={vocab_size} must be a positive vocabulary size (or None)")
+        if vocab_size is not None and model_vocab_size is not None and vocab_size != model_vocab_size:
+            raise DataError(
+                f"vocab_size={vocab_size} and model_vocab_size={model_vocab_size} disagree; they are the same "
+                f"setting (the model's vocabulary), give one"
+            )
+        model_vocab_size = model_vocab_size if model_vocab_size is not None else vocab_size
+        if model_vocab_size is not None and model_vocab_size < 1:
+            raise DataError(
+                f"model_vocab_size={model_vocab_size} must be a positive vocabulary size (or None)"
+            )
+        if tokenize_workers is not None and tokenize_workers < 1:
+            raise DataError(f"tokenize_workers={tokenize_workers} must be at least 1 (or None: automatic)")
         self.source = make_source(source)
+        self.conversational = bool(getattr(self.source, "conversational", False))
+        loss_on = _plain(loss_on)
+        if loss_on is None:
+            loss_on = "assistant" if self.conversational else "all"
+        from lightning_bytescale.data.chat_encoder import LOSS_ON
+
+        if loss_on not in LOSS_ON:
+            raise DataError(f"loss_on={loss_on!r}; use one of {LOSS_ON}")
+        if not self.conversational and loss_on != "all":
+            raise DataError(
+                f"loss_on={loss_on!r} needs chat data (messages or prompt/completion records: source="
+                f"{{'kind': 'chat', 'path': ...}}); a text source trains every token (loss_on='all')"
+            )
+        if chat_template is not None and not self.conversational:
+            raise DataError(
+                "chat_template= is for chat data (source={'kind': 'chat', ...}); this source is text"
+            )
+        self.loss_on = loss_on
+        self.chat_template = chat_template
+        self.tokenize_workers = tokenize_workers
+        self.progress = progress
         self._tokenizer_spec = tokenizer
         self._tokenizer: Tokenizer | None = None
+        self._encoder: Any = None
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.rebuild = rebuild
         self.verify_store = verify_store
-        self.vocab_size = vocab_size
+        self.model_vocab_size = model_vocab_size
         self.prune_stale = prune_stale
         self.context_length = context_length
-        self.long_document_policy = _plain(long_document_policy)
+        long_document_policy = _plain(long_document_policy)
+        if long_document_policy is None:
+            long_document_policy = "drop" if self.conversational else "split"
+        if self.conversational and long_document_policy == "split":
+            raise DataError(
+                "long_document_policy='split' would cut conversations apart (a piece without its prompt, an "
+                "answer without its question); chat data use 'drop' (the default: counted and logged), "
+                "'truncate' or 'error'"
+            )
+        self.long_document_policy = long_document_policy
         self.empty_sample_policy = _plain(empty_sample_policy)
         self.min_tokens = min_tokens
         self.tokens_per_step = tokens_per_step
@@ -211,6 +278,23 @@ class ByteScaleDataModule(pl.LightningDataModule):
         return self._tokenizer
 
     @property
+    def encoder(self) -> Any:
+        """What tokenizes the source: the tokenizer, or for chat data a :class:`ChatEncoder` around it."""
+        if self._encoder is None:
+            if self.conversational:
+                from lightning_bytescale.data.chat_encoder import ChatEncoder
+
+                self._encoder = ChatEncoder(self.tokenizer, self.loss_on, self.chat_template)
+            else:
+                self._encoder = self.tokenizer
+        return self._encoder
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary size: what a model's embedding needs to hold every id."""
+        return int(self.tokenizer.vocab_size)
+
+    @property
     def store_dir(self) -> Path:
         """``cache_dir/store-<hash of the source's content and the tokenizer>`` (computed once).
 
@@ -223,7 +307,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
                 self._fingerprint = self.source.fingerprint_of(self._stamps)
             else:
                 self._fingerprint = self.source.fingerprint
-            key = f"v{VERSION}|{self._fingerprint}|{self.tokenizer.fingerprint}"
+            key = f"v{VERSION}|{self._fingerprint}|{self.encoder.fingerprint}"
             self._store_dir = (
                 self.cache_dir / f"{STORE_PREFIX}{hashlib.sha256(key.encode()).hexdigest()[:16]}"
             )
@@ -233,7 +317,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
     def source_key(self) -> str | None:
         """The source's identity without its content (stores of its older versions share it)."""
         key = getattr(self.source, "key", None)
-        return None if key is None else f"{key}|{self.tokenizer.fingerprint}"
+        return None if key is None else f"{key}|{self.encoder.fingerprint}"
 
     @property
     def data_identity(self) -> str:
@@ -349,10 +433,14 @@ class ByteScaleDataModule(pl.LightningDataModule):
             ) from err
 
     def _build(self, directory: Path) -> None:
-        tok = self.tokenizer
+        tok = self.encoder
         source = self.source
         stamps = self._stamps
-        meta: dict[str, Any] = {"source": self._fingerprint, "tokenizer": tok.fingerprint}
+        meta: dict[str, Any] = {
+            "source": self._fingerprint,
+            "tokenizer": tok.fingerprint,
+            "loss_on": self.loss_on,
+        }
         if isinstance(source, FileSourceMixin):
             meta.update(source_key=self.source_key, files=[st.as_list() for st in stamps or []])
 
@@ -370,10 +458,15 @@ class ByteScaleDataModule(pl.LightningDataModule):
             if skipped:
                 meta["skipped_binary"] = skipped
 
-        log.info("building the token store %s", directory)
+        workers = self.tokenize_workers
+        if workers is None:
+            workers = _cores() if self.conversational else 1
+        hint = getattr(source, "count_hint", None)
+        log.info("building the token store %s (%d tokenizing process(es))", directory, workers)
         write_store(
             directory, documents(), tok.encode_batch, tok.vocab_size, meta=meta,
-            eos_id=getattr(tok, "eos_id", None), replace=True,
+            eos_id=getattr(tok, "eos_id", None), replace=True, loss_mask=bool(getattr(tok, "loss_mask", False)),
+            num_proc=workers, progress=self.progress, total=hint() if callable(hint) else None,
         )  # fmt: skip
 
     def setup(self, stage: str | None = None) -> None:
@@ -435,7 +528,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         except OSError:  # a read-only cache: nobody builds there, open without the lock
             lock = None
         try:
-            store = TokenStore.open(directory, verify=self.verify_store, vocab_limit=self.vocab_size)
+            store = TokenStore.open(directory, verify=self.verify_store, vocab_limit=self.model_vocab_size)
         except StoreNotFoundError:
             raise self._missing_store(directory) from None
         finally:
@@ -495,12 +588,81 @@ class ByteScaleDataModule(pl.LightningDataModule):
             where=f"{where} ({self.store.directory})",
         )
         s.doc = docs[s.doc]  # positions in the subset -> document ids in the store
+        if self.store.has_mask:
+            s = drop_untrained(
+                s, self._loss_tokens(s), self.empty_sample_policy, f"{where} ({self.store.directory})"
+            )
+        long = s.report.get("long_documents", 0)
+        if long and self.rank == 0:
+            what = "conversations" if self.conversational else "documents"
+            done = {"drop": "dropped", "truncate": "truncated", "split": "split"}.get(
+                self.long_document_policy
+            )
+            log.warning(
+                "%s: %d %s longer than the context length %d were %s (long_document_policy=%r); raise "
+                "context_length (and capacity x world size) to keep them",
+                where, long, what, self.max_length, done, self.long_document_policy,
+            )  # fmt: skip
+        if s.report.get("no_loss_dropped") and self.rank == 0:
+            log.warning(
+                "%s: %d samples with no trained token (loss_on=%r) were dropped",
+                where, s.report["no_loss_dropped"], self.loss_on,
+            )  # fmt: skip
         return s
+
+    def _loss_tokens(self, s: Samples) -> np.ndarray:
+        """Trained tokens of each sample: the index's count for whole documents, else from the mask."""
+        store = self.store
+        counts = store.loss_counts[s.doc].copy()
+        partial = np.flatnonzero((s.start != 0) | (s.length != store.lengths[s.doc]))
+        for i in partial.tolist():
+            counts[i] = int(store.read_mask(int(s.doc[i]), int(s.start[i]), int(s.length[i]))[1:].sum())
+        return counts
+
+    # ----------------------------------------------------------------------------- vocabulary
+    def find_model_vocab_size(self) -> int | None:
+        """The model's vocabulary: ``model_vocab_size``, else read from the trainer's LightningModule."""
+        if self.model_vocab_size is not None:
+            return int(self.model_vocab_size)
+        trainer = self._trainer_or_none()
+        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        return model_vocab_size(module) if module is not None else None
+
+    def check_vocabulary(self, model_vocab: int | None = None) -> None:
+        """Fail now, naming both sizes, if the store holds an id the model's embedding cannot hold.
+
+        ``model_vocab``: the model's vocabulary size (default: :meth:`find_model_vocab_size`).
+        Called when the loaders are made, before the first step.
+        """
+        if self.store is None:
+            raise DataError("call setup() before checking the vocabulary")
+        limit = model_vocab if model_vocab is not None else self.find_model_vocab_size()
+        if limit is None:
+            return
+        limit = int(limit)
+        store = self.store
+        hit = store.first_out_of_vocabulary(limit)
+        if hit is not None:
+            doc, pos, tid = hit
+            raise OutOfVocabularyError(
+                f"token store {store.directory}: document {doc} holds token id {tid} at position {pos}, outside "
+                f"the model's vocabulary (vocab_size={limit}: its input embedding has {limit} rows; the tokenizer "
+                f"has {store.vocab_size} tokens). Use the model's own tokenizer, or give the model a vocabulary of "
+                f"at least {store.vocab_size} (for a model built from its config: "
+                f"config_overrides.vocab_size={store.vocab_size})"
+            )
+        store.vocab_limit = min(limit, store.vocab_size)
+        if store.vocab_size > limit and self.rank == 0:
+            log.warning(
+                "the tokenizer has %d tokens, the model's vocabulary %d; the data's largest id (%s) fits",
+                store.vocab_size, limit, store.max_token_id,
+            )  # fmt: skip
 
     # ----------------------------------------------------------------------------- dataloaders
     def _loader(self, samples: Samples | None, shuffle: bool, split: str) -> StepLoader:
         if self.store is None or samples is None:
             raise DataError("call setup() before asking for a dataloader")
+        self.check_vocabulary()
         batching = GlobalBatching(
             samples.length, self.tokens_per_step, self.seed, shuffle, self.budget_mode, self.drop_last
         )
@@ -542,6 +704,30 @@ class ByteScaleDataModule(pl.LightningDataModule):
             self._train_loader.load_state_dict(train)
         else:
             self._pending_state = train
+
+
+def model_vocab_size(module: Any) -> int | None:
+    """A model's vocabulary: its ``vocab_size`` attribute, else the rows of a Hugging Face model's
+    input embeddings (``get_input_embeddings()``) found among its modules; None if neither."""
+    value = getattr(module, "vocab_size", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    modules = module.modules() if callable(getattr(module, "modules", None)) else ()
+    for m in modules:
+        get = getattr(m, "get_input_embeddings", None)
+        if callable(get):
+            with contextlib.suppress(NotImplementedError, AttributeError):
+                rows = getattr(get(), "num_embeddings", None)
+                if isinstance(rows, int) and rows > 0:
+                    return rows
+    return None
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def _touch(path: Path) -> None:

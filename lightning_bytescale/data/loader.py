@@ -83,6 +83,15 @@ class StepDataset(Dataset):
         s = self.samples
         return self.store.read(int(s.doc[sample]), int(s.start[sample]), int(s.length[sample]))
 
+    def loss_mask(self, sample: int) -> np.ndarray:
+        """The sample's loss mask (loss-masked stores only)."""
+        s = self.samples
+        return self.store.read_mask(int(s.doc[sample]), int(s.start[sample]), int(s.length[sample]))
+
+    @property
+    def masked(self) -> bool:
+        return self.samples.loss_tokens is not None
+
     def data_identity(self, ids: np.ndarray) -> str:
         """What this step reads, by content: the store's content hash, the sample table, the batch.
 
@@ -92,7 +101,8 @@ class StepDataset(Dataset):
         """
         if self._identity is None:
             h = xxhash.xxh3_64()
-            for a in (self.samples.doc, self.samples.start, self.samples.length):
+            extra = () if self.samples.loss_tokens is None else (self.samples.loss_tokens,)
+            for a in (self.samples.doc, self.samples.start, self.samples.length, *extra):
                 h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
             self._identity = f"store {self.store.content_hash[:16]}, samples {h.hexdigest()}"
         batch = xxhash.xxh3_64_hexdigest(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
@@ -114,15 +124,18 @@ class StepDataset(Dataset):
         t0 = time.perf_counter()
         plan = self.plan(epoch, step)
         plan_ms = (time.perf_counter() - t0) * 1e3
+        masked = self.masked
         batch = build_step(
             plan,
             self.rank,
             lambda j: self.tokens(int(ids[j])),
             step=step,
             data_identity=self.data_identity(ids),
+            loss_mask=(lambda j: self.loss_mask(int(ids[j]))) if masked else None,
+            loss_tokens=self.samples.loss_tokens[ids].tolist() if masked else None,
         )
         stats = dict(batch.stats)
-        stats.update(epoch=epoch, split=self.split, plan_ms=plan_ms)
+        stats.update(epoch=epoch, split=self.split, plan_ms=plan_ms, loss_tokens=batch.num_global_tokens)
         stats.setdefault("lengths", list(plan.lengths))
         stats.setdefault("num_sequences", len(plan.lengths))
         stats.setdefault("world_size", plan.world_size)

@@ -12,6 +12,10 @@ stored document.  The policies run on the length index only (no token is read), 
   shorter (dropped if it is below ``min_tokens``); ``truncate``: keep the first
   ``max_length`` tokens; ``drop``: skip the document; ``error``: raise
   :class:`LongDocumentError`.
+* Loss-masked data (chats): a sample with no trained token (a conversation without an
+  assistant answer, or one whose answer was truncated away) is empty too: dropped and counted
+  (``no_loss_dropped``), or an :class:`EmptySampleError` under ``empty="error"``
+  (:func:`drop_untrained`).  Conversations are never split: ``split`` is refused for them.
 * If nothing is left, :class:`EmptyDatasetError`.
 """
 
@@ -40,6 +44,7 @@ class Samples:
     start: np.ndarray
     length: np.ndarray
     report: dict = field(default_factory=dict)
+    loss_tokens: np.ndarray | None = None  # trained tokens per sample (loss-masked data only)
 
     def __len__(self) -> int:
         return int(self.length.size)
@@ -113,3 +118,35 @@ def make_samples(
         )
     report.update(samples=int(lengths.size), tokens=int(lengths.sum()))
     return Samples(docs, starts, lengths, report)
+
+
+def drop_untrained(
+    samples: Samples, loss_tokens: np.ndarray, empty_policy: str = "drop", where: str = "the dataset"
+) -> Samples:
+    """Attach each sample's trained-token count and drop the samples that train nothing.
+
+    ``loss_tokens[i]``: the loss targets of sample ``i`` (its mask without the first token).
+    """
+    loss_tokens = np.asarray(loss_tokens, dtype=np.int64)
+    if loss_tokens.shape != samples.length.shape:
+        raise DataError(f"{loss_tokens.size} loss-token counts for {len(samples)} samples")
+    none = loss_tokens == 0
+    if none.any() and empty_policy == "error":
+        i = int(np.flatnonzero(none)[0])
+        raise EmptySampleError(
+            f"document {int(samples.doc[i])} of {where} has no trained token (its loss mask is empty: no "
+            f"assistant answer, or it was truncated away) and empty_sample_policy='error'; remove it or use "
+            f"empty_sample_policy='drop'"
+        )
+    report = dict(samples.report, no_loss_dropped=int(none.sum()))
+    keep = ~none
+    if not keep.any():
+        raise EmptyDatasetError(
+            f"{where} has no sample with a trained token ({len(samples)} samples, all masked out); check "
+            f"loss_on, the records' roles (an assistant message is needed for loss_on='assistant' or "
+            f"'completion') and the context length"
+        )
+    report.update(
+        samples=int(keep.sum()), tokens=int(samples.length[keep].sum()), loss_tokens=int(loss_tokens.sum())
+    )
+    return Samples(samples.doc[keep], samples.start[keep], samples.length[keep], report, loss_tokens[keep])

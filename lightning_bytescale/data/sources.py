@@ -17,6 +17,7 @@ kept as ``__cause__``).
 
 from __future__ import annotations
 
+import contextlib
 import glob as globlib
 import hashlib
 import inspect
@@ -308,7 +309,17 @@ class JsonlSource(FileSourceMixin):
                 yield from self._document(p, lineno, raw)
             read.append(FileStamp(str(p), size, h.hexdigest()))
 
-    def _document(self, p: Path, lineno: int, raw: bytes) -> Iterator[str]:
+    def count_hint(self) -> int:
+        """About how many documents there are (lines of the files): for a progress bar's total."""
+        total = 0
+        for p in self.files():
+            with contextlib.suppress(OSError), open(p, "rb") as fh:
+                while chunk := fh.read(_READ_CHUNK):
+                    total += chunk.count(b"\n")
+        return total
+
+    def _parse(self, p: Path, lineno: int, raw: bytes) -> dict | None:
+        """One line as a JSON object (None for a blank line); errors name the file and line."""
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -320,12 +331,20 @@ class JsonlSource(FileSourceMixin):
                 ) from err
             line = raw.decode("utf-8", errors="replace")
         if not line.strip():
-            return
+            return None
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(f"{p}:{lineno}: not valid JSON ({err.msg})") from err
-        if not isinstance(obj, dict) or self.field not in obj:
+        if not isinstance(obj, dict):
+            raise DataError(f"{p}:{lineno}: a JSON {type(obj).__name__}, not an object")
+        return obj
+
+    def _document(self, p: Path, lineno: int, raw: bytes) -> Iterator[Document]:
+        obj = self._parse(p, lineno, raw)
+        if obj is None:
+            return
+        if self.field not in obj:
             raise DataError(
                 f"{p}:{lineno}: no field {self.field!r}; set the source's `field` option "
                 f"to the key that holds the text"
@@ -403,7 +422,8 @@ class HFSource:
     def fingerprint(self) -> str:
         return _hash("hf", self.name, self.config, self.split, self.field, self.revision, self.kwargs)
 
-    def iter_documents(self, vocab_size: int) -> Iterator[Document]:
+    def rows(self) -> Iterator[dict]:
+        """The dataset's rows (``datasets.load_dataset``)."""
         try:
             import datasets
         except ImportError as err:
@@ -414,12 +434,19 @@ class HFSource:
         ds = datasets.load_dataset(
             self.name, self.config, split=self.split, revision=self.revision, **self.kwargs
         )
-        if self.field not in ds.column_names:
+        self.check_columns(list(ds.column_names))
+        yield from ds
+
+    def check_columns(self, names: list[str]) -> None:
+        """Raise a :class:`DataError` naming what is missing if the rows lack a needed column."""
+        if self.field not in names:
             raise DataError(
-                f"dataset {self.name!r} has no column {self.field!r} (columns: {ds.column_names}); "
+                f"dataset {self.name!r} has no column {self.field!r} (columns: {names}); "
                 f"set the source's `field` option"
             )
-        for row in ds:
+
+    def iter_documents(self, vocab_size: int) -> Iterator[Document]:
+        for row in self.rows():
             yield row[self.field]
 
 
@@ -431,7 +458,9 @@ def make_source(spec: str | dict | Source | None) -> Source:
     * ``"hf:<name>"``: a Hugging Face dataset;
     * a path ending in ``.jsonl`` (or a glob of them): JSONL with field ``text``;
     * any other path or glob: text files;
-    * a dict with ``kind`` in ``text | jsonl | synthetic | hf`` and that kind's options.
+    * a dict with ``kind`` in ``text | jsonl | synthetic | hf | chat`` and that kind's options
+      (``chat``: chat or prompt/completion records from JSONL files, ``path``, or a Hugging Face
+      dataset, ``name``; see :mod:`.chat`).
     """
     if spec is None:
         return TextFilesSource()
@@ -439,8 +468,12 @@ def make_source(spec: str | dict | Source | None) -> Source:
         opts = dict(spec)
         kind = opts.pop("kind", None)
         kinds = {"text": TextFilesSource, "jsonl": JsonlSource, "synthetic": SyntheticSource, "hf": HFSource}
+        if kind == "chat":
+            from lightning_bytescale.data.chat import make_chat_source
+
+            return make_chat_source(opts)
         if kind not in kinds:
-            raise DataError(f"unknown source kind {kind!r}; use one of {sorted(kinds)}")
+            raise DataError(f"unknown source kind {kind!r}; use one of {sorted([*kinds, 'chat'])}")
         try:
             return kinds[kind](**opts)
         except TypeError as err:

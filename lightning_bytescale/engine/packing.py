@@ -13,6 +13,12 @@ Labels are taken from the *full* sequence (``label[p] = token[p + 1]``), so a zi
 last slot is labelled with the first token of the next chunk even though another member holds
 it.  The last position of every sequence is -100, so a sequence of length ``s`` contributes
 ``s - 1`` loss tokens and the global batch ``sum(s_i - 1)``.
+
+With a loss mask (chat data: ``mask[i]`` true when token ``i`` is trained), ``label[p]`` is
+``token[p + 1]`` only where ``mask[p + 1]`` holds, else -100, wherever slot ``p`` lies (a zigzag
+chunk's last slot reads the mask of the next chunk's first token too); the global batch then has
+``sum(mask_i[1:].sum())`` loss tokens, which every rank takes from the sample table, so it is the
+same on every rank without reading the other ranks' data.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from lightning_bytescale.planner.plan import MicroBatch, Plan
 IGNORE_INDEX = -100
 
 TokenSource = Callable[[int], "Sequence[int] | np.ndarray | torch.Tensor"]
+MaskSource = Callable[[int], "Sequence[bool] | np.ndarray | torch.Tensor"]  # sequence -> loss mask
 
 
 class PackingError(ByteScaleError, ValueError):
@@ -80,11 +87,35 @@ def _as_tokens(seq: int, raw: Sequence[int] | np.ndarray | torch.Tensor) -> np.n
     return arr.astype(np.int64, copy=False)
 
 
-def _sequence_slots(full: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Inputs and next-token labels of the given slot positions (padding where ``pos >= s``)."""
+def _as_mask(seq: int, raw: Sequence[bool] | np.ndarray | torch.Tensor, length: int) -> np.ndarray:
+    arr = raw.detach().cpu().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+    if arr.shape != (length,):
+        raise PackingError(
+            f"sequence {seq}: its loss mask has shape {arr.shape}, its tokens ({length},); one flag per token"
+        )
+    if (
+        arr.size
+        and arr.dtype != np.bool_
+        and not (np.issubdtype(arr.dtype, np.integer) and int(arr.min()) >= 0 and int(arr.max()) <= 1)
+    ):
+        raise PackingError(f"sequence {seq}: a loss mask must be booleans (or 0/1), got dtype {arr.dtype}")
+    return arr.astype(bool, copy=False)
+
+
+def _sequence_slots(
+    full: np.ndarray, pos: np.ndarray, mask: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs and next-token labels of the given slot positions (padding where ``pos >= s``).
+
+    ``mask``: the sequence's loss mask; a label whose target token is not in it is -100.
+    """
     s = full.size
     inputs = np.where(pos < s, full[np.minimum(pos, s - 1)], 0)
-    labels = np.where(pos + 1 < s, full[np.minimum(pos + 1, s - 1)], IGNORE_INDEX)
+    target = np.minimum(pos + 1, s - 1)
+    keep = pos + 1 < s
+    if mask is not None:
+        keep &= mask[target]
+    labels = np.where(keep, full[target], IGNORE_INDEX)
     return inputs, labels
 
 
@@ -96,11 +127,13 @@ def build_micro_batch(
     index: int = 0,
     *,
     lengths: Sequence[int] | None = None,
+    loss_mask: MaskSource | None = None,
 ) -> PackedMicroBatch:
     """Pack one micro-batch of ``rank``.
 
     ``tokens(seq)`` returns the *full* token list of global sequence ``seq``.  ``lengths``
-    (the plan's length list), when given, is checked against the data.
+    (the plan's length list), when given, is checked against the data.  ``loss_mask(seq)``, when
+    given, returns the sequence's loss mask (one flag per token: is its prediction trained).
     """
     if not mb.pieces:
         raise PackingError(f"rank {rank} micro-batch {index} has no pieces; a plan must not list empty work")
@@ -137,7 +170,8 @@ def build_micro_batch(
                 f"{'whole sequence' if mb.ring is None else f'zigzag share of member {member}/{n}'} "
                 f"{expected}; the plan and the data disagree"
             )
-        inp, lab = _sequence_slots(full, pos)
+        mask = None if loss_mask is None else _as_mask(piece.seq, loss_mask(piece.seq), s)
+        inp, lab = _sequence_slots(full, pos, mask)
         ids.append(inp)
         labels.append(lab)
         positions.append(pos)
@@ -185,8 +219,39 @@ def step_digest(plan: Plan, data_identity: str = "") -> str:
     return hashlib.sha256(f"{digest}|{data_identity}".encode()).hexdigest()[:16]
 
 
+def count_masked_loss_tokens(lengths: Sequence[int], loss_tokens: Sequence[int]) -> int:
+    """Loss tokens of a loss-masked global batch: the sum of the sequences' trained tokens.
+
+    Raises :class:`EmptyBatchError` when nothing is trained, and :class:`PackingError` for a
+    count that does not fit its sequence.
+    """
+    count_loss_tokens(lengths, allow_zero=True)  # the lengths themselves are valid
+    if len(loss_tokens) != len(lengths):
+        raise PackingError(
+            f"{len(loss_tokens)} loss-token counts for {len(lengths)} sequences; give one per sequence"
+        )
+    for i, (s, n) in enumerate(zip(lengths, loss_tokens)):
+        if not 0 <= int(n) <= int(s) - 1:
+            raise PackingError(f"sequence {i} has {n} loss tokens but length {s} (at most {int(s) - 1})")
+    total = int(sum(int(n) for n in loss_tokens))
+    if total == 0:
+        raise EmptyBatchError(
+            f"the global batch of {len(lengths)} sequence(s) has no trained token (the loss mask masks them "
+            "all), so the token-mean loss is undefined; drop samples without loss tokens before batching "
+            "(ByteScaleDataModule does)"
+        )
+    return total
+
+
 def build_step(
-    plan: Plan, rank: int, tokens: TokenSource, step: int = 0, data_identity: str = ""
+    plan: Plan,
+    rank: int,
+    tokens: TokenSource,
+    step: int = 0,
+    data_identity: str = "",
+    *,
+    loss_mask: MaskSource | None = None,
+    loss_tokens: Sequence[int] | None = None,
 ) -> StepBatch:
     """Everything ``rank`` runs in one step of ``plan``, packed.
 
@@ -194,6 +259,11 @@ def build_step(
     store's content hash, its sample table and the batch's samples); it is folded into the
     digest, so ranks that read different data for the same lengths stop at the digest check,
     before any exchange, instead of training on it.
+
+    ``loss_mask(seq)``: the loss mask of global sequence ``seq`` (labels of untrained tokens
+    become -100).  ``loss_tokens``: each sequence's trained-token count (``mask[1:].sum()``),
+    so that ``num_global_tokens`` needs no other rank's mask; without it every sequence's mask
+    is read.  The masks this rank packs are checked against their counts.
     """
     if not 0 <= rank < plan.world_size:
         raise PackingError(f"rank {rank} is outside the plan's world size {plan.world_size}")
@@ -201,9 +271,31 @@ def build_step(
         raise PackingError(
             f"the plan lists {len(plan.ranks)} ranks but says world size {plan.world_size}; rebuild the plan"
         )
-    num_global = count_loss_tokens(plan.lengths)
+    lengths = plan.lengths
+    if loss_mask is None:
+        if loss_tokens is not None:
+            raise PackingError("loss_tokens were given without a loss_mask; give both or neither")
+        num_global = count_loss_tokens(lengths)
+        mask_of = None
+    else:
+        if loss_tokens is None:
+            loss_tokens = [
+                int(_as_mask(j, loss_mask(j), int(lengths[j]))[1:].sum()) for j in range(len(lengths))
+            ]
+        counts = [int(n) for n in loss_tokens]
+        num_global = count_masked_loss_tokens(lengths, counts)
+
+        def mask_of(seq: int) -> np.ndarray:
+            mask = _as_mask(seq, loss_mask(seq), int(lengths[seq]))
+            if int(mask[1:].sum()) != counts[seq]:
+                raise PackingError(
+                    f"sequence {seq}: its loss mask trains {int(mask[1:].sum())} tokens, the sample table says "
+                    f"{counts[seq]}; the masks and the counts come from different data"
+                )
+            return mask
+
     mbs = [
-        build_micro_batch(mb, rank, tokens, num_global, index=i, lengths=plan.lengths)
+        build_micro_batch(mb, rank, tokens, num_global, index=i, lengths=lengths, loss_mask=mask_of)
         for i, mb in enumerate(plan.ranks[rank])
     ]
     stats_fn = getattr(plan, "stats", None)
@@ -212,7 +304,7 @@ def build_step(
     return StepBatch(
         micro_batches=mbs,
         num_global_tokens=num_global,
-        num_tokens=int(sum(int(s) for s in plan.lengths)),
+        num_tokens=int(sum(int(s) for s in lengths)),
         digest=step_digest(plan, data_identity),
         step=step,
         stats=stats,

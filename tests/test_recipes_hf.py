@@ -1,0 +1,130 @@
+"""The Hugging Face recipe: ``model=hf``, ``data=chat`` and the preset ``hf_sft_cpu_smoke``.
+
+Configs compose against their schemas (and fail readably); the preset runs as users start it,
+``bytescale-train experiment=hf_sft_cpu_smoke`` in a subprocess on 2 CPU processes; and a model
+whose vocabulary cannot hold the data's ids stops before the first step, naming both sizes.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from lightning_bytescale.conf import ConfigError, compose_pretrain  # noqa: E402
+from lightning_bytescale.data.synthetic_chat import SAMPLES_DIR  # noqa: E402
+
+LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _compose(tmp: Path, *overrides: str):
+    return compose_pretrain([*overrides, f"run_dir={tmp}"], hydra_config=False)
+
+
+def test_the_preset_composes_the_hf_model_and_chat_data(tmp_path):
+    cfg = _compose(tmp_path, "experiment=hf_sft_cpu_smoke")
+    assert cfg.model._target_ == "lightning_bytescale.hf.module.HFCausalLM"
+    assert cfg.model.name_or_path == "llama" and cfg.model.from_config
+    assert cfg.data.source.path == str(SAMPLES_DIR / "chat.jsonl")
+    assert cfg.data.tokenizer == str(SAMPLES_DIR / "tokenizer.json")
+    assert cfg.data.loss_on == "assistant" and cfg.data.long_document_policy == "drop"
+
+
+def test_the_recipe_gives_a_from_config_model_the_tokenizer_vocabulary(tmp_path):
+    from lightning_bytescale.recipes_entry import _model_for_data, _plain
+
+    cfg = _compose(tmp_path, "experiment=hf_sft_cpu_smoke", "data.cache_dir=" + str(tmp_path / "cache"))
+    from hydra.utils import instantiate
+
+    dm = instantiate(_plain(cfg.data))
+    model_cfg = _model_for_data(_plain(cfg.model), dm)
+    assert model_cfg["config_overrides"]["vocab_size"] == dm.vocab_size == 875
+    kept = _model_for_data({**_plain(cfg.model), "config_overrides": {"vocab_size": 2000}}, dm)
+    assert kept["config_overrides"]["vocab_size"] == 2000  # an explicit vocabulary is the user's
+    checkpoint = _model_for_data({**_plain(cfg.model), "from_config": False}, dm)
+    assert "vocab_size" not in checkpoint["config_overrides"]  # a checkpoint keeps its own
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (["model=hf"], ["model.name_or_path"]),
+        (
+            ["data=chat", "data.tokenizer=x.json", "data.loss_on=prompt"],
+            ["data.loss_on", "assistant, completion, all"],
+        ),
+        (["model=hf", "model.name_or_path=llama", "model.schedule=step"], ["model.schedule", "cosine"]),
+        (["data=chat", "data.long_document_policy=cut"], ["data.long_document_policy", "drop"]),
+    ],
+)
+def test_bad_hf_and_chat_configs_are_readable(tmp_path, overrides, needles):
+    from hydra.utils import instantiate
+
+    from lightning_bytescale.recipes_entry import _plain
+
+    try:
+        cfg = _compose(tmp_path, *overrides)
+        instantiate(_plain(cfg.model))  # a missing value fails when the config is read
+        raise AssertionError(f"{overrides} composed")
+    except ConfigError as err:
+        message = str(err)
+    except Exception as err:  # omegaconf's MissingMandatoryValue
+        message = str(err)
+    for needle in needles:
+        assert needle in message, message
+
+
+def _run(args: list[str], tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("bytescale-train")
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_bytescale.recipes_entry"]
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY" and k not in LAUNCHER_VARS}
+    env.update(
+        OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", HYDRA_FULL_ERROR="1",
+        BYTESCALE_DATA_CACHE=str(tmp / "cache"), NETRC=str(tmp / "no-netrc"), HF_HUB_OFFLINE="1",
+    )  # fmt: skip
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp
+    )
+
+
+@pytest.mark.multiprocess
+def test_the_preset_fine_tunes_on_two_processes(tmp_path):
+    out = tmp_path / "run"
+    proc = _run(
+        ["experiment=hf_sft_cpu_smoke", "trainer.max_steps=3", "logger=csv", f"run_dir={out}"], tmp_path
+    )
+    assert proc.returncode == 0, f"STDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}"
+    assert "[bytescale-train] hf_sft_cpu_smoke: 3 steps" in proc.stdout
+    metrics = (out / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    rows = [r for r in csv.DictReader(metrics) if r.get("train/loss")]
+    losses = [float(r["train/loss"]) for r in rows]
+    assert len(losses) == 3 and 5.5 < losses[0] < 7.5  # about ln(875) = 6.77 at the start
+    loss_tokens = [float(r["data/loss_tokens"]) for r in rows if r.get("data/loss_tokens")]
+    tokens = [float(r["data/tokens"]) for r in rows if r.get("data/tokens")]
+    assert loss_tokens and all(0 < a < b for a, b in zip(loss_tokens, tokens))  # only the answers train
+
+
+@pytest.mark.multiprocess
+def test_a_model_too_small_for_the_data_stops_before_the_first_step(tmp_path):
+    proc = _run(
+        [
+            "experiment=hf_sft_cpu_smoke",
+            "trainer.max_steps=2",
+            "~logger",
+            "+model.config_overrides.vocab_size=300",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert (
+        "OutOfVocabularyError" in text and "vocab_size=300" in text and "the tokenizer has 875 tokens" in text
+    )
+    assert "config_overrides.vocab_size=875" in text
+    assert "Epoch 0" not in text  # nothing was trained
