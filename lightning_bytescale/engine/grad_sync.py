@@ -14,11 +14,14 @@ inside a hook: a rank blocked in its backward could hold up a ring peer that the
 waiting for.
 
 Memory: the gradients *are* the buckets.  :meth:`prepare` (at the start of a step) points each
-``p.grad`` at a zeroed view of its bucket's flat buffer, autograd accumulates into it in place,
-and the all-reduce runs on the buffer itself: no copy, no extra memory beyond the gradients
-(DDP's ``gradient_as_bucket_view``).  Parameters narrower than float32 (bf16/fp16) are summed
-in a float32 copy made at launch, so a sum over many ranks does not drift; that copy is the
-only extra memory, one per such bucket in flight.
+small parameter's ``p.grad`` at a zeroed view of its bucket's flat buffer, autograd accumulates
+into it in place, and the all-reduce runs on the buffer itself (DDP's
+``gradient_as_bucket_view``); a parameter of a bucket's size or more is a bucket of its own and
+its gradient tensor is all-reduced in place.  So nothing is copied, and beyond the gradients
+themselves only autograd's transient gradients of small parameters (less than a bucket each)
+exist.  Parameters narrower than float32 (bf16/fp16) are summed in a float32 copy made at
+launch, so a sum over many ranks does not drift; that copy is the only extra memory, one per
+such bucket in flight.
 
 The all-reduces run on their own process group (created once, at set-up), so they can be in
 flight while the last micro-batch's ring exchanges run point-to-point on the global group:
@@ -39,17 +42,26 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 class _Bucket:
-    """Parameters whose gradients live in one flat buffer and are summed by one all-reduce."""
+    """Parameters whose gradients are summed by one all-reduce.
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    Several small parameters share one flat buffer whose views are their gradients.  A
+    parameter of a bucket's size or more is a bucket of its own (``solo``): its gradient is
+    all-reduced in place, with no buffer, so autograd can hand over the gradient it computed
+    without an extra copy of that (large) tensor.
+    """
+
+    def __init__(self, params: list[nn.Parameter], solo: bool = False) -> None:
         self.params = params
+        self.solo = solo
         first = params[0]
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor | None] = [None] * len(params)
+        if not solo:
+            self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+            offset = 0
+            for j, p in enumerate(params):
+                self.views[j] = self.buffer[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
         self.widen = first.dtype in (torch.bfloat16, torch.float16)  # sum in float32
         self.work: Any = None
         self.wide: torch.Tensor | None = None
@@ -95,6 +107,12 @@ class BucketedGradSync:
         size = 0
         for p in reversed(self.params):
             nbytes = p.numel() * p.element_size()
+            if nbytes >= self.bucket_bytes:  # a bucket of its own, all-reduced in place
+                if current:
+                    buckets.append(_Bucket(current))
+                    current, size = [], 0
+                buckets.append(_Bucket([p], solo=True))
+                continue
             if current and (
                 size + nbytes > self.bucket_bytes
                 or (p.dtype, p.device) != (current[0].dtype, current[0].device)
@@ -118,6 +136,8 @@ class BucketedGradSync:
         """Point every gradient at its (zeroed) bucket view; an existing gradient is kept as its value."""
         for bucket in self.buckets:
             for p, view in zip(bucket.params, bucket.views):
+                if view is None:  # solo: autograd's own gradient tensor is all-reduced in place
+                    continue
                 if p.grad is None:
                     view.zero_()
                 elif p.grad.data_ptr() != view.data_ptr():
@@ -164,13 +184,20 @@ class BucketedGradSync:
     @torch.no_grad()
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        for p, view in zip(bucket.params, bucket.views):  # autograd may have replaced a gradient
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                p.grad = view
-        target = bucket.buffer
+        if bucket.solo:
+            p = bucket.params[0]
+            if p.grad is None:  # no gradient on this rank: it contributes zeros
+                p.grad = torch.zeros_like(p)
+            target = p.grad
+        else:
+            for p, view in zip(bucket.params, bucket.views):  # autograd may have replaced a gradient
+                if p.grad is not None and view is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+            assert bucket.buffer is not None
+            target = bucket.buffer
         if bucket.widen:
-            bucket.wide = bucket.buffer.float()
+            bucket.wide = target.float()
             target = bucket.wide
         if dist.is_available() and dist.is_initialized():
             bucket.work = dist.all_reduce(target, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -180,7 +207,13 @@ class BucketedGradSync:
         if bucket.work is not None:
             bucket.work.wait()
             bucket.work = None
-        if bucket.wide is not None:
+        if bucket.solo:
+            p = bucket.params[0]
+            if bucket.wide is not None and p.grad is not None:
+                p.grad.copy_(bucket.wide.view_as(p.grad))
+            bucket.wide = None
+            return
+        if bucket.wide is not None and bucket.buffer is not None:
             bucket.buffer.copy_(bucket.wide)
             bucket.wide = None
         for p, view in zip(bucket.params, bucket.views):
