@@ -41,6 +41,7 @@ Document = str | np.ndarray
 
 BINARY_PROBE_BYTES = 8000  # git's heuristic: a NUL byte in the first 8000 bytes means binary
 _READ_CHUNK = 64 << 20
+_COUNT_BYTES = 256 << 20  # JSONL sources up to this size count their lines exactly for the progress bar
 
 
 class Source(Protocol):
@@ -309,14 +310,29 @@ class JsonlSource(FileSourceMixin):
                 yield from self._document(p, lineno, raw)
             read.append(FileStamp(str(p), size, h.hexdigest()))
 
-    def count_hint(self) -> int:
-        """About how many documents there are (lines of the files): for a progress bar's total."""
-        total = 0
-        for p in self.files():
-            with contextlib.suppress(OSError), open(p, "rb") as fh:
-                while chunk := fh.read(_READ_CHUNK):
-                    total += chunk.count(b"\n")
-        return total
+    def count_hint(self) -> int | None:
+        """About how many documents there are, for a progress bar's total: the files' lines,
+        counted up to 256 MiB of files, estimated from the first MiB's line length beyond."""
+        sizes: list[tuple[Path, int]] = []
+        with contextlib.suppress(OSError):
+            sizes = [(p, p.stat().st_size) for p in self.files()]
+        if not sizes:
+            return None
+        total_bytes = sum(n for _, n in sizes)
+        try:
+            if total_bytes <= _COUNT_BYTES:
+                lines = 0
+                for p, _ in sizes:
+                    with open(p, "rb") as fh:
+                        while chunk := fh.read(_READ_CHUNK):
+                            lines += chunk.count(b"\n")
+                return lines
+            with open(sizes[0][0], "rb") as fh:
+                head = fh.read(1 << 20)
+        except OSError:
+            return None
+        per_line = len(head) / max(1, head.count(b"\n"))
+        return int(total_bytes / per_line)
 
     def _parse(self, p: Path, lineno: int, raw: bytes) -> dict | None:
         """One line as a JSON object (None for a blank line); errors name the file and line."""

@@ -87,7 +87,10 @@ TOKENS_FILE, INDEX_FILE, META_FILE, MASK_FILE = "tokens.bin", "index.bin", "meta
 STORE_FILES = (TOKENS_FILE, INDEX_FILE, META_FILE)  # every store; mask.bin where the index says so
 LAST_USED_FILE = "last_used"
 VERIFY_MODES = ("lazy", "full", "none")
-LEFTOVER_MARKS = (".tmp-", ".old-")  # a build's temporary folder, a replaced store being removed
+LEFTOVER_MARKS = (".tmp-", ".old-")
+_SCAN_TOKENS = (
+    1 << 24
+)  # tokens compared at a time when searching the store for an id  # a build's temporary folder, a replaced store being removed
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -667,14 +670,14 @@ class TokenStore:
         """
         if self.max_token_id is not None and self.max_token_id < limit:
             return None
-        if self.num_tokens == 0:
-            return None
-        hits = np.flatnonzero(np.asarray(self.tokens) >= limit)
-        if hits.size == 0:
-            return None
-        at = int(hits[0])
-        doc = int(np.searchsorted(self.offsets, at, side="right") - 1)
-        return doc, at - int(self.offsets[doc]), int(self.tokens[at])
+        tokens = self.tokens
+        for lo in range(0, self.num_tokens, _SCAN_TOKENS):
+            hits = np.flatnonzero(np.asarray(tokens[lo : lo + _SCAN_TOKENS]) >= limit)
+            if hits.size:
+                at = lo + int(hits[0])
+                doc = int(np.searchsorted(self.offsets, at, side="right") - 1)
+                return doc, at - int(self.offsets[doc]), int(tokens[at])
+        return None
 
     # ---------------------------------------------------------------------------- verifying
     def verify_blocks(self, blocks: Iterable[int] | None = None) -> int:
