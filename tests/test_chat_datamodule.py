@@ -188,3 +188,29 @@ def test_the_shipped_sample_builds(tmp_path):
     answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
     assert runs == [f"{a}<|im_end|>\n" for a in answers]
     assert np.all(dm.store.read(0) < dm.vocab_size)
+
+
+@pytest.mark.parametrize("bad", ["record", "template"])
+def test_errors_in_tokenizing_processes_name_the_record(tmp_path, bad):
+    """A bad record read after the workers started, or a template failing in a worker, still names its line."""
+    word_tokenizer(tmp_path / "tokenizer.json")
+    rows = [json.dumps({"messages": CONVERSATION})] * 700
+    if bad == "record":
+        rows[650] = json.dumps({"messages": [{"content": "hi"}]})
+    else:
+        rows[650] = json.dumps({"messages": [{"role": "user", "content": "bye bye"}]})
+    (tmp_path / "chat.jsonl").write_text("\n".join(rows) + "\n")
+    template = (
+        "{% for m in messages %}{% if m['content'] == 'bye bye' %}{{ raise_exception('two byes') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    dm = dm_for(tmp_path, tokenize_workers=2, chat_template=template)
+    needle = (
+        "messages\\[0\\] has no 'role'"
+        if bad == "record"
+        else "the chat template failed on this record: two byes"
+    )
+    with pytest.raises(DataError, match=rf"chat\.jsonl:651: {needle}"):
+        dm.prepare_data()
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]  # nothing half built is left

@@ -128,3 +128,25 @@ def test_a_model_too_small_for_the_data_stops_before_the_first_step(tmp_path):
     )
     assert "config_overrides.vocab_size=875" in text
     assert "Epoch 0" not in text  # nothing was trained
+
+
+def _documented_commands() -> list[list[str]]:
+    """The ``bytescale-train`` command lines of the HF docs and the README (continuations joined)."""
+    import re
+    import shlex
+
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    for doc in ("README.md", "docs/hf.md", "docs/recipes.md"):
+        text = (root / doc).read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            m = re.search(r"bytescale-train ((?:model=hf|experiment=hf_)[^#`]*)", line)
+            if m:
+                out.append(shlex.split(m.group(1)))
+    return out
+
+
+@pytest.mark.parametrize("args", _documented_commands(), ids=lambda a: " ".join(a)[:60])
+def test_the_documented_hf_command_lines_compose(tmp_path, args):
+    cfg = _compose(tmp_path, *args)
+    assert cfg.model._target_.endswith("HFCausalLM") and cfg.data.source.kind == "chat"
