@@ -93,3 +93,40 @@ def wait_for_json(path: Path, timeout: float, ready=lambda data: True) -> dict:
                 return data
         time.sleep(0.05)
     raise AssertionError(f"{path} did not become ready within {timeout} s")
+
+
+def assert_sigterm_saves_once_and_exits_143(
+    script: Path, out: Path, target: str, *, ready_s: float, end_s: float
+) -> None:
+    """Start the 2-rank ``script`` (mode ``train``), SIGTERM ``target`` once both ranks train, and
+    check: exit 143, the preemption message naming the cause, exactly one checkpoint, no survivor.
+
+    ``target`` is ``"group"`` (the whole process group, as SLURM does), ``"rank 1"`` or
+    ``"launcher"`` (rank 0 alone).  The script writes ``out/rank<r>.json`` (pid, step, descendants).
+    """
+    import torch
+    from _proc import group_alive
+
+    from lightning_bytescale import proc
+    from lightning_bytescale.preemption import EXIT_PREEMPTED
+
+    with started([str(script), str(out), "train"]) as process:
+        ready = lambda data: data["step"] >= 3  # noqa: E731 (training, handler installed)
+        ranks = [wait_for_json(out / f"rank{r}.json", ready_s, ready) for r in (0, 1)]
+        workers = {pid for report in ranks for pid in report["descendants"]} - {ranks[1]["pid"]}
+        assert len(workers) == 2, ranks  # one loader worker per rank
+        if target == "group":
+            os.killpg(process.pid, signal.SIGTERM)
+        elif target == "rank 1":
+            os.kill(ranks[1]["pid"], signal.SIGTERM)
+        else:
+            os.kill(process.pid, signal.SIGTERM)
+        run = finish(process, end_s)
+        left = group_alive(process.pid, wait_s=5.0)
+    assert run.returncode == EXIT_PREEMPTED, run.output[-4000:]
+    assert "TRAINING ENDED NORMALLY" not in run.stdout
+    cause = "on rank 0" if target in ("group", "launcher") else "a stop signal on another rank"
+    assert "[ByteScale] preempted by" in run.stderr and cause in run.stderr, run.stderr[-3000:]
+    assert [p.name for p in out.glob("hpc_ckpt_*")] == ["hpc_ckpt_1.ckpt"]
+    assert torch.load(out / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] >= 3
+    assert not left and not any(proc.is_alive(pid) for pid in workers)

@@ -263,10 +263,10 @@ def launcher(out: str) -> None:
 
     import lightning_bytescale.attention.ring  # noqa: F401
     import lightning_bytescale.engine  # noqa: F401
+    import lightning_bytescale.engine.step_checks  # noqa: F401
     import lightning_bytescale.failures  # noqa: F401
     import lightning_bytescale.models  # noqa: F401
     import lightning_bytescale.planner  # noqa: F401
-    import lightning_bytescale.engine.step_checks  # noqa: F401
 
     os.environ["OMP_NUM_THREADS"] = "1"
     ctx = multiprocessing.get_context("fork")
@@ -382,7 +382,9 @@ def test_a_step_planned_for_another_world_size_fails_on_every_rank_without_hangi
 def test_a_step_planned_for_another_world_size_names_the_world_size(runs):
     for r in range(WORLD):
         error = runs[("checks", r)]["world"]["error"]
-        assert error.startswith("PlanWorldSizeError: Ranks [0, 1, 2] hold plans made for [4] ranks, but the run has 3")
+        assert error.startswith(
+            "PlanWorldSizeError: Ranks [0, 1, 2] hold plans made for [4] ranks, but the run has 3"
+        )
         assert "plan with the trainer's world size" in error
 
 

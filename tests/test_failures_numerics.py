@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_bytescale.engine.packing import build_step
-from lightning_bytescale.planner import make_plan
 from lightning_bytescale.engine.step_checks import RankReport, describe_non_finite
+from lightning_bytescale.planner import make_plan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,7 +37,10 @@ def test_reports_round_trip_through_the_step_buffer_and_name_every_bad_rank():
     assert "Non-finite values at step 7; the optimizer step was not taken" in msg
     assert "loss on rank(s) [2], local gradients on rank(s) [1]" in msg
     assert "rank 1: gradients first non-finite after micro-batch 1 (sequences [4, 0])" in msg
-    assert "rank 2: non-finite loss in micro-batch 0 (sequences [0, 1, 2, 3, 4, 5, 6, 7], first ids shown)" in msg
+    assert (
+        "rank 2: non-finite loss in micro-batch 0 (sequences [0, 1, 2, 3, 4, 5, 6, 7], first ids shown)"
+        in msg
+    )
     assert "rank 0" not in msg
     assert "gradient_clip_val" in msg  # a fix is named
 
@@ -60,8 +63,8 @@ def test_strategy_names_the_micro_batch_and_sequences(tmp_path, monkeypatch, kin
     import lightning.pytorch as pl
 
     from lightning_bytescale import ByteScaleStrategy, token_loss
-    from lightning_bytescale.models import LlamaConfig, LlamaModel
     from lightning_bytescale.errors import NonFiniteError
+    from lightning_bytescale.models import LlamaConfig, LlamaModel
 
     steps = _steps()
     assert len(steps[0].micro_batches) >= 2
@@ -104,7 +107,11 @@ def test_strategy_names_the_micro_batch_and_sequences(tmp_path, monkeypatch, kin
         if not had_group and dist.is_initialized():
             dist.destroy_process_group()
     msg = str(err.value)
-    what = f"non-finite loss in micro-batch {bad}" if kind == "loss" else f"gradients first non-finite after micro-batch {bad}"
+    what = (
+        f"non-finite loss in micro-batch {bad}"
+        if kind == "loss"
+        else f"gradients first non-finite after micro-batch {bad}"
+    )
     assert f"rank 0: {what} (sequences {bad_ids})" in msg, msg
     for k, v in module.state_dict().items():  # the optimizer step was skipped
         assert torch.equal(v, before[k]), k

@@ -19,12 +19,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from _lifecycle import TESTS, finish, started, wait_for_json
-from _proc import group_alive
+from _lifecycle import TESTS, assert_sigterm_saves_once_and_exits_143
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_bytescale import proc
 from lightning_bytescale.preemption import (
     EXIT_PREEMPTED,
     PreemptedError,
@@ -284,24 +282,4 @@ def test_sigterm_in_a_step_saves_there_exits_143_and_resumes_exactly(tmp_path, s
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("target", ["group", "rank 1", "launcher"])
 def test_sigterm_to_the_group_one_rank_or_the_launcher_saves_once_and_exits_143(tmp_path, target):
-    with started([str(TESTS / "_ddp_script.py"), str(tmp_path), "train"]) as process:
-        ready = lambda data: data["step"] >= 3  # noqa: E731 (past the sanity check, handler installed)
-        ranks = [wait_for_json(tmp_path / f"rank{r}.json", 120, ready) for r in (0, 1)]
-        workers = {pid for report in ranks for pid in report["descendants"]} - {ranks[1]["pid"]}
-        assert len(workers) == 2, ranks  # one loader worker per rank
-        if target == "group":
-            os.killpg(process.pid, signal.SIGTERM)
-        elif target == "rank 1":
-            os.kill(ranks[1]["pid"], signal.SIGTERM)
-        else:
-            os.kill(process.pid, signal.SIGTERM)
-        run = finish(process, 60)
-        left = group_alive(process.pid, wait_s=5.0)
-    assert run.returncode == EXIT_PREEMPTED, run.output[-4000:]
-    assert "TRAINING ENDED NORMALLY" not in run.stdout
-    cause = "on rank 0" if target in ("group", "launcher") else "a stop signal on another rank"
-    assert "[ByteScale] preempted by" in run.stderr and cause in run.stderr, run.stderr[-3000:]
-    assert [p.name for p in tmp_path.glob("hpc_ckpt_*")] == ["hpc_ckpt_1.ckpt"]
-    step = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"]
-    assert step >= 3
-    assert not left and not any(proc.is_alive(pid) for pid in workers)
+    assert_sigterm_saves_once_and_exits_143(TESTS / "_ddp_script.py", tmp_path, target, ready_s=120, end_s=60)

@@ -512,7 +512,9 @@ def test_unsupported_trainer_settings_rejected(tmp_path, accumulate, module, mes
 def test_non_finite_names_micro_batch_and_sequences(tmp_path, kind):
     module = PoisonedLM()
     module.kind = kind
-    what = "non-finite loss in micro-batch" if kind == "loss" else "gradients first non-finite after micro-batch"
+    what = (
+        "non-finite loss in micro-batch" if kind == "loss" else "gradients first non-finite after micro-batch"
+    )
     pattern = rf"Non-finite values at step 1.*rank \d: {what} \d+ \(sequences \[[\d, ]*\b{POISON_SEQ}\b"
     with pytest.raises(Exception, match=pattern):
         fit(tmp_path, 2, module=module, max_steps=3)
@@ -562,7 +564,11 @@ def test_rank_report_round_trip_and_messages():
     assert RankReport.decode(slot) == rep
     assert RankReport.decode(RankReport(num_micro_batches=1).encode()).bad_micro_batch is None
     msg = describe_non_finite([RankReport(), rep], step=5)
-    assert "step 5" in msg and "rank 1: gradients first non-finite after micro-batch 2" in msg and "[0, 7]" in msg
+    assert (
+        "step 5" in msg
+        and "rank 1: gradients first non-finite after micro-batch 2" in msg
+        and "[0, 7]" in msg
+    )
     assert "rank 0" not in msg
     a, b = digest_key("abc"), digest_key("abd")
     assert a != b and 0 <= a < 2**60

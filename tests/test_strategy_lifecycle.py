@@ -12,12 +12,10 @@ import re
 import signal
 
 import pytest
-import torch
-from _lifecycle import TESTS, finish, started, wait_for_json
+from _lifecycle import TESTS, assert_sigterm_saves_once_and_exits_143, finish, started, wait_for_json
 from _proc import group_alive
 
 from lightning_bytescale import proc
-from lightning_bytescale.preemption import EXIT_PREEMPTED
 from lightning_bytescale.watchdog import EXIT_STEP_TIMEOUT
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -26,26 +24,9 @@ SCRIPT = str(TESTS / "_bytescale_script.py")
 
 @pytest.mark.parametrize("target", ["group", "rank 1", "launcher"])
 def test_sigterm_saves_one_checkpoint_on_every_rank_and_exits_143(tmp_path, target):
-    with started([SCRIPT, str(tmp_path), "train"]) as process:
-        ready = lambda data: data["step"] >= 3  # noqa: E731 (training, handler installed)
-        ranks = [wait_for_json(tmp_path / f"rank{r}.json", 150, ready) for r in (0, 1)]
-        workers = {pid for report in ranks for pid in report["descendants"]} - {ranks[1]["pid"]}
-        assert len(workers) == 2, ranks  # one loader worker per rank
-        if target == "group":
-            os.killpg(process.pid, signal.SIGTERM)
-        elif target == "rank 1":
-            os.kill(ranks[1]["pid"], signal.SIGTERM)
-        else:
-            os.kill(process.pid, signal.SIGTERM)
-        run = finish(process, 90)
-        left = group_alive(process.pid, wait_s=5.0)
-    assert run.returncode == EXIT_PREEMPTED, run.output[-4000:]
-    assert "TRAINING ENDED NORMALLY" not in run.stdout
-    cause = "on rank 0" if target in ("group", "launcher") else "a stop signal on another rank"
-    assert "[ByteScale] preempted by" in run.stderr and cause in run.stderr, run.stderr[-3000:]
-    assert [p.name for p in tmp_path.glob("hpc_ckpt_*")] == ["hpc_ckpt_1.ckpt"]
-    assert torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] >= 3
-    assert not left and not any(proc.is_alive(pid) for pid in workers)
+    assert_sigterm_saves_once_and_exits_143(
+        TESTS / "_bytescale_script.py", tmp_path, target, ready_s=150, end_s=90
+    )
 
 
 def test_a_rank_stuck_in_user_code_ends_itself_naming_where_and_leaves_nothing(tmp_path):

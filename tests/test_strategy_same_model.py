@@ -269,19 +269,12 @@ def test_fingerprints_are_bit_exact_and_order_free():
     assert json.dumps([int(v) for v in a])  # plain integers
 
 
-class MetaInitLM(TinyLM):
+class MetaInitLM(ConfigureModelLM):
     """Builds its model on the meta device; the strategy materialises it on the rank's device."""
-
-    def __init__(self, out: Path) -> None:
-        pl.LightningModule.__init__(self)
-        self.out = out
-        self.scheduler = True
-        self.model: LlamaModel | None = None
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
         with torch.device("meta"):
             self.model = LlamaModel(LlamaConfig.preset("tiny"))
 
