@@ -55,6 +55,12 @@ class LossOn(str, Enum):
     all = "all"
 
 
+class Split(str, Enum):
+    train = "train"
+    val = "val"
+    test = "test"
+
+
 class LRSchedule(str, Enum):
     constant = "constant"
     linear = "linear"
@@ -92,6 +98,8 @@ class DataConfig:
 
     _target_: str = "lightning_bytescale.data.datamodule.ByteScaleDataModule"
     source: Any = None  # None: Python's stdlib sources; a path/glob, "github", "byted", "hf:<name>", a dict
+    pattern: str | None = None  # a folder source's files, e.g. "*.md" (None: "*.py")
+    field: str | None = None  # the JSONL key / dataset column of the text (None: "text"; chats: "messages")
     tokenizer: str | None = (
         "byte"  # "byte": UTF-8 bytes (vocab 257); a tokenizers JSON file; a tokenizer folder
     )
@@ -107,6 +115,8 @@ class DataConfig:
     shuffle: bool = True
     drop_last: bool = False
     val_fraction: float = 0.0
+    test_fraction: float = 0.0  # held out for trainer.test (0: test reads the validation split)
+    predict_split: Split | None = None  # what trainer.predict reads; None: test, else val, else train
     num_workers: int = 1  # loader workers that plan and pack the next steps (0: inline)
     prefetch_factor: int | None = None
     validate_plans: bool = True

@@ -37,11 +37,18 @@ import numpy as np
 from filelock import Timeout
 
 from lightning_bytescale.data.errors import DataError, OutOfVocabularyError, StoreNotFoundError
-from lightning_bytescale.data.loader import StepDataset, StepLoader
+from lightning_bytescale.data.loader import PredictSteps, StepDataset, StepLoader
 from lightning_bytescale.data.policy import Samples, drop_untrained, make_samples
 from lightning_bytescale.data.prune import STORE_PREFIX, default_cache_dir, prune_cache
 from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
-from lightning_bytescale.data.sources import FileSourceMixin, FileStamp, Source, changed_files, make_source
+from lightning_bytescale.data.sources import (
+    FileSourceMixin,
+    FileStamp,
+    Source,
+    changed_files,
+    make_source,
+    with_source_options,
+)
 from lightning_bytescale.data.store import (
     LAST_USED_FILE,
     VERIFY_MODES,
@@ -55,6 +62,8 @@ from lightning_bytescale.data.store import (
 from lightning_bytescale.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
 
 PLANNER_KEYS = (
     "planner", "capacity", "cp_size", "offload", "slack", "cost_model", "comm_aware", "ranks_per_node",
@@ -93,6 +102,10 @@ class ByteScaleDataModule(pl.LightningDataModule):
         source: where documents come from: ``None`` (Python's stdlib ``*.py`` files), a folder
             or glob of text files, a ``.jsonl`` path or glob, ``"github"`` / ``"byted"``
             (synthetic), ``"hf:<name>"``, a dict ``{"kind": ..., **options}`` or a source object.
+        pattern: which files of a folder source are read (default ``"*.py"``; e.g. ``"*.md"``,
+            ``"*"``), searched recursively.  Hydra: ``data.pattern``.
+        field: the key (JSONL) or column (Hugging Face dataset) that holds each document's text
+            (default ``"text"``; ``"messages"`` for chat data).  Hydra: ``data.field``.
         tokenizer: ``None`` / ``"byte"`` (bytes + an end-of-document token, vocabulary 257), the
             path of a ``tokenizers`` JSON file, or a tokenizer folder (``AutoTokenizer``; a
             model's folder works).
@@ -136,6 +149,10 @@ class ByteScaleDataModule(pl.LightningDataModule):
             the planner's default.  ``cost_model`` may also be the path of a profiler file.
         planner_options: extra keyword arguments for ``make_plan``.
         val_fraction: fraction of documents held out for validation (0: no validation loader).
+        test_fraction: fraction of documents held out for ``trainer.test`` (0: the test loader
+            is the validation split).  The validation split does not change when it is added.
+        predict_split: what ``trainer.predict`` reads, in order: ``"train"``, ``"val"`` or
+            ``"test"``; ``None``: the test split, else the validation split, else all training data.
         num_workers: loader worker processes that plan and pack the next steps (0: inline).
         prefetch_factor: steps each worker prepares ahead (default 2).
         rank, world_size: this process's rank and the world size, for use without a trainer.
@@ -180,10 +197,25 @@ class ByteScaleDataModule(pl.LightningDataModule):
         model_vocab_size: int | None = None,
         tokenize_workers: int | None = None,
         progress: bool | None = None,
+        pattern: str | None = None,
+        field: str | None = None,
+        test_fraction: float = 0.0,
+        predict_split: str | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
             raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
+        if not 0.0 <= test_fraction < 1.0:
+            raise DataError(f"test_fraction={test_fraction} must be in [0, 1)")
+        if val_fraction + test_fraction >= 1.0:
+            raise DataError(
+                f"val_fraction={val_fraction} + test_fraction={test_fraction} leave no training documents; "
+                f"keep their sum below 1"
+            )
+        if predict_split is not None and predict_split not in SPLITS:
+            raise DataError(
+                f"predict_split={predict_split!r}; use one of {SPLITS} (or None: the test split, else the validation split, else the training data)"
+            )
         if tokens_per_step < 1:
             raise DataError(f"tokens_per_step={tokens_per_step} must be positive")
         if num_workers < 0:
@@ -202,7 +234,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
             )
         if tokenize_workers is not None and tokenize_workers < 1:
             raise DataError(f"tokenize_workers={tokenize_workers} must be at least 1 (or None: automatic)")
-        self.source = make_source(source)
+        self.source = with_source_options(make_source(source), source, pattern=pattern, field=field)
         self.conversational = bool(getattr(self.source, "conversational", False))
         loss_on = _plain(loss_on)
         if loss_on is None:
@@ -256,6 +288,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
             **(planner_options or {}),
         )  # fmt: skip
         self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
+        self.predict_split = predict_split
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self._rank, self._world_size = rank, world_size
@@ -263,6 +297,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self.store: TokenStore | None = None
         self.train_samples: Samples | None = None
         self.val_samples: Samples | None = None
+        self.test_samples: Samples | None = None
         self.max_length: int | None = None
         self._train_loader: StepLoader | None = None
         self._pending_state: dict | None = None
@@ -497,7 +532,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
             )
             max_len = pool
         self.max_length = int(max_len)
-        train_docs, val_docs = self._split_documents()
+        train_docs, val_docs, test_docs = self._split_documents()
         self.train_samples = self._samples(train_docs, "the training data")
         longest = int(self.train_samples.length.max())
         if self.tokens_per_step < longest:
@@ -515,6 +550,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
                 f"long_document_policy={self.long_document_policy!r}"
             )
         self.val_samples = self._samples(val_docs, "the validation split") if val_docs is not None else None
+        self.test_samples = self._samples(test_docs, "the test split") if test_docs is not None else None
 
     def _open_store(self) -> TokenStore:
         """Open this module's store (waiting for a build in progress), naming what went wrong."""
@@ -568,15 +604,26 @@ class ByteScaleDataModule(pl.LightningDataModule):
             f"call dm.prepare_data() before dm.setup(). To force a fresh build pass rebuild=True."
         )
 
-    def _split_documents(self) -> tuple[np.ndarray, np.ndarray | None]:
+    def _split_documents(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Document ids of the train, validation and test splits (None: no such split).
+
+        One seeded permutation: its first ``val_fraction`` are validation, the next
+        ``test_fraction`` test, the rest training; so adding a test split keeps the validation one.
+        """
         n = self.store.num_docs
-        if self.val_fraction <= 0:
-            return np.arange(n), None
+        if self.val_fraction <= 0 and self.test_fraction <= 0:
+            return np.arange(n), None, None
         perm = np.random.default_rng([self.seed, 7]).permutation(n)
-        k = max(1, round(n * self.val_fraction))
-        if k >= n:
-            raise DataError(f"val_fraction={self.val_fraction} leaves no training documents of {n}")
-        return np.sort(perm[k:]), np.sort(perm[:k])
+        k = max(1, round(n * self.val_fraction)) if self.val_fraction > 0 else 0
+        m = max(1, round(n * self.test_fraction)) if self.test_fraction > 0 else 0
+        if k + m >= n:
+            raise DataError(
+                f"val_fraction={self.val_fraction} and test_fraction={self.test_fraction} leave no training "
+                f"documents of {n}; lower them or add documents"
+            )
+        val = np.sort(perm[:k]) if k else None
+        test = np.sort(perm[k : k + m]) if m else None
+        return np.sort(perm[k + m :]), val, test
 
     def _samples(self, docs: np.ndarray, where: str) -> Samples:
         s = make_samples(
@@ -659,13 +706,16 @@ class ByteScaleDataModule(pl.LightningDataModule):
             )  # fmt: skip
 
     # ----------------------------------------------------------------------------- dataloaders
-    def _loader(self, samples: Samples | None, shuffle: bool, split: str) -> StepLoader:
+    def _loader(
+        self, samples: Samples | None, shuffle: bool, split: str, drop_last: bool | None = None
+    ) -> StepLoader:
         if self.store is None or samples is None:
             raise DataError("call setup() before asking for a dataloader")
         self.check_vocabulary()
         batching = GlobalBatching(
-            samples.length, self.tokens_per_step, self.seed, shuffle, self.budget_mode, self.drop_last
-        )
+            samples.length, self.tokens_per_step, self.seed, shuffle, self.budget_mode,
+            self.drop_last if drop_last is None else drop_last,
+        )  # fmt: skip
         dataset = StepDataset(
             self.store, samples, batching, self.rank, self.world_size,
             self.planner_options(), self.plan_seed(), self.validate_plans, split,
@@ -687,7 +737,36 @@ class ByteScaleDataModule(pl.LightningDataModule):
         """Global batches of the held-out documents, in order, planned like training."""
         if self.val_samples is None:
             return []
-        loader = self._loader(self.val_samples, shuffle=False, split="val")
+        return self._held_out_loader(self.val_samples, "val", drop_last=self.drop_last)
+
+    def test_dataloader(self) -> StepLoader:
+        """``trainer.test``: the test split (``test_fraction``), else the validation split, in order."""
+        samples = self.test_samples if self.test_samples is not None else self.val_samples
+        if samples is None:
+            raise DataError(
+                "trainer.test needs held-out documents, and this data module holds none out: set "
+                "test_fraction (data.test_fraction=0.05 in the recipe) or val_fraction"
+            )
+        return self._held_out_loader(samples, "test")
+
+    def predict_dataloader(self) -> PredictSteps:
+        """``trainer.predict``: the ``predict_split`` documents in order, every sample exactly once."""
+        splits = {"train": self.train_samples, "val": self.val_samples, "test": self.test_samples}
+        split = self.predict_split
+        if split is None:
+            split = next((name for name in ("test", "val") if splits[name] is not None), "train")
+        samples = splits[split]
+        if samples is None:
+            raise DataError(
+                f"predict_split={split!r}, but there is no {split} split: set "
+                f"{'val_fraction' if split == 'val' else 'test_fraction'} or choose another predict_split"
+            )
+        return PredictSteps(self._held_out_loader(samples, "predict"))
+
+    def _held_out_loader(self, samples: Samples, split: str, drop_last: bool = False) -> StepLoader:
+        """Samples in store order (not shuffled; by default the last, partly filled step kept), from
+        the start on every pass."""
+        loader = self._loader(samples, shuffle=False, split=split, drop_last=drop_last)
         loader.restart_each_iter = True
         return loader
 

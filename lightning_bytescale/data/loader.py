@@ -209,3 +209,22 @@ class StepLoader(StatefulDataLoader):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.sampler.load_state_dict(state_dict)  # type: ignore[attr-defined]
+
+
+class PredictSteps:
+    """A :class:`StepLoader` that ``trainer.predict`` iterates as it is.
+
+    Lightning re-creates any ``DataLoader`` it predicts over, with a sampler that tracks sample
+    indices; a step loader's sampler is the token-budgeted plan of global batches, which must
+    stay.  This wrapper is not a ``DataLoader``, so Lightning leaves it alone; ``mb.seq_ids``
+    say which sequences each micro-batch's outputs belong to.
+    """
+
+    def __init__(self, loader: StepLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)

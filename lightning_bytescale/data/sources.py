@@ -18,6 +18,7 @@ kept as ``__cause__``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob as globlib
 import hashlib
 import inspect
@@ -30,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -220,7 +221,9 @@ class TextFilesSource(FileSourceMixin):
             found = found[: self.max_files]
         if not found:
             where = f"folder {path} (pattern {self.pattern!r})" if os.path.isdir(path) else f"glob {path!r}"
-            raise DataError(f"no text files found in {where}; check the path or the pattern")
+            raise DataError(
+                f"no text files found in {where}; check the path, or choose the files: {PATTERN_HOW}"
+            )
         return found
 
     def iter_documents(self, vocab_size: int) -> Iterator[Document]:
@@ -247,7 +250,7 @@ class TextFilesSource(FileSourceMixin):
         if binary:
             warnings.warn(
                 f"skipped {len(binary)} binary file(s) of {len(read)} in the text source {self.path or default_corpus()} "
-                f"(first: {binary[0]}); set pattern= (or a narrower glob) to select text files only",
+                f"(first: {binary[0]}); select text files only with a narrower glob or {PATTERN_HOW}",
                 stacklevel=2,
             )
         if replaced:
@@ -362,8 +365,8 @@ class JsonlSource(FileSourceMixin):
             return
         if self.field not in obj:
             raise DataError(
-                f"{p}:{lineno}: no field {self.field!r}; set the source's `field` option "
-                f"to the key that holds the text"
+                f"{p}:{lineno}: no field {self.field!r} (its keys: {sorted(obj)[:10]}); name the key that "
+                f"holds the text: {FIELD_HOW}"
             )
         text = obj[self.field]
         if not isinstance(text, str):
@@ -457,13 +460,47 @@ class HFSource:
         """Raise a :class:`DataError` naming what is missing if the rows lack a needed column."""
         if self.field not in names:
             raise DataError(
-                f"dataset {self.name!r} has no column {self.field!r} (columns: {names}); "
-                f"set the source's `field` option"
+                f"dataset {self.name!r} has no column {self.field!r} (columns: {names}); name the column "
+                f"that holds the text: {FIELD_HOW}"
             )
 
     def iter_documents(self, vocab_size: int) -> Iterator[Document]:
         for row in self.rows():
             yield row[self.field]
+
+
+FIELD_HOW = (
+    "data.field=<key> on the bytescale-train command line, ByteScaleDataModule(field='<key>') in Python"
+)
+PATTERN_HOW = (
+    "data.pattern='*.md' on the bytescale-train command line, ByteScaleDataModule(pattern='*.md') in Python"
+)
+
+# the plain options of ByteScaleDataModule, and the sources that take each
+SOURCE_OPTIONS = {"pattern": "a folder of text files", "field": "JSONL files or a Hugging Face dataset"}
+
+
+def with_source_options(source: Source, spec: Any, **options: str | None) -> Source:
+    """``source`` with ``pattern=`` / ``field=`` (the data module's plain arguments) applied.
+
+    ``None`` leaves the source's own value.  An option the source does not take, or one that
+    contradicts the same key in a dict ``spec``, fails naming both.
+    """
+    for name, value in options.items():
+        if value is None:
+            continue
+        if not (dataclasses.is_dataclass(source) and name in {f.name for f in dataclasses.fields(source)}):
+            raise DataError(
+                f"{name}={value!r} is an option of {SOURCE_OPTIONS[name]}; this source ({type(source).__name__}) "
+                f"has no {name!r}: leave {name} unset (data.{name}=null)"
+            )
+        if isinstance(spec, Mapping) and name in spec and spec[name] != value:
+            raise DataError(
+                f"{name}={value!r} contradicts the source's own {name}={spec[name]!r}; give it once "
+                f"(data.{name}=... or in the source dict)"
+            )
+        source = dataclasses.replace(source, **{name: value})
+    return source
 
 
 def make_source(spec: str | dict | Source | None) -> Source:

@@ -106,7 +106,7 @@ def rebuild_hint(directory: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------- building
-_LOCKS: dict[str, FileLock] = {}
+_LOCKS: dict[tuple[int, str], FileLock] = {}
 
 
 def store_lock(directory: str | Path) -> FileLock:
@@ -115,9 +115,10 @@ def store_lock(directory: str | Path) -> FileLock:
     Re-entrant in one thread, so a caller may hold it around :func:`write_store`.
     """
     path = str(Path(directory).absolute()) + ".lock"
-    lock = _LOCKS.get(path)
+    key = (os.getpid(), path)  # a forked child makes its own: an inherited lock refuses to work
+    lock = _LOCKS.get(key)
     if lock is None:
-        lock = _LOCKS[path] = FileLock(path)
+        lock = _LOCKS[key] = FileLock(path)
     return lock
 
 
