@@ -120,6 +120,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         logger=logger if logger is not None else False,
         callbacks=callbacks,
     )
+    _validate_data(datamodule, strategy, trainer)
     return {
         "datamodule": datamodule,
         "model": model,
@@ -127,6 +128,43 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         "logger": logger,
         "trainer": trainer,
     }
+
+
+def _validate_data(datamodule: Any, strategy: Any, trainer: Any) -> None:
+    """Check the data options against the run's world size and planner before any process starts."""
+    validate = getattr(datamodule, "validate", None)
+    if not callable(validate):
+        return
+    options = getattr(strategy, "planner_options", None)
+    validate(world_size=trainer.world_size, planner_options=options() if callable(options) else None)
+
+
+def _before_launch_error(err: BaseException) -> str | None:
+    """The one-line reason of a run that cannot start (raised while the recipe is built), printed
+    instead of a traceback; None for anything else (a bug keeps its traceback)."""
+    from hydra.errors import InstantiationException
+    from omegaconf.errors import MissingMandatoryValue
+
+    from lightning_bytescale.conf import ConfigError
+    from lightning_bytescale.data.errors import DataError
+
+    if isinstance(err, MissingMandatoryValue):
+        key = err.full_key or "a key"
+        hint = ""
+        if key == "data.source":
+            hint = " (data=text and data=jsonl read your own files: data.source=/path/to/folder, a glob or a .jsonl file)"
+        elif key.startswith("data.") or key.startswith("model."):
+            hint = f" (this {key.split('.')[0]} config needs it)"
+        return f"{key} has no value: give it on the command line, {key}=...{hint}"
+    if isinstance(err, (DataError, ConfigError)):
+        return str(err)
+    if isinstance(err, InstantiationException):
+        cause = err.__cause__
+        if isinstance(cause, (DataError, ConfigError, ValueError, TypeError, FileNotFoundError)):
+            found = _before_launch_error(cause)
+            return found or f"{type(cause).__name__}: {cause}"
+        return str(err).splitlines()[0] + (f": {cause}" if cause is not None else "")
+    return None
 
 
 def _plain(node: DictConfig) -> dict[str, Any]:
@@ -210,7 +248,15 @@ def train(cfg: DictConfig) -> float | None:
     _one_line_per_log_message()
     if cfg.get("print_config"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
-    parts = build(cfg)
+    try:
+        parts = build(cfg)  # the data options are validated here, before any other process starts
+    except Exception as err:
+        reason = _before_launch_error(err)
+        if reason is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank builds: one line, not one per rank
+            print(f"bytescale-train: {reason}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     trainer, logger = parts["trainer"], parts["logger"]
     if logger is not None and trainer.is_global_zero:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))

@@ -534,23 +534,65 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self.max_length = int(max_len)
         train_docs, val_docs, test_docs = self._split_documents()
         self.train_samples = self._samples(train_docs, "the training data")
-        longest = int(self.train_samples.length.max())
-        if self.tokens_per_step < longest:
-            if self.context_length is None:
-                how = (
-                    f"context_length is unset, so it defaults to the pool (world_size {self.world_size} x "
-                    f"capacity {self.planner_options().get('capacity')}: {self.max_length} tokens)"
-                )
-            else:
-                how = f"context_length={self.context_length}"
-            raise DataError(
-                f"tokens_per_step={self.tokens_per_step} is smaller than the longest sample ({longest} "
-                f"tokens; {how}); raise tokens_per_step to at least {longest}, or set context_length to at "
-                f"most {self.tokens_per_step} so that longer documents follow "
-                f"long_document_policy={self.long_document_policy!r}"
-            )
+        self._check_budget(int(self.train_samples.length.max()))
         self.val_samples = self._samples(val_docs, "the validation split") if val_docs is not None else None
         self.test_samples = self._samples(test_docs, "the test split") if test_docs is not None else None
+
+    def _check_budget(self, longest: int, world_size: int | None = None, capacity: Any = None) -> None:
+        """Fail if a global batch's budget cannot hold the longest training sample."""
+        if self.tokens_per_step >= longest:
+            return
+        if self.context_length is None:
+            world = self.world_size if world_size is None else world_size
+            cap = self.planner_options().get("capacity") if capacity is None else capacity
+            how = (
+                f"context_length is unset, so it defaults to the pool (world_size {world} x "
+                f"capacity {cap}: {self.max_length} tokens)"
+            )
+        else:
+            how = f"context_length={self.context_length}"
+        raise DataError(
+            f"tokens_per_step={self.tokens_per_step} is smaller than the longest sample ({longest} "
+            f"tokens; {how}); raise tokens_per_step to at least {longest}, or set context_length to at "
+            f"most {self.tokens_per_step} so that longer documents follow "
+            f"long_document_policy={self.long_document_policy!r}"
+        )
+
+    def validate(self, world_size: int, planner_options: dict | None = None) -> None:
+        """Check, before any process starts, what ``setup`` would reject; builds nothing.
+
+        ``world_size`` and ``planner_options`` (the strategy's ``planner_options()``; default:
+        this module's) stand in for the trainer's.  The pool and the context length are checked
+        always; ``tokens_per_step`` against the longest training sample when the token store
+        is already built (opening its index is cheap), else by ``setup``.  Raises
+        :class:`DataError` naming the option and the fix.
+        """
+        opts = dict(planner_options) if planner_options is not None else dict(self._own_planner_options)
+        opts = {k: v for k, v in opts.items() if v is not None and k != "seed"}
+        saved = (self._world_size, self._own_planner_options, self.store, self.max_length)
+        self._world_size, self._own_planner_options = int(world_size), opts
+        try:
+            pool = self.pool_tokens(self.context_length)
+            max_len = self.context_length if self.context_length is not None else pool
+            if max_len is None:
+                raise DataError("set context_length (or capacity, so the pool bounds the context)")
+            if self.tokens_per_step < self.min_tokens:
+                raise DataError(
+                    f"tokens_per_step={self.tokens_per_step} is below min_tokens={self.min_tokens}: no sample fits; "
+                    f"raise tokens_per_step"
+                )
+            directory = self.store_dir
+            if not is_complete(directory):
+                return
+            self.store = TokenStore.open(directory, verify="none")
+            self.max_length = int(min(max_len, pool) if pool is not None else max_len)
+            train_docs = self._split_documents()[0]
+            self._check_budget(
+                int(self._samples(train_docs, "the training data", quiet=True).length.max()),
+                world_size, opts.get("capacity"),
+            )  # fmt: skip
+        finally:
+            self._world_size, self._own_planner_options, self.store, self.max_length = saved
 
     def _open_store(self) -> TokenStore:
         """Open this module's store (waiting for a build in progress), naming what went wrong."""
@@ -625,7 +667,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         test = np.sort(perm[k : k + m]) if m else None
         return np.sort(perm[k + m :]), val, test
 
-    def _samples(self, docs: np.ndarray, where: str) -> Samples:
+    def _samples(self, docs: np.ndarray, where: str, quiet: bool = False) -> Samples:
         s = make_samples(
             self.store.lengths[docs],
             self.max_length,
@@ -640,6 +682,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
                 s, self._loss_tokens(s), self.empty_sample_policy, f"{where} ({self.store.directory})"
             )
         long = s.report.get("long_documents", 0)
+        if quiet:
+            return s
         if long and self.rank == 0:
             what = "conversations" if self.conversational else "documents"
             done = {"drop": "dropped", "truncate": "truncated", "split": "split"}.get(

@@ -1,0 +1,72 @@
+"""The recipe's errors before any process starts: one line, once, exit code 2, no W&B run left
+behind (issue 17, item 4).  Subprocess runs of ``bytescale-train``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from test_recipes_run import _command
+
+from lightning_bytescale.data.datamodule import ByteScaleDataModule
+
+
+def _fail(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    }
+    env.update(
+        OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", BYTESCALE_DATA_CACHE=str(tmp / "cache"),
+        NETRC=str(tmp / "no-netrc"),
+    )  # fmt: skip
+    proc = subprocess.run(
+        [*_command(), f"hydra.run.dir={tmp / 'run'}", *args],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp,
+    )  # fmt: skip
+    assert proc.returncode == 2, (
+        f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-5000:]}"
+    )
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "Initializing distributed" not in proc.stderr + proc.stdout  # no rank was started
+    assert not list((tmp / "run").rglob("wandb")), "a W&B folder for a run that never started"
+    return proc
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("bytescale-train:")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def _notes(tmp: Path) -> Path:
+    folder = tmp / "notes"
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"n{i}.md").write_text(f"note {i} " + "words and more words " * (20 + 30 * i))
+    return folder
+
+
+def test_a_budget_below_the_longest_sample_fails_before_the_ranks_start(tmp_path):
+    folder = _notes(tmp_path)
+    # the store of an earlier run exists: its index tells the longest sample without a build
+    ByteScaleDataModule(source=str(folder), pattern="*.md", cache_dir=str(tmp_path / "cache")).prepare_data()
+    proc = _fail(
+        ["data=text", f"data.source={folder}", "data.pattern=*.md", "data.tokens_per_step=100",
+         "data.context_length=512", "trainer.max_steps=1"],
+        tmp_path,
+    )  # fmt: skip
+    line = _one_error_line(proc)
+    assert "tokens_per_step=100 is smaller than the longest sample (512 tokens; context_length=512)" in line
+
+
+def test_a_missing_source_is_one_line_naming_the_key(tmp_path):
+    proc = _fail(["data=text"], tmp_path)
+    line = _one_error_line(proc)
+    assert "data.source has no value" in line and "data.source=/path/to/folder" in line
+    assert "MissingMandatoryValue" not in proc.stderr
+
+
+def test_a_bad_option_of_the_data_module_is_one_line(tmp_path):
+    proc = _fail(["data=jsonl", "data.source=x.jsonl", "data.pattern=*.md"], tmp_path)
+    assert "pattern='*.md' is an option of a folder" in _one_error_line(proc)
