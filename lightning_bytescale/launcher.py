@@ -147,7 +147,9 @@ class ByteScaleScriptLauncher(_SubprocessScriptLauncher):
         settle_s: after a rank fails, how long rank 0 is given to stop by itself (and print its
             own error) before the observer ends it.
         exit_grace_s: when rank 0's interpreter exits, how long it waits for the other ranks
-            to finish before it kills them.
+            to finish before it kills them (``settle_s`` at most after rank 0 failed with an
+            exception: the others, waiting for it, cannot finish; they are ended without their
+            own secondary timeout traceback).
 
     Exit codes of rank 0 when another rank failed first: ``128 + N`` for a rank killed by
     signal N, or the rank's own code (see :func:`exit_code_for`).
@@ -170,6 +172,7 @@ class ByteScaleScriptLauncher(_SubprocessScriptLauncher):
         self._observer: RankObserver | None = None
         self._reported = False
         self._report_lock = threading.Lock()
+        self._failed_here = False
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -181,7 +184,11 @@ class ByteScaleScriptLauncher(_SubprocessScriptLauncher):
             self._observer.start()
             atexit.register(self._end_ranks_at_exit)
         _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
+        try:
+            return function(*args, **kwargs)
+        except Exception:
+            self._failed_here = True  # the others wait for this rank in vain: see _end_ranks_at_exit
+            raise
 
     @override
     def _call_children_scripts(self) -> None:
@@ -226,16 +233,25 @@ class ByteScaleScriptLauncher(_SubprocessScriptLauncher):
             self._observer.stop()
         failed = self.failed_ranks()  # ended before rank 0 began to exit: a possible cause
         running = [p for p in self.procs if p.poll() is None]
-        deadline = time.monotonic() + self.exit_grace_s
+        # After rank 0's own error the others cannot finish (they wait for it in a collective until
+        # their timeout, then print a secondary traceback): give them settle_s to end by themselves
+        # (a rank failing at the same time prints its own error), then end them quietly.
+        grace = min(self.settle_s, self.exit_grace_s) if self._failed_here else self.exit_grace_s
+        deadline = time.monotonic() + grace
         while running and time.monotonic() < deadline:
             time.sleep(0.05)
             running = [p for p in running if p.poll() is None]
         if running:
             ranks = [self.global_rank(self.procs.index(p)) for p in running]
-            _write_line(
-                f"[ByteScale] rank 0 is exiting and ranks {ranks} (pids {[p.pid for p in running]}) are still "
-                f"running after {self.exit_grace_s:g} s; killing them so that nothing is left behind."
-            )
+            if self._failed_here:
+                _write_line(
+                    f"[ByteScale] rank 0 failed (its error is above); ending ranks {ranks}, which wait for it."
+                )
+            else:
+                _write_line(
+                    f"[ByteScale] rank 0 is exiting and ranks {ranks} (pids {[p.pid for p in running]}) are still "
+                    f"running after {grace:g} s; killing them so that nothing is left behind."
+                )
             for p in running:
                 _kill_tree(p)
         if failed:
