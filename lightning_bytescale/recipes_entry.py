@@ -130,6 +130,19 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def _config_logger(config: dict[str, Any]) -> Any:
+    """A callback that logs the composed config as the run's hyperparameters when fitting
+    starts (rank 0): a run that fails in ``prepare_data``/``setup`` then leaves no logger run."""
+    import lightning.pytorch as pl
+
+    class LogConfig(pl.Callback):
+        def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if trainer.logger is not None and trainer.is_global_zero:
+                trainer.logger.log_hyperparams(config)
+
+    return LogConfig()
+
+
 def _validate_data(datamodule: Any, strategy: Any, trainer: Any) -> None:
     """Check the data options against the run's world size and planner before any process starts."""
     validate = getattr(datamodule, "validate", None)
@@ -225,6 +238,29 @@ def _finish_wandb() -> None:
         wandb.finish()
 
 
+def _discard_offline_wandb_run() -> None:
+    """Finish and delete the offline W&B run of a run that never trained (Lightning starts it
+    before the data module's ``setup``), and its ``wandb`` folder when nothing else is left there."""
+    if "wandb" not in sys.modules:
+        return
+    import shutil
+    from pathlib import Path
+
+    import wandb
+
+    run = wandb.run
+    if run is None:
+        return
+    folder = Path(run.dir).parent  # <save_dir>/wandb/offline-run-<time>-<id>
+    wandb.finish(exit_code=2)
+    if not folder.name.startswith("offline-run-"):
+        return  # an online run exists on the server too: keep its local files
+    shutil.rmtree(folder, ignore_errors=True)
+    parent = folder.parent
+    if parent.name == "wandb" and all(p.is_symlink() and not p.exists() for p in parent.iterdir()):
+        shutil.rmtree(parent, ignore_errors=True)  # only links to the deleted run were left
+
+
 def _one_line_per_log_message() -> None:
     """Under Hydra, let its handlers (console and the run's log file) print Lightning's messages once.
 
@@ -258,11 +294,21 @@ def train(cfg: DictConfig) -> float | None:
             print(f"bytescale-train: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     trainer, logger = parts["trainer"], parts["logger"]
-    if logger is not None and trainer.is_global_zero:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    if logger is not None:
+        trainer.callbacks.append(_config_logger(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
     start = time.perf_counter()
     try:
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+    except Exception as err:
+        from lightning_bytescale.data.errors import DataError
+
+        if not isinstance(err, DataError) or trainer.global_step > 0:
+            raise
+        # the data cannot be used (found once the store is read): every rank found the same
+        if trainer.is_global_zero:
+            _discard_offline_wandb_run()
+            print(f"bytescale-train: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
         if trainer.is_global_zero:
             _finish_wandb()

@@ -12,7 +12,7 @@ from test_recipes_run import _command
 from lightning_bytescale.data.datamodule import ByteScaleDataModule
 
 
-def _fail(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+def _fail(args: list[str], tmp: Path, before_launch: bool = True) -> subprocess.CompletedProcess:
     env = {
         k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "RANK", "LOCAL_RANK", "WORLD_SIZE")
     }
@@ -28,7 +28,7 @@ def _fail(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
         f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-5000:]}"
     )
     assert "Traceback" not in proc.stderr + proc.stdout
-    assert "Initializing distributed" not in proc.stderr + proc.stdout  # no rank was started
+    assert ("Initializing distributed" in proc.stderr + proc.stdout) is not before_launch
     assert not list((tmp / "run").rglob("wandb")), "a W&B folder for a run that never started"
     return proc
 
@@ -70,3 +70,12 @@ def test_a_missing_source_is_one_line_naming_the_key(tmp_path):
 def test_a_bad_option_of_the_data_module_is_one_line(tmp_path):
     proc = _fail(["data=jsonl", "data.source=x.jsonl", "data.pattern=*.md"], tmp_path)
     assert "pattern='*.md' is an option of a folder" in _one_error_line(proc)
+
+
+def test_a_budget_found_wrong_only_once_the_store_is_built_is_still_one_line(tmp_path):
+    """No store yet: the check happens in setup, on every rank; still one line, exit 2, no W&B run."""
+    proc = _fail(
+        ["data=github", "data.tokens_per_step=100", "data.context_length=512", "trainer.max_steps=1"],
+        tmp_path, before_launch=False,
+    )  # fmt: skip
+    assert "tokens_per_step=100 is smaller than the longest sample (512 tokens" in _one_error_line(proc)
