@@ -169,7 +169,9 @@ def _before_launch_error(err: BaseException) -> str | None:
         elif key.startswith("data.") or key.startswith("model."):
             hint = f" (this {key.split('.')[0]} config needs it)"
         return f"{key} has no value: give it on the command line, {key}=...{hint}"
-    if isinstance(err, (DataError, ConfigError)):
+    if isinstance(err, DataError):
+        return f"{type(err).__name__}: {err}"
+    if isinstance(err, ConfigError):
         return str(err)
     if isinstance(err, InstantiationException):
         cause = err.__cause__
@@ -307,7 +309,7 @@ def train(cfg: DictConfig) -> float | None:
         # the data cannot be used (found once the store is read): every rank found the same
         if trainer.is_global_zero:
             _discard_offline_wandb_run()
-            print(f"bytescale-train: {err}", file=sys.stderr, flush=True)
+            print(f"bytescale-train: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
         if trainer.is_global_zero:
