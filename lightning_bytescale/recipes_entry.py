@@ -130,19 +130,6 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def _config_logger(config: dict[str, Any]) -> Any:
-    """A callback that logs the composed config as the run's hyperparameters when fitting
-    starts (rank 0): a run that fails in ``prepare_data``/``setup`` then leaves no logger run."""
-    import lightning.pytorch as pl
-
-    class LogConfig(pl.Callback):
-        def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            if trainer.logger is not None and trainer.is_global_zero:
-                trainer.logger.log_hyperparams(config)
-
-    return LogConfig()
-
-
 def _validate_data(datamodule: Any, strategy: Any, trainer: Any) -> None:
     """Check the data options against the run's world size and planner before any process starts."""
     validate = getattr(datamodule, "validate", None)
@@ -297,7 +284,9 @@ def train(cfg: DictConfig) -> float | None:
         raise SystemExit(2) from None
     trainer, logger = parts["trainer"], parts["logger"]
     if logger is not None:
-        trainer.callbacks.append(_config_logger(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+        from lightning_bytescale.config_logger import ConfigLogger
+
+        trainer.callbacks.append(ConfigLogger(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
     start = time.perf_counter()
     try:
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))
