@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -197,6 +198,10 @@ def test_two_ranks_with_different_stores_stop_before_any_exchange(tmp_path):
     assert proc.returncode != 0
     assert "PlanDivergenceError" in out, out[-3000:]
     assert "store " in out  # the message names the data (the store's content hash)
+    # ... of every rank: one group per store, each naming what its ranks read
+    assert re.search(r"ranks \[0\] read 'store [0-9a-f]{16}", out) and re.search(
+        r"ranks \[1\] read 'store [0-9a-f]{16}", out
+    ), out[-3000:]
 
 
 # ============================================================ case 3: the store's content is verified

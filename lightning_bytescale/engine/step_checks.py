@@ -70,7 +70,11 @@ def check_plan_agreement(
         )
     data_keys = [row[3] for row in rows]
     if len(set(data_keys)) > 1:
-        raise PlanDivergenceError(describe_data_divergence(data_keys, data_identity, step))
+        # every rank saw the same gathered keys, so every rank is here: one more (error-path
+        # only) collective gathers what each rank reads, so the message names every store
+        names: list[object] = [None] * world_size
+        dist.all_gather_object(names, data_identity, group=group)
+        raise PlanDivergenceError(describe_data_divergence(data_keys, data_identity, step, names))
     keys = [(row[0], row[1]) for row in rows]
     if len(set(keys)) == 1:
         return
@@ -85,16 +89,27 @@ def _split_by_value(values: Sequence[object]) -> list[tuple[object, list[int]]]:
     return sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
 
 
-def describe_data_divergence(keys: Sequence[int], mine: str, step: int) -> str:
-    """The message for ranks that read different data (token stores with different contents)."""
+def describe_data_divergence(
+    keys: Sequence[int], mine: str, step: int, names: Sequence[object] | None = None
+) -> str:
+    """The message for ranks that read different data (token stores with different contents).
+
+    ``names`` (one per rank, from an all-gather) are what each rank reads; without them only
+    this rank's ``mine`` is named.
+    """
     ordered = _split_by_value(keys)
     majority = ordered[0][1]
     odd = sorted(r for _, ranks in ordered[1:] for r in ranks)
-    parts = [f"ranks {ranks} read data {int(key):015x}" for key, ranks in ordered]
+    if names is not None and len(names) == len(keys):
+        parts = [f"ranks {ranks} read {names[ranks[0]]!r}" for _, ranks in ordered]
+        mine_part = ""
+    else:
+        parts = [f"ranks {ranks} read data {int(key):015x}" for key, ranks in ordered]
+        mine_part = f"; this rank reads {mine!r}"
     return (
         f"The ranks read different data at step {step}: ranks {odd} differ from ranks {majority} ("
         + "; ".join(parts)
-        + f"; this rank reads {mine!r}). Every rank must read the same token store: a file edited or a "
+        + f"{mine_part}). Every rank must read the same token store: a file edited or a "
         "store rebuilt on one node changes its content hash. Copy the same source files (or the same "
         "store folder) to every node, or rebuild the store everywhere (ByteScaleDataModule(rebuild=True)), "
         "then resume from the last checkpoint."
