@@ -447,23 +447,10 @@ def _group_shape(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return 1, 0
 
 
-@dataclass
-class _Layout:
-    """Where each value sits in the step buffer (floats first, then exact integer counts)."""
-
-    n_params: int
-    world: int
-    n_extra: int
-    fingerprints: bool
-
-    # floats: [loss | world x SLOT reports | caller's extra]
-    @property
-    def n_float(self) -> int:
-        return 1 + self.world * SLOT + self.n_extra
-
-    # counts: [loss tokens | stop requests | probe verdicts (3) | has-grad per parameter |
-    #          (fingerprint per parameter | model fingerprint per rank)]
-    COUNT_HEAD = 5
+# The step buffer: floats [loss | world x SLOT reports | caller's extra], then exact integer
+# counts [loss tokens | stop requests | probe verdicts (3) | has-grad per parameter |
+# (fingerprint per parameter | model fingerprint per rank)].
+COUNT_HEAD = 5
 
 
 def _fingerprint_counts(params: Sequence[nn.Parameter], world: int, rank: int) -> torch.Tensor:
@@ -554,13 +541,12 @@ def sync_step(
     named = [(n, p) for n, p in named if p.requires_grad]
     plist = [p for _, p in named]
     world, me = _group_shape(group)
-    layout = _Layout(len(plist), world, 0 if extra is None else extra.numel(), check_parameters)
     reports = torch.zeros(world, SLOT, dtype=torch.float64)
     reports[me] = torch.tensor(local.report().encode(), dtype=torch.float64)
     floats = [local.loss.detach().to("cpu", torch.float64).reshape(1), reports.reshape(-1)]
     if extra is not None:
         floats.append(extra.detach().to("cpu", torch.float64).reshape(-1))
-    head = torch.zeros(_Layout.COUNT_HEAD, dtype=torch.int64)
+    head = torch.zeros(COUNT_HEAD, dtype=torch.int64)
     head[0] = local.loss_tokens
     head[1] = int(bool(stop_request))
     if local.loss_scaling != LossScaling.UNCHECKED:
@@ -584,9 +570,9 @@ def sync_step(
         )
     allreduce_s = time.perf_counter() - t0
     assert reduced is not None
-    n_float = layout.n_float
+    n_float = 1 + world * SLOT + (0 if extra is None else extra.numel())
     ints = reduced[n_float:].to(torch.int64)
-    for p, count in zip(plist, ints[_Layout.COUNT_HEAD : _Layout.COUNT_HEAD + len(plist)].tolist()):
+    for p, count in zip(plist, ints[COUNT_HEAD : COUNT_HEAD + len(plist)].tolist()):
         if count == 0:  # no rank produced a gradient: leave it None, as a single process would
             p.grad = None
     tokens = int(ints[0])
@@ -597,7 +583,7 @@ def sync_step(
             "rank uses the same data, seed and planner options (compare the plan digests)."
         )
     if mine is not None:
-        start = _Layout.COUNT_HEAD + len(plist)
+        start = COUNT_HEAD + len(plist)
         _check_fingerprints(ints[start:].double(), mine, [n for n, _ in named], world, step.step)
     verdicts = {LossScaling(k): int(ints[1 + k]) for k in (1, 2, 3)}
     _check_loss_scaling(verdicts, step.step)
