@@ -26,9 +26,9 @@ from pathlib import Path
 
 from lightning_bytescale.data.chat import ChatRecord
 from lightning_bytescale.data.chat_encoder import CHATML, ChatEncoder
-from lightning_bytescale.data.datamodule import ByteScaleDataModule
 from lightning_bytescale.data.synthetic_chat import SPECIAL_TOKENS, train_tokenizer, write_jsonl
 from lightning_bytescale.data.tokenizer import JsonTokenizer
+from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
 
 RESULTS = Path(__file__).with_name("results") / "chat_store_build.json"
 

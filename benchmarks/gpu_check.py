@@ -136,7 +136,7 @@ def trainer_section(device: torch.device, sizes: Sizes) -> dict:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from lightning_bytescale import ByteScaleStrategy, token_loss
-    from lightning_bytescale.engine.packing import build_step
+    from lightning_bytescale.engine.micro_batch import build_step
     from lightning_bytescale.models import LlamaConfig, LlamaModel
     from lightning_bytescale.planner import make_plan
 
@@ -275,8 +275,8 @@ def _reference_fit(cfg, init, sizes: Sizes, device: torch.device, make_optimizer
 
 # ----------------------------------------------------------------------------- ring
 def _ring_errors(device: torch.device, sizes: Sizes, n: int, dtype_name: str) -> dict:
-    from lightning_bytescale.attention import loopback_ring_attention, select_kernel
-    from lightning_bytescale.attention.loopback import ring_layouts, zigzag_shard, zigzag_unshard
+    from lightning_bytescale.packed_attention import loopback_ring_attention, select_kernel
+    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard, zigzag_unshard
 
     dtype = DTYPES[dtype_name]
     heads, kv_heads, dim = sizes.error_heads
@@ -316,9 +316,9 @@ def _ring_errors(device: torch.device, sizes: Sizes, n: int, dtype_name: str) ->
 def _ring_speed(
     device: torch.device, sizes: Sizes, n: int, dtype: torch.dtype, impl: str | None = None
 ) -> dict:
-    from lightning_bytescale.attention import attention, loopback_ring_attention, select_kernel
-    from lightning_bytescale.attention.local import local_kernel
-    from lightning_bytescale.attention.loopback import ring_layouts, zigzag_shard
+    from lightning_bytescale.packed_attention import attention, loopback_ring_attention, select_kernel
+    from lightning_bytescale.packed_attention.local import local_kernel
+    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard
 
     heads, kv_heads, dim = sizes.speed_heads
     total = n * sizes.tokens_per_member
@@ -358,8 +358,8 @@ def _ring_speed(
 
 def _host_sync_free(device: torch.device, sizes: Sizes) -> dict:
     """Run a loopback ring (after a warm-up) with synchronising CUDA calls turned into errors."""
-    from lightning_bytescale.attention import loopback_ring_attention
-    from lightning_bytescale.attention.loopback import ring_layouts, zigzag_shard
+    from lightning_bytescale.packed_attention import loopback_ring_attention
+    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard
 
     heads, kv_heads, dim = sizes.error_heads
     layouts = ring_layouts([2048, 77], 4)
@@ -406,10 +406,10 @@ def ring_section(device: torch.device, sizes: Sizes) -> dict:
 # ----------------------------------------------------------------------------- offload
 def _offload_identity_cpu(sizes: Sizes) -> dict:
     """Dry run: the offloader's hooks on CPU leave gradients bit-identical at r = 0.25 / 0.5 / 1.0."""
-    from lightning_bytescale.attention import attention_context
-    from lightning_bytescale.attention.layout import AttentionLayout
     from lightning_bytescale.models import LlamaConfig, LlamaModel
-    from lightning_bytescale.offload import ActivationOffloader
+    from lightning_bytescale.offload.offloader import ActivationOffloader
+    from lightning_bytescale.packed_attention import attention_context
+    from lightning_bytescale.packed_attention.layout import AttentionLayout
 
     torch.manual_seed(0)
     model = LlamaModel(LlamaConfig.preset(sizes.preset, layers=4))
@@ -452,8 +452,8 @@ def _kernel_block(
     device: torch.device, dtype: torch.dtype, names: list[str], tokens: int, heads
 ) -> list[dict]:
     """Accuracy (vs ``math`` in float64) and forward+backward time of one causal varlen block per kernel."""
-    from lightning_bytescale.attention import kernels
-    from lightning_bytescale.attention.segments import Segments
+    from lightning_bytescale.packed_attention import kernels
+    from lightning_bytescale.packed_attention.segments import Segments
 
     h, hkv, d = heads
     lens = [tokens // 2, tokens // 4, tokens - tokens // 2 - tokens // 4]
@@ -485,7 +485,7 @@ def _kernel_block(
 
 
 def flash_attn_section(device: torch.device, sizes: Sizes) -> dict:
-    from lightning_bytescale.attention.cuda_kernels import flash_attn_status
+    from lightning_bytescale.packed_attention.cuda_kernels import flash_attn_status
 
     status = flash_attn_status()
     installed = not isinstance(status, str)

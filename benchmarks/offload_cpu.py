@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from lightning_bytescale.attention import attention_context
-from lightning_bytescale.attention.layout import AttentionLayout
 from lightning_bytescale.models import LlamaConfig, LlamaModel
-from lightning_bytescale.offload import OUTSIDE, ActivationOffloader
+from lightning_bytescale.offload.offloader import OUTSIDE, ActivationOffloader
+from lightning_bytescale.packed_attention import attention_context
+from lightning_bytescale.packed_attention.layout import AttentionLayout
 from lightning_bytescale.planner.cost_model import OffloadConfig
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from lightning_bytescale.attention import (
+from lightning_bytescale.packed_attention import (
     AttentionLayout,
     attention,
     attention_context,
@@ -49,7 +49,7 @@ from lightning_bytescale.attention import (
     ring_attention,
     set_overlap,
 )
-from lightning_bytescale.attention.loopback import ring_layouts, zigzag_shard
+from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard
 from lightning_bytescale.planner import zigzag
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ring_attention.json"

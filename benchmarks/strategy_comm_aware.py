@@ -43,11 +43,11 @@ from torch.utils.data import Dataset
 
 import lightning_bytescale  # noqa: F401  (registers the strategies)
 from lightning_bytescale import ByteScaleStrategy
-from lightning_bytescale.attention import comm_stats
-from lightning_bytescale.engine.packing import build_step
+from lightning_bytescale.cli.profile import run_profile
+from lightning_bytescale.engine.micro_batch import build_step
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
+from lightning_bytescale.packed_attention import comm_stats
 from lightning_bytescale.planner import make_plan
-from lightning_bytescale.profiler import run_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from strategy_throughput import CAPACITY, LM, WORLD, Timer, long_tail_lengths, tokens_of  # noqa: E402

@@ -35,10 +35,10 @@ from torch.utils.data import Dataset
 
 import lightning_bytescale  # noqa: F401  (registers the strategies)
 from lightning_bytescale import ByteScaleStrategy, attention_context, token_loss
-from lightning_bytescale.attention.layout import AttentionLayout
 from lightning_bytescale.engine.batch import PackedMicroBatch
-from lightning_bytescale.engine.packing import build_step
+from lightning_bytescale.engine.micro_batch import build_step
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
+from lightning_bytescale.packed_attention.layout import AttentionLayout
 from lightning_bytescale.planner import make_plan
 from lightning_bytescale.planner.distributions import sample_global_batch
 

@@ -15,10 +15,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "attention_context": ("lightning_bytescale.attention", "attention_context"),
+    "attention_context": ("lightning_bytescale.packed_attention", "attention_context"),
     "token_loss": ("lightning_bytescale.engine.loss", "token_loss"),
-    "ByteScaleStrategy": ("lightning_bytescale.strategy", "ByteScaleStrategy"),
-    "ByteScaleDataModule": ("lightning_bytescale.data.datamodule", "ByteScaleDataModule"),
+    "ByteScaleStrategy": ("lightning_bytescale.lightning.strategy", "ByteScaleStrategy"),
+    "ByteScaleDataModule": ("lightning_bytescale.lightning.datamodule", "ByteScaleDataModule"),
 }
 
 
@@ -50,7 +50,7 @@ class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module: Any) -> None:
             exec_module(module)
-            importlib.import_module("lightning_bytescale.strategy")
+            importlib.import_module("lightning_bytescale.lightning.strategy")
 
         loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec
@@ -61,7 +61,7 @@ _LIGHTNING = "lightning.pytorch"
 
 def _register_strategies() -> None:
     if _LIGHTNING in sys.modules:
-        importlib.import_module("lightning_bytescale.strategy")
+        importlib.import_module("lightning_bytescale.lightning.strategy")
     elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterWhenLightningLoads())
 

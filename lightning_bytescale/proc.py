@@ -247,7 +247,7 @@ class LoaderWorkerInit:
 
     A scheduler stopping a job sends SIGTERM to every process of it (SLURM, systemd) or to its
     process group; the rank turns it into a checkpoint at the next step boundary
-    (:mod:`lightning_bytescale.preemption`) and still needs its workers until then.  So a
+    (:mod:`lightning_bytescale.lightning.preemption`) and still needs its workers until then.  So a
     worker ignores SIGTERM from anyone but its rank (the rank's own ``terminate()`` at shut-down
     still ends it), and gets SIGKILL from the kernel when its rank dies.  ``user_fn`` (the
     caller's own ``worker_init_fn``) runs afterwards.  Picklable, so it also works with the

@@ -1,6 +1,6 @@
 """The pretrain recipe as a script: ``python recipes/pretrain.py [hydra overrides]``.
 
-The same as the console script ``bytescale-train``; the configs are ``../conf`` (see
+The same as the console script ``bytescale-train``; the configs are ``lightning_bytescale/recipes/conf`` (see
 docs/recipes.md).  With no overrides it runs the CPU quickstart.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-import lightning_bytescale.conf  # noqa: F401  (registers the structured-config schemas)
-from lightning_bytescale.recipes_entry import train
+import lightning_bytescale.recipes.config  # noqa: F401  (registers the structured-config schemas)
+from lightning_bytescale.cli.train import train
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="pretrain")
+@hydra.main(version_base="1.3", config_path="pkg://lightning_bytescale.recipes.conf", config_name="pretrain")
 def main(cfg: DictConfig) -> float | None:
     return train(cfg)
 

@@ -1,7 +1,7 @@
 """A 2-rank Lightning training script (CPU, gloo) for the stop, preemption and stuck-rank tests.
 
 Run as ``python tests/_ddp_script.py OUT MODE``; Lightning's popen launcher (here
-:class:`~lightning_bytescale.launcher.ByteScaleScriptLauncher`) re-runs it for rank 1.  Each
+:class:`~lightning_bytescale.lightning.launcher.ByteScaleScriptLauncher`) re-runs it for rank 1.  Each
 rank trains a float64 linear model on a data loader with one worker process
 (:class:`~lightning_bytescale.proc.LoaderWorkerInit`), a :class:`PreemptionCallback`, and a
 :class:`StepWatchdog` that beats at every step, and writes ``OUT/rank<r>.json`` (pid, step,
@@ -28,9 +28,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_bytescale import proc
-from lightning_bytescale.launcher import ByteScaleScriptLauncher
-from lightning_bytescale.preemption import PreemptionCallback
-from lightning_bytescale.watchdog import StepWatchdog
+from lightning_bytescale.engine.watchdog import StepWatchdog
+from lightning_bytescale.lightning.launcher import ByteScaleScriptLauncher
+from lightning_bytescale.lightning.preemption import PreemptionCallback
 
 PG_TIMEOUT_S = 60.0
 WATCHDOG_S = {"train": 30.0, "stuck": 4.0}

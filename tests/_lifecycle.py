@@ -108,7 +108,7 @@ def assert_sigterm_saves_once_and_exits_143(
     from _proc import group_alive
 
     from lightning_bytescale import proc
-    from lightning_bytescale.preemption import EXIT_PREEMPTED
+    from lightning_bytescale.lightning.preemption import EXIT_PREEMPTED
 
     with started([str(script), str(out), "train"]) as process:
         ready = lambda data: data["step"] >= 3  # noqa: E731 (training, handler installed)

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_bytescale.attention import (
+from lightning_bytescale.packed_attention import (
     AttentionLayout,
     AttentionShapeError,
     RingLayoutError,
@@ -32,7 +32,7 @@ from lightning_bytescale.attention import (
     ring_attention,
     set_overlap,
 )
-from lightning_bytescale.attention import ring as ring_module
+from lightning_bytescale.packed_attention import ring as ring_module
 from lightning_bytescale.planner import zigzag
 
 TOL = 1e-10

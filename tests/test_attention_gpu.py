@@ -16,7 +16,7 @@ import torch
 from test_attention import TOL, make_inputs, max_err, reference_with_grads
 from test_attention_kernels import LAYOUTS, inputs
 
-from lightning_bytescale.attention import (
+from lightning_bytescale.packed_attention import (
     AttentionLayout,
     attention,
     attention_context,
@@ -24,8 +24,8 @@ from lightning_bytescale.attention import (
     loopback_ring_attention,
     select_kernel,
 )
-from lightning_bytescale.attention.loopback import ring_layouts, zigzag_shard, zigzag_unshard
-from lightning_bytescale.attention.segments import Segments
+from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard, zigzag_unshard
+from lightning_bytescale.packed_attention.segments import Segments
 
 pytestmark = pytest.mark.gpu
 

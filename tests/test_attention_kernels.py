@@ -21,8 +21,8 @@ import pytest
 import torch
 from test_attention import TOL, max_err
 
-from lightning_bytescale.attention import cuda_kernels, kernels, local, select_kernel
-from lightning_bytescale.attention.segments import Rows, Segments
+from lightning_bytescale.packed_attention import cuda_kernels, kernels, local, select_kernel
+from lightning_bytescale.packed_attention.segments import Rows, Segments
 
 LAYOUTS = [
     # (query lengths, key lengths, causal)

@@ -25,9 +25,9 @@ from test_attention import (
     shard_index,
 )
 
-from lightning_bytescale.attention import RingLayoutError, loopback_ring_attention, set_overlap
-from lightning_bytescale.attention import ring as ring_module
-from lightning_bytescale.attention.loopback import (
+from lightning_bytescale.packed_attention import RingLayoutError, loopback_ring_attention, set_overlap
+from lightning_bytescale.packed_attention import ring as ring_module
+from lightning_bytescale.packed_attention.loopback import (
     LoopbackError,
     Mailboxes,
     ring_layouts,

@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 from test_chat_encoding import CONVERSATION, VOCAB, by_hand, word_tokenizer  # noqa: E402
 
 from lightning_bytescale.data import DataError, OutOfVocabularyError  # noqa: E402
-from lightning_bytescale.data.datamodule import ByteScaleDataModule, model_vocab_size  # noqa: E402
 from lightning_bytescale.data.synthetic_chat import SAMPLES_DIR  # noqa: E402
+from lightning_bytescale.lightning.datamodule import ByteScaleDataModule, model_vocab_size  # noqa: E402
 
 LONG = (
     CONVERSATION
@@ -58,7 +58,7 @@ def ready(dm: ByteScaleDataModule) -> ByteScaleDataModule:
 
 
 def test_long_conversations_are_dropped_and_counted_by_default(folder, caplog):
-    with caplog.at_level(logging.WARNING, logger="lightning_bytescale.data.datamodule"):
+    with caplog.at_level(logging.WARNING, logger="lightning_bytescale.lightning.datamodule"):
         dm = ready(dm_for(folder))
     assert dm.long_document_policy == "drop" and dm.loss_on == "assistant"
     report = dm.train_samples.report
@@ -151,7 +151,7 @@ def test_the_model_vocabulary_is_checked_before_the_first_step(folder):
 def test_the_model_vocabulary_is_found_on_the_lightning_module():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightning_bytescale.recipes_module import PretrainModule
+    from lightning_bytescale.recipes.module import PretrainModule
 
     assert model_vocab_size(PretrainModule("tiny", vocab=300)) == 300
 

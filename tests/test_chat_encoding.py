@@ -24,7 +24,7 @@ from lightning_bytescale.data.chat import ChatFields, ChatJsonlSource, ChatRecor
 from lightning_bytescale.data.chat_encoder import CHATML, ChatEncoder  # noqa: E402
 from lightning_bytescale.data.encode import MaskedTokens  # noqa: E402
 from lightning_bytescale.data.tokenizer import HFTokenizer, JsonTokenizer, load_tokenizer  # noqa: E402
-from lightning_bytescale.engine.packing import IGNORE_INDEX, build_step  # noqa: E402
+from lightning_bytescale.engine.micro_batch import IGNORE_INDEX, build_step  # noqa: E402
 from lightning_bytescale.planner import make_plan  # noqa: E402
 
 SPECIAL = ["<unk>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]

@@ -26,9 +26,9 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from lightning_bytescale import ByteScaleStrategy  # noqa: E402
-from lightning_bytescale.data.datamodule import ByteScaleDataModule  # noqa: E402
 from lightning_bytescale.data.synthetic_chat import SAMPLES_DIR, records, write_jsonl  # noqa: E402
 from lightning_bytescale.hf import HFCausalLM  # noqa: E402
+from lightning_bytescale.lightning.datamodule import ByteScaleDataModule  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

@@ -34,7 +34,6 @@ from lightning_bytescale.data import (
     prune_cache,
     write_store,
 )
-from lightning_bytescale.data.datamodule import ByteScaleDataModule
 from lightning_bytescale.data.sources import file_digest
 from lightning_bytescale.data.store import (
     HEADER_BYTES,
@@ -44,6 +43,7 @@ from lightning_bytescale.data.store import (
     encode_index,
     leftovers,
 )
+from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
 from lightning_bytescale.planner import PlanError
 from lightning_bytescale.planner.cost_model import CostModel
 
@@ -134,7 +134,7 @@ _TWO_RANKS = textwrap.dedent(
     import torch
     import lightning_bytescale as lb
     from lightning_bytescale import ByteScaleStrategy
-    from lightning_bytescale.data.datamodule import ByteScaleDataModule
+    from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
 
     root = sys.argv[1]
 
@@ -458,7 +458,7 @@ _REBUILD = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from lightning_bytescale.data.datamodule import ByteScaleDataModule
+    from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
     src, cache, gate = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     dm = ByteScaleDataModule(source=src, cache_dir=cache, rebuild=True, capacity=64, context_length=64,
                              tokens_per_step=4096, world_size=1, num_workers=0)

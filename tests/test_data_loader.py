@@ -17,8 +17,8 @@ from lightning_bytescale.data import (
     LongDocumentError,
     ResumeMismatchError,
 )
-from lightning_bytescale.data.datamodule import ByteScaleDataModule
 from lightning_bytescale.engine.batch import StepBatch
+from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
 
 CAP = 64
 

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lightning_bytescale.engine.packing import EmptyBatchError, PackingError, build_step
+from lightning_bytescale.engine.micro_batch import EmptyBatchError, PackingError, build_step
 from lightning_bytescale.planner import PlanError, make_plan
 
 IGNORE = -100
@@ -121,7 +121,7 @@ pytest.importorskip("transformers")
 from test_chat_encoding import CONTENT_WORDS, by_hand, word_tokenizer  # noqa: E402
 
 from lightning_bytescale.data import DataError  # noqa: E402
-from lightning_bytescale.data.datamodule import ByteScaleDataModule  # noqa: E402
+from lightning_bytescale.lightning.datamodule import ByteScaleDataModule  # noqa: E402
 
 conversation = st.lists(
     st.fixed_dictionaries(

@@ -236,7 +236,7 @@ def test_options_from_hydra_configs():
     from omegaconf import OmegaConf
 
     from lightning_bytescale.data import SyntheticSource
-    from lightning_bytescale.data.datamodule import ByteScaleDataModule
+    from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
 
     src = make_source(OmegaConf.create({"kind": "synthetic", "name": "byted", "num_samples": 7}))
     assert isinstance(src, SyntheticSource) and src.num_samples == 7

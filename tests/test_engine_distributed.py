@@ -157,8 +157,8 @@ def _per_mb_mean_forward(model, mb):
 
 
 def _run_case(model, plan, rank, tokens, group, counters, ref_grads, ref_loss, forward=None, **options):
-    from lightning_bytescale.attention import comm_stats
     from lightning_bytescale.engine import build_step, run_step
+    from lightning_bytescale.packed_attention import comm_stats
 
     model.zero_grad(set_to_none=True)
     step = build_step(plan, rank, lambda j: tokens[j])

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lightning_bytescale.engine.packing import (
+from lightning_bytescale.engine.micro_batch import (
     EmptyBatchError,
     PackingError,
     build_micro_batch,

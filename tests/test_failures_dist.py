@@ -16,7 +16,7 @@ forks 3 ranks per scenario:
   only the process-group timeout can end the others' wait.
 
 In every one of these scenarios the survivors must raise a clear error
-(:class:`lightning_bytescale.failures.PeerFailureError`) within the process-group timeout
+(:class:`lightning_bytescale.engine.failures.PeerFailureError`) within the process-group timeout
 (:data:`TIMEOUT_S`), and no process may outlive the launcher.  The Lightning-level versions of
 the dead/stuck peer (``[ByteScale]`` hint from ``ByteScaleStrategy.on_exception``) are in
 ``tests/test_strategy_launch.py``.
@@ -105,10 +105,10 @@ def _guarded_step(model, step):
 def _checks(rank: int, report: dict) -> None:
     import torch
 
-    from lightning_bytescale.attention import comm_stats
     from lightning_bytescale.engine import StepError, build_step, default_forward
     from lightning_bytescale.engine.loss import token_loss
     from lightning_bytescale.errors import PlanDivergenceError
+    from lightning_bytescale.packed_attention import comm_stats
 
     model = _model()
     tokens = _tokens(LENGTHS)
@@ -163,7 +163,7 @@ def _checks(rank: int, report: dict) -> None:
     step = build_step(_plan(world=WORLD + 1), rank, tokens, step=4)
     t0 = time.time()
     try:
-        from lightning_bytescale.failures import peer_failure_guard
+        from lightning_bytescale.engine.failures import peer_failure_guard
 
         with peer_failure_guard(rank, CHECKS_TIMEOUT_S, "a step"):
             _guarded_step(model, step)
@@ -176,9 +176,9 @@ def _checks(rank: int, report: dict) -> None:
 def _dead_peer(scenario: str, rank: int, report: dict) -> None:
     import torch.distributed as dist
 
-    from lightning_bytescale.attention import ring as ring_mod
     from lightning_bytescale.engine import build_step, run_step
-    from lightning_bytescale.failures import peer_failure_guard
+    from lightning_bytescale.engine.failures import peer_failure_guard
+    from lightning_bytescale.packed_attention import ring as ring_mod
 
     model = _model()
     step = build_step(_hand_plan(), rank, _tokens(LENGTHS), step=0)
@@ -261,11 +261,11 @@ def launcher(out: str) -> None:
     # imported once, before forking, so the ranks start at once
     import torch  # noqa: F401
 
-    import lightning_bytescale.attention.ring  # noqa: F401
     import lightning_bytescale.engine  # noqa: F401
+    import lightning_bytescale.engine.failures  # noqa: F401
     import lightning_bytescale.engine.step_checks  # noqa: F401
-    import lightning_bytescale.failures  # noqa: F401
     import lightning_bytescale.models  # noqa: F401
+    import lightning_bytescale.packed_attention.ring  # noqa: F401
     import lightning_bytescale.planner  # noqa: F401
 
     os.environ["OMP_NUM_THREADS"] = "1"

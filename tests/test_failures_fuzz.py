@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from lightning_bytescale.engine.packing import IGNORE_INDEX, EmptyBatchError, build_step
+from lightning_bytescale.engine.micro_batch import IGNORE_INDEX, EmptyBatchError, build_step
 from lightning_bytescale.planner import PlanError, make_plan, ranks_without_offload
 
 pytestmark = pytest.mark.timeout(120)

@@ -26,11 +26,11 @@ from lightning_bytescale.data import (
     LongDocumentError,
     make_samples,
 )
-from lightning_bytescale.data.datamodule import ByteScaleDataModule
 from lightning_bytescale.data.loader import StepDataset
 from lightning_bytescale.data.sampler import GlobalBatching
 from lightning_bytescale.data.store import INDEX_FILE
-from lightning_bytescale.engine.packing import EmptyBatchError, PackingError, build_step
+from lightning_bytescale.engine.micro_batch import EmptyBatchError, PackingError, build_step
+from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
 from lightning_bytescale.planner import PlanError, make_plan
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
 
@@ -138,17 +138,20 @@ def test_capacity_below_the_minimum(capacity):
 
 
 def test_strategy_rejects_the_capacity_the_planner_rejects():
-    from lightning_bytescale.strategy import ByteScaleStrategy
+    from lightning_bytescale.lightning.strategy import ByteScaleStrategy
 
     with pytest.raises(ValueError, match="capacity"):
         ByteScaleStrategy(capacity=1)
 
 
 def test_recipe_with_capacity_zero_fails_at_build_naming_the_option(tmp_path):
-    from lightning_bytescale.conf import compose_pretrain
-    from lightning_bytescale.recipes_entry import build
+    from lightning_bytescale.cli.train import build
+    from lightning_bytescale.recipes.config import compose_pretrain
 
-    cfg = compose_pretrain([f"run_dir={tmp_path}", "strategy.capacity=0", "logger=csv"], REPO / "conf")
+    cfg = compose_pretrain(
+        [f"run_dir={tmp_path}", "strategy.capacity=0", "logger=csv"],
+        REPO / "lightning_bytescale" / "recipes" / "conf",
+    )
     start = time.monotonic()
     with pytest.raises(Exception, match=r"capacity must be .*got 0"):
         build(cfg)
@@ -181,7 +184,7 @@ def test_step_dataset_for_a_rank_outside_the_world():
 def _strategy(world: int):
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    from lightning_bytescale.strategy import ByteScaleStrategy
+    from lightning_bytescale.lightning.strategy import ByteScaleStrategy
 
     env = LightningEnvironment()
     env.set_world_size(world)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_bytescale.engine.packing import build_step
+from lightning_bytescale.engine.micro_batch import build_step
 from lightning_bytescale.engine.step_checks import RankReport, describe_non_finite
 from lightning_bytescale.planner import make_plan
 

@@ -13,7 +13,7 @@ import torch
 from test_data_loader import make_dm as data_loader_dm
 
 from lightning_bytescale.data import DataError
-from lightning_bytescale.data.datamodule import ByteScaleDataModule
+from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
 
 CAP = 64
 
@@ -145,7 +145,7 @@ def test_pattern_field_and_splits_are_hydra_keys(tmp_path):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from lightning_bytescale.conf import compose_pretrain, find_conf_dir
+    from lightning_bytescale.recipes.config import compose_pretrain, find_conf_dir
 
     def data(*overrides):
         cfg = compose_pretrain([f"run_dir={tmp_path}", *overrides], find_conf_dir())

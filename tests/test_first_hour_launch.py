@@ -12,8 +12,8 @@ SCRIPT = textwrap.dedent(
     """
     import lightning.pytorch as pl
     from lightning_bytescale import ByteScaleStrategy
-    from lightning_bytescale.data.datamodule import ByteScaleDataModule
-    from lightning_bytescale.recipes_module import PretrainModule
+    from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
+    from lightning_bytescale.recipes.module import PretrainModule
 
     class Unreachable(ByteScaleDataModule):
         def prepare_data(self):  # Lightning runs it on each node's local rank 0 only

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from test_recipes_run import _command
 
-from lightning_bytescale.data.datamodule import ByteScaleDataModule
+from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
 
 
 def _fail(args: list[str], tmp: Path, before_launch: bool = True) -> subprocess.CompletedProcess:

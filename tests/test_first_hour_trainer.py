@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from test_strategy_same_model import PredictionSaver
 
 from lightning_bytescale import ByteScaleStrategy
-from lightning_bytescale.data.datamodule import ByteScaleDataModule
-from lightning_bytescale.recipes_module import PretrainModule
+from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
+from lightning_bytescale.recipes.module import PretrainModule
 
 CAP = 48
 

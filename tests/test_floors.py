@@ -22,7 +22,7 @@ for name in sys.argv[1:]:
     loaded[name] = sorted({m.split('.')[0] for m in sys.modules})
 print(json.dumps(loaded))
 """
-TORCH_LAYERS = ["attention", "engine", "data", "models", "offload", "profiler"]
+TORCH_LAYERS = ["packed_attention", "engine", "data", "models", "offload"]
 
 
 def loaded_top_level(*modules: str) -> dict[str, set[str]]:

@@ -185,10 +185,12 @@ def _modules_after(imports: str) -> list[str]:
 def test_base_package_does_not_import_transformers():
     """Without Lightning, nothing of the package loads transformers; with it (torchmetrics imports
     transformers when installed), the strategy still never loads ``lightning_bytescale.hf``."""
-    base = "lightning_bytescale, lightning_bytescale.attention, lightning_bytescale.engine, " + (
+    base = "lightning_bytescale, lightning_bytescale.packed_attention, lightning_bytescale.engine, " + (
         "lightning_bytescale.models, lightning_bytescale.planner, lightning_bytescale.data"
     )
     assert _modules_after(base) == []
     assert [
-        m for m in _modules_after("lightning_bytescale.strategy") if m.startswith("lightning_bytescale")
+        m
+        for m in _modules_after("lightning_bytescale.lightning.strategy")
+        if m.startswith("lightning_bytescale")
     ] == []

@@ -41,7 +41,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from lightning_bytescale import ByteScaleStrategy  # noqa: E402
-from lightning_bytescale.engine.packing import build_step  # noqa: E402
+from lightning_bytescale.engine.micro_batch import build_step  # noqa: E402
 from lightning_bytescale.hf import HFCausalLM  # noqa: E402
 from lightning_bytescale.planner import make_plan  # noqa: E402
 

@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import lightning_bytescale.hf as lhf  # noqa: E402
-from lightning_bytescale.attention import attention_context  # noqa: E402
 from lightning_bytescale.hf import count_attention_calls, layout_from_positions  # noqa: E402
+from lightning_bytescale.packed_attention import attention_context  # noqa: E402
 
 VOCAB = 64
 BASE = dict(

@@ -18,11 +18,11 @@ pytest.importorskip("transformers")
 from test_hf_families import BASE, VOCAB, tiny_config  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from lightning_bytescale.attention import attention_context  # noqa: E402
-from lightning_bytescale.engine.packing import build_step  # noqa: E402
+from lightning_bytescale.engine.micro_batch import build_step  # noqa: E402
 from lightning_bytescale.errors import ConfigError  # noqa: E402
 from lightning_bytescale.hf import HFCausalLM, OptimizerOptions  # noqa: E402
 from lightning_bytescale.hf.module import structure_digest  # noqa: E402
+from lightning_bytescale.packed_attention import attention_context  # noqa: E402
 from lightning_bytescale.planner import make_plan  # noqa: E402
 
 

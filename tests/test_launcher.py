@@ -22,9 +22,9 @@ from lightning.pytorch.strategies.launchers import subprocess_script as pl_scrip
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lightning_bytescale import proc
-from lightning_bytescale.launcher import ByteScaleScriptLauncher, describe_exit, exit_code_for
-from lightning_bytescale.preemption import EXIT_PREEMPTED
-from lightning_bytescale.watchdog import EXIT_STEP_TIMEOUT
+from lightning_bytescale.engine.watchdog import EXIT_STEP_TIMEOUT
+from lightning_bytescale.lightning.launcher import ByteScaleScriptLauncher, describe_exit, exit_code_for
+from lightning_bytescale.lightning.preemption import EXIT_PREEMPTED
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(
 
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning_bytescale import proc
-    from lightning_bytescale.launcher import ByteScaleScriptLauncher
+    from lightning_bytescale.lightning.launcher import ByteScaleScriptLauncher
 
     launcher = ByteScaleScriptLauncher(
         LightningEnvironment(), num_processes=2, num_nodes=1, poll_s=0.1, settle_s=0.5, exit_grace_s=1.0

@@ -1,6 +1,6 @@
 """Fails loudly when a Lightning release renames a private name the strategy relies on.
 
-Every private Lightning name is used only in ``lightning_bytescale/lightning_compat.py``; this
+Every private Lightning name is used only in ``lightning_bytescale/lightning/compat.py``; this
 test checks each one still exists with the call shape we use.
 """
 
@@ -11,7 +11,7 @@ import inspect
 import lightning.pytorch as pl
 import torch
 
-from lightning_bytescale import lightning_compat as compat
+from lightning_bytescale.lightning import compat as compat
 
 
 def _params(fn) -> list[str]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_bytescale.attention import attention_context
-from lightning_bytescale.attention.layout import AttentionLayout
 from lightning_bytescale.engine.reference import causal_attention
 from lightning_bytescale.models import LlamaConfig, LlamaModel
 from lightning_bytescale.models.llama import apply_rope, rope_tables
+from lightning_bytescale.packed_attention import attention_context
+from lightning_bytescale.packed_attention.layout import AttentionLayout
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])

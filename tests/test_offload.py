@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_bytescale.attention import attention_context
-from lightning_bytescale.attention.layout import AttentionLayout
 from lightning_bytescale.models import LlamaConfig, LlamaModel
-from lightning_bytescale.offload import (
+from lightning_bytescale.offload.offloader import (
     OUTSIDE,
     ActivationOffloader,
     OffloadError,
     get_act_ctx,
     offloaded_layers,
 )
+from lightning_bytescale.packed_attention import attention_context
+from lightning_bytescale.packed_attention.layout import AttentionLayout
 from lightning_bytescale.planner.cost_model import OffloadConfig
 
 RATIOS = (0.0, 0.25, 0.5, 1.0)
@@ -276,7 +276,7 @@ def test_engine_executor_applies_ratio_per_micro_batch():
 
 
 def test_host_buffer_views_keep_strides_and_pool_buckets():
-    from lightning_bytescale.offload import _host_view, _is_dense, _PinnedPool
+    from lightning_bytescale.offload.offloader import _host_view, _is_dense, _PinnedPool
 
     base = torch.randn(6, 4, 5, dtype=torch.float64)
     for t in (base, base.transpose(0, 2), base.permute(1, 0, 2), base[:, :, 0].t()):

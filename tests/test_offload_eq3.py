@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_bytescale.offload import micro_batch_offload_ratio, plan_offload_ratios
+from lightning_bytescale.offload.offloader import micro_batch_offload_ratio, plan_offload_ratios
 from lightning_bytescale.planner import make_plan
 from lightning_bytescale.planner.cost_model import (
     CostModel,
@@ -126,12 +126,12 @@ def test_planned_offload_runs_exactly_and_fits_capacity():
     """
     import torch
 
-    from lightning_bytescale.attention import attention_context
-    from lightning_bytescale.attention.layout import AttentionLayout
     from lightning_bytescale.engine.executor import run_micro_batches
-    from lightning_bytescale.engine.packing import build_step
+    from lightning_bytescale.engine.micro_batch import build_step
     from lightning_bytescale.models import LlamaConfig, LlamaModel
-    from lightning_bytescale.offload import OUTSIDE, ActivationOffloader
+    from lightning_bytescale.offload.offloader import OUTSIDE, ActivationOffloader
+    from lightning_bytescale.packed_attention import attention_context
+    from lightning_bytescale.packed_attention.layout import AttentionLayout
 
     cap, layers = 48, 6
     cost = CostModel(a=1e-9, b=1e-6, c=1000.0, num_layers=layers)

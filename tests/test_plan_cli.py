@@ -10,14 +10,14 @@ import sys
 import numpy as np
 import pytest
 
+from lightning_bytescale.cli.plan import load_lengths, main
 from lightning_bytescale.planner import Plan
-from lightning_bytescale.planner.cli import load_lengths, main
 
 
 def _run(args, hashseed="0"):
     env = {**os.environ, "PYTHONHASHSEED": hashseed}
     return subprocess.run(
-        [sys.executable, "-m", "lightning_bytescale.planner.cli", *args],
+        [sys.executable, "-m", "lightning_bytescale.cli.plan", *args],
         capture_output=True,
         text=True,
         env=env,

@@ -156,7 +156,7 @@ def test_too_long_message_names_the_offload_aware_pool():
 def test_cli_passes_the_offload_policy(tmp_path):
     import json
 
-    from lightning_bytescale.planner.cli import main
+    from lightning_bytescale.cli.plan import main
 
     lens = tmp_path / "l.json"
     lens.write_text("[2048, 300, 200, 9000]")

@@ -23,7 +23,7 @@ from _lifecycle import TESTS, assert_sigterm_saves_once_and_exits_143
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_bytescale.preemption import (
+from lightning_bytescale.lightning.preemption import (
     EXIT_PREEMPTED,
     PreemptedError,
     PreemptionCallback,

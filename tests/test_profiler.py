@@ -8,9 +8,7 @@ import math
 import pytest
 import torch
 
-from lightning_bytescale.models import LlamaConfig, LlamaModel
-from lightning_bytescale.planner.cost_model import CostModel
-from lightning_bytescale.profiler import (
+from lightning_bytescale.cli.profile import (
     Profile,
     ProfileError,
     load_cost_model,
@@ -20,6 +18,8 @@ from lightning_bytescale.profiler import (
     profile_model,
     run_profile,
 )
+from lightning_bytescale.models import LlamaConfig, LlamaModel
+from lightning_bytescale.planner.cost_model import CostModel
 
 LENGTHS = [64, 128, 256, 512]
 
@@ -91,8 +91,8 @@ def test_activation_bytes_match_the_layer_by_hand(profile):
     and the product: d + 4 * ffn.  Attention's own saved tensors depend on the kernel, so they
     are counted separately with a bare saved_tensors_hooks counter.
     """
-    from lightning_bytescale.attention import attention, attention_context
-    from lightning_bytescale.attention.layout import AttentionLayout
+    from lightning_bytescale.packed_attention import attention, attention_context
+    from lightning_bytescale.packed_attention.layout import AttentionLayout
 
     d, ffn, s = 128, 352, 96
     layout = AttentionLayout(torch.tensor([0, s]), (s,))

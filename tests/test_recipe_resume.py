@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_recipes_run import _run
 
-from lightning_bytescale.run_timer import RunTimer
+from lightning_bytescale.lightning.run_timer import RunTimer
 
 pytestmark = pytest.mark.multiprocess
 

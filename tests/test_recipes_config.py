@@ -13,10 +13,10 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_bytescale.conf import GROUPS, ConfigError, compose_pretrain, find_conf_dir
+from lightning_bytescale.recipes.config import GROUPS, ConfigError, compose_pretrain, find_conf_dir
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
+CONF = REPO / "lightning_bytescale" / "recipes" / "conf"
 GPU_TRAINERS = {"gpu"}
 
 
@@ -72,7 +72,7 @@ def test_every_group_option_composes_and_instantiates(tmp_path, group):
 
 @pytest.mark.parametrize("experiment", _options("experiment"))
 def test_every_experiment_composes(tmp_path, experiment):
-    from lightning_bytescale.recipes_entry import build
+    from lightning_bytescale.cli.train import build
 
     cfg = _compose(tmp_path, f"experiment={experiment}")
     assert cfg.name == experiment
@@ -120,7 +120,7 @@ def test_overrides_reach_the_strategy_and_trainer(tmp_path):
 
 
 def test_wandb_offline_follows_the_api_key(tmp_path, monkeypatch):
-    from lightning_bytescale.recipes_entry import _prepare
+    from lightning_bytescale.cli.train import _prepare
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -179,7 +179,7 @@ def test_malformed_preset_file_is_a_readable_error(tmp_path):
 
 
 def test_missing_conf_dir_says_how_to_fix(tmp_path, monkeypatch):
-    import lightning_bytescale.conf as conf_mod
+    import lightning_bytescale.recipes.config as conf_mod
 
     monkeypatch.setenv("BYTESCALE_CONF_DIR", str(tmp_path))
     monkeypatch.setattr(conf_mod, "__file__", str(tmp_path / "x" / "y" / "__init__.py"))
@@ -211,7 +211,7 @@ def test_command_line_rejects_a_malformed_config_fast():
 def test_a_value_the_target_rejects_names_the_key_and_the_reason(tmp_path):
     from hydra.errors import InstantiationException
 
-    from lightning_bytescale.recipes_entry import build
+    from lightning_bytescale.cli.train import build
 
     cfg = _compose(tmp_path, "experiment=cpu_smoke", "strategy.capacity=0", "logger=csv")
     with pytest.raises(
@@ -224,7 +224,7 @@ def test_a_value_the_target_rejects_names_the_key_and_the_reason(tmp_path):
 def test_file_data_without_a_source_is_refused(tmp_path, group):
     from omegaconf.errors import MissingMandatoryValue
 
-    from lightning_bytescale.recipes_entry import build
+    from lightning_bytescale.cli.train import build
 
     cfg = _compose(tmp_path, f"data={group}", "logger=csv")
     with pytest.raises(MissingMandatoryValue, match=r"(?s)Missing mandatory value: source.*data\.source"):
@@ -232,7 +232,7 @@ def test_file_data_without_a_source_is_refused(tmp_path, group):
 
 
 def test_a_sweep_never_uses_the_popen_launcher(tmp_path):
-    from lightning_bytescale.recipes_entry import _prepare
+    from lightning_bytescale.cli.train import _prepare
 
     cfg = _compose(tmp_path, "hydra.mode=MULTIRUN")  # compose_pretrain registers cfg.hydra as the live one
     assert cfg.strategy.start_method.value == "popen"

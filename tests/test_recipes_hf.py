@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from lightning_bytescale.conf import ConfigError, compose_pretrain  # noqa: E402
 from lightning_bytescale.data.synthetic_chat import SAMPLES_DIR  # noqa: E402
+from lightning_bytescale.recipes.config import ConfigError, compose_pretrain  # noqa: E402
 
 LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -37,7 +37,7 @@ def test_the_preset_composes_the_hf_model_and_chat_data(tmp_path):
 
 
 def test_the_recipe_gives_a_from_config_model_the_tokenizer_vocabulary(tmp_path):
-    from lightning_bytescale.recipes_entry import _model_for_data, _plain
+    from lightning_bytescale.cli.train import _model_for_data, _plain
 
     cfg = _compose(tmp_path, "experiment=hf_sft_cpu_smoke", "data.cache_dir=" + str(tmp_path / "cache"))
     from hydra.utils import instantiate
@@ -66,7 +66,7 @@ def test_the_recipe_gives_a_from_config_model_the_tokenizer_vocabulary(tmp_path)
 def test_bad_hf_and_chat_configs_are_readable(tmp_path, overrides, needles):
     from hydra.utils import instantiate
 
-    from lightning_bytescale.recipes_entry import _plain
+    from lightning_bytescale.cli.train import _plain
 
     try:
         cfg = _compose(tmp_path, *overrides)
@@ -82,7 +82,7 @@ def test_bad_hf_and_chat_configs_are_readable(tmp_path, overrides, needles):
 
 def _run(args: list[str], tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("bytescale-train")
-    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_bytescale.recipes_entry"]
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_bytescale.cli.train"]
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY" and k not in LAUNCHER_VARS}
     env.update(
         OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", HYDRA_FULL_ERROR="1",

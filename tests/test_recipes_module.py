@@ -9,7 +9,7 @@ import torch
 
 from lightning_bytescale.engine.loss import token_loss
 from lightning_bytescale.models.llama import LlamaConfig
-from lightning_bytescale.recipes_module import PretrainModule, warmup_cosine
+from lightning_bytescale.recipes.module import PretrainModule, warmup_cosine
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -32,9 +32,9 @@ def test_train_flops_match_the_model_config():
 
 
 def test_training_step_is_the_global_token_loss():
-    from lightning_bytescale.attention import attention_context
-    from lightning_bytescale.attention.layout import AttentionLayout
     from lightning_bytescale.engine.batch import PackedMicroBatch
+    from lightning_bytescale.packed_attention import attention_context
+    from lightning_bytescale.packed_attention.layout import AttentionLayout
 
     torch.manual_seed(0)
     module = PretrainModule(preset="tiny", vocab=257, overrides={"layers": 1})

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_bytescale.telemetry import PLAN_COLUMNS
-from lightning_bytescale.wandb_offline import find_run_files, read_run
+from lightning_bytescale.lightning.telemetry import PLAN_COLUMNS
+from lightning_bytescale.lightning.wandb_offline import find_run_files, read_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,7 +41,7 @@ CHART_KEYS = ["charts/seq_len_hist", "charts/cp_degree_hist", "charts/rank_busy_
 
 def _command() -> list[str]:
     exe = Path(sys.executable).with_name("bytescale-train")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_bytescale.recipes_entry"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_bytescale.cli.train"]
 
 
 def _run(args: list[str], tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:

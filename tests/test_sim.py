@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from lightning_bytescale.cli.sim import main
 from lightning_bytescale.planner import CostModel, make_plan
 from lightning_bytescale.planner.peers import (
     karmarkar_karp,
@@ -16,7 +17,6 @@ from lightning_bytescale.planner.peers import (
 )
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
 from lightning_bytescale.sim import costs
-from lightning_bytescale.sim.cli import main
 from lightning_bytescale.sim.run import SUMMARY_KEYS, allreduce_seconds, run_scenario, simulate_plan
 from lightning_bytescale.sim.scenario import MODELS, SCENARIOS, Scenario
 

@@ -22,7 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import lightning_bytescale
 from lightning_bytescale import ByteScaleStrategy, token_loss
-from lightning_bytescale.engine.packing import build_step
+from lightning_bytescale.engine.micro_batch import build_step
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 from lightning_bytescale.planner import zigzag
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan

@@ -16,7 +16,7 @@ from _lifecycle import TESTS, assert_sigterm_saves_once_and_exits_143, finish, s
 from _proc import group_alive
 
 from lightning_bytescale import proc
-from lightning_bytescale.watchdog import EXIT_STEP_TIMEOUT
+from lightning_bytescale.engine.watchdog import EXIT_STEP_TIMEOUT
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 SCRIPT = str(TESTS / "_bytescale_script.py")

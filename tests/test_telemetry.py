@@ -7,8 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
-from lightning_bytescale.telemetry import (
+from lightning_bytescale.lightning.telemetry import (
     CPU_PEAK_TFLOPS,
     PLAN_COLUMNS,
     TelemetryCallback,
@@ -19,6 +18,7 @@ from lightning_bytescale.telemetry import (
     replan,
     step_metrics,
 )
+from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
 
 
 def _stats(**extra):
@@ -219,7 +219,7 @@ def test_a_plan_in_the_batch_stats_gives_lengths_and_cp_degrees():
 
 
 def test_replan_returns_the_plan_only_when_the_digest_matches():
-    from lightning_bytescale.engine.packing import plan_digest
+    from lightning_bytescale.engine.micro_batch import plan_digest
 
     plan = _plan()
     dataset = SimpleNamespace(plan=lambda epoch, step: plan)

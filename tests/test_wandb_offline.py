@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 
-from lightning_bytescale.wandb_offline import (
+from lightning_bytescale.lightning.wandb_offline import (
     WandbFileError,
     find_run_files,
     has_wandb_api_key,

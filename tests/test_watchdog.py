@@ -14,13 +14,13 @@ import pytest
 from _lifecycle import run_python
 
 from lightning_bytescale import proc
-from lightning_bytescale.watchdog import EXIT_STEP_TIMEOUT, StepWatchdog
+from lightning_bytescale.engine.watchdog import EXIT_STEP_TIMEOUT, StepWatchdog
 
 PHASE = "micro-batch 3 of step 12 (ring [0, 2], sequences [5])"
 
 STUCK = f"""
 import json, os, subprocess, sys, time
-from lightning_bytescale.watchdog import StepWatchdog
+from lightning_bytescale.engine.watchdog import StepWatchdog
 
 # a loader worker, say (its output goes elsewhere: it must not hold the test's pipes open)
 worker = subprocess.Popen(
@@ -69,7 +69,7 @@ def test_the_exit_code_and_the_timeout_option_are_configurable():
 
 BEATING = """
 import sys, time
-from lightning_bytescale.watchdog import StepWatchdog
+from lightning_bytescale.engine.watchdog import StepWatchdog
 
 mode = sys.argv[1]
 with StepWatchdog(0.3, rank=0) as dog:
@@ -98,7 +98,7 @@ def test_beats_keep_it_alive_and_idle_or_no_step_times_nothing(mode):
 
 GIL_HELD = """
 import ctypes
-from lightning_bytescale.watchdog import StepWatchdog
+from lightning_bytescale.engine.watchdog import StepWatchdog
 
 dog = StepWatchdog(0.3, rank=2, grace_s=0.5).start()
 dog.beat("inside a C call that keeps the interpreter lock")
@@ -167,7 +167,7 @@ def test_the_message_names_rank_phase_seconds_children_and_fix():
 
 PER_PHASE = """
 import time
-from lightning_bytescale.watchdog import StepWatchdog
+from lightning_bytescale.engine.watchdog import StepWatchdog
 
 dog = StepWatchdog(60, rank=1).start()
 dog.beat("forward")  # the watchdog's own 60 s

@@ -1,7 +1,7 @@
-"""``python -m lightning_bytescale.data``: see :mod:`lightning_bytescale.data.cli`."""
+"""``python -m lightning_bytescale.data``: see :mod:`lightning_bytescale.cli.data`."""
 
 import sys
 
-from lightning_bytescale.data.cli import main
+from lightning_bytescale.cli.data import main
 
 sys.exit(main())

@@ -3,7 +3,7 @@
 Every rank walks the same global batches (:mod:`.sampler`), plans each one with the same
 planner options and seed (so every rank computes the same plan and digest, without a central
 server), and packs only its own micro-batches with
-:func:`lightning_bytescale.engine.packing.build_step`.  Planning and packing run in the
+:func:`lightning_bytescale.engine.micro_batch.build_step`.  Planning and packing run in the
 loader's worker processes (``num_workers >= 1``), so the next step's plan and tensors are
 ready while the current step trains; ``num_workers=0`` does the same work inline.
 
@@ -117,7 +117,7 @@ class StepDataset(Dataset):
         return plan
 
     def __getitem__(self, key: tuple[int, int]) -> StepBatch:
-        from lightning_bytescale.engine.packing import build_step
+        from lightning_bytescale.engine.micro_batch import build_step
 
         epoch, step = key
         ids = self.sample_ids(epoch, step)

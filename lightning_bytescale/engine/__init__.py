@@ -14,7 +14,7 @@ from lightning_bytescale.engine.executor import (
     sync_step,
 )
 from lightning_bytescale.engine.loss import token_loss
-from lightning_bytescale.engine.packing import (
+from lightning_bytescale.engine.micro_batch import (
     EmptyBatchError,
     PackingError,
     build_micro_batch,

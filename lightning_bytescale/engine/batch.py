@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_bytescale.attention.layout import AttentionLayout
+from lightning_bytescale.packed_attention.layout import AttentionLayout
 
 
 @dataclass

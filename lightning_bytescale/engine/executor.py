@@ -187,7 +187,7 @@ def run_micro_batch(
     are always global ranks).  When ``probe`` is a list, the loss-normalisation probe
     (:mod:`~lightning_bytescale.engine.loss_check`) runs first and its verdict is appended.
     """
-    from lightning_bytescale.attention import attention_context
+    from lightning_bytescale.packed_attention import attention_context
 
     forward = forward or default_forward
     outer = micro_batch_context(mb) if micro_batch_context is not None else contextlib.nullcontext()
@@ -233,7 +233,7 @@ def _grads_finite(params: Sequence[nn.Parameter]) -> torch.Tensor | None:
 
 def _comm_counters() -> tuple[float, float]:
     """``(bytes sent, seconds blocked waiting)`` of this process's ring exchanges so far."""
-    from lightning_bytescale.attention import comm_stats
+    from lightning_bytescale.packed_attention import comm_stats
 
     stats = comm_stats()
     return float(stats.get("bytes_sent", 0.0)), float(stats.get("wait_s", 0.0))

@@ -3,7 +3,7 @@
 transformers 5 lets a model's attention layers call any function registered in
 ``transformers.AttentionInterface``; the layers hand it ``[B, H, T, D]`` query/key/value and
 expect ``([B, T, H, D], weights)`` back.  :func:`bytescale_attention` runs
-:func:`lightning_bytescale.attention.attention` on the same tensors seen as packed ``[T, H, D]``
+:func:`lightning_bytescale.packed_attention.attention` on the same tensors seen as packed ``[T, H, D]``
 (``B`` must be 1), so an HF model runs local variable-length attention or zigzag ring attention,
 whichever the strategy's current micro-batch layout says, with the model's own ``scaling`` and
 grouped-query heads.
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_bytescale.attention import AttentionLayout, attention, attention_context
-from lightning_bytescale.attention.context import current_scope
 from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.packed_attention import AttentionLayout, attention, attention_context
+from lightning_bytescale.packed_attention.context import current_scope
 
 ATTN_IMPLEMENTATION = "bytescale"
 
@@ -179,7 +179,7 @@ def bytescale_attention(
 ) -> tuple[torch.Tensor, None]:
     """``transformers.AttentionInterface`` entry: ``[1, H, T, D]`` in, ``([1, T, H, D], None)`` out.
 
-    Runs :func:`lightning_bytescale.attention.attention` with the layer's ``scaling`` (``None``:
+    Runs :func:`lightning_bytescale.packed_attention.attention` with the layer's ``scaling`` (``None``:
     ``D ** -0.5``) on the micro-batch layout the strategy installed; outside any layout, on the
     sequences that ``position_ids`` delimit.
     """

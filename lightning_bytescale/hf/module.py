@@ -27,8 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_bytescale.attention import attention_context
-from lightning_bytescale.attention.context import current_scope
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.hf.attention import (
     ATTN_IMPLEMENTATION,
@@ -39,6 +37,8 @@ from lightning_bytescale.hf.attention import (
 from lightning_bytescale.hf.checks import check_config, check_model
 from lightning_bytescale.hf.loading import ModelSource
 from lightning_bytescale.hf.optim import OptimizerOptions
+from lightning_bytescale.packed_attention import attention_context
+from lightning_bytescale.packed_attention.context import current_scope
 
 LOAD_ON = ("rank_zero", "every_rank")
 
@@ -159,7 +159,7 @@ class HFCausalLM(pl.LightningModule):
             or self.load_on != "rank_zero"
         ):
             return False
-        from lightning_bytescale.strategy import ByteScaleStrategy
+        from lightning_bytescale.lightning.strategy import ByteScaleStrategy
 
         return isinstance(trainer.strategy, ByteScaleStrategy)
 

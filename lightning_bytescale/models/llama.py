@@ -3,7 +3,7 @@
 RMSNorm, rotary position embeddings computed from ``position_ids``, grouped-query attention,
 a SwiGLU MLP, and tied or untied embeddings.  The model never sees sequence boundaries or
 rings: it takes one packed micro-batch ``input_ids [T]`` with its ``position_ids [T]`` and calls
-the public :func:`lightning_bytescale.attention.attention`, which reads the micro-batch's
+the public :func:`lightning_bytescale.packed_attention.attention`, which reads the micro-batch's
 layout from the context the engine installed.  The same weights therefore run on whole local
 sequences and on zigzag shards of a long sequence.
 
@@ -100,7 +100,7 @@ class LlamaConfig:
 
 def public_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The plugin's packed attention (local or ring, chosen by the current layout)."""
-    from lightning_bytescale.attention import attention
+    from lightning_bytescale.packed_attention import attention
 
     return attention(q, k, v)
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_bytescale.attention import kernels
-from lightning_bytescale.attention.comm import hand_over, post_on_comm_stream
-from lightning_bytescale.attention.layout import AttentionLayout
-from lightning_bytescale.attention.ring import Steps, backward_steps, forward_steps
-from lightning_bytescale.attention.ring_plan import RingLayoutError, RingSetup, ring_setup
 from lightning_bytescale.errors import ByteScaleError
+from lightning_bytescale.packed_attention import kernels
+from lightning_bytescale.packed_attention.comm import hand_over, post_on_comm_stream
+from lightning_bytescale.packed_attention.layout import AttentionLayout
+from lightning_bytescale.packed_attention.ring import Steps, backward_steps, forward_steps
+from lightning_bytescale.packed_attention.ring_plan import RingLayoutError, RingSetup, ring_setup
 from lightning_bytescale.planner import zigzag
 
 

@@ -6,19 +6,19 @@ sharded ones run zigzag ring attention over P2P on the global process group.
 :func:`loopback_ring_attention` runs all members of a ring in one process (tests, one-GPU checks).
 
 The package itself is callable, so ``lightning_bytescale.attention(q, k, v)`` and
-``from lightning_bytescale.attention import attention`` are the same function.
+``from lightning_bytescale.packed_attention import attention`` are the same function.
 """
 
 import sys
 import types
 
-from lightning_bytescale.attention.api import AttentionShapeError, attention
-from lightning_bytescale.attention.comm import comm_stats, reset_comm_stats
-from lightning_bytescale.attention.context import attention_context, current_layout
-from lightning_bytescale.attention.kernels import select_kernel
-from lightning_bytescale.attention.layout import AttentionLayout
-from lightning_bytescale.attention.loopback import loopback_ring_attention
-from lightning_bytescale.attention.ring import RingLayoutError, ring_attention, set_overlap
+from lightning_bytescale.packed_attention.api import AttentionShapeError, attention
+from lightning_bytescale.packed_attention.comm import comm_stats, reset_comm_stats
+from lightning_bytescale.packed_attention.context import attention_context, current_layout
+from lightning_bytescale.packed_attention.kernels import select_kernel
+from lightning_bytescale.packed_attention.layout import AttentionLayout
+from lightning_bytescale.packed_attention.loopback import loopback_ring_attention
+from lightning_bytescale.packed_attention.ring import RingLayoutError, ring_attention, set_overlap
 
 __all__ = [
     "AttentionLayout",
@@ -37,7 +37,7 @@ __all__ = [
 
 
 class _CallableModule(types.ModuleType):
-    """``lightning_bytescale.attention`` is both this package and the public function."""
+    """``lightning_bytescale.packed_attention`` is both this package and the public function."""
 
     def __call__(self, q, k, v, *, scale=None):
         return attention(q, k, v, scale=scale)

@@ -78,7 +78,7 @@ def _plain(value: Any) -> Any:
 def _cost_model(value: Any) -> Any:
     """A cost-model file path read into the planner's ``CostModel`` (other values unchanged)."""
     if isinstance(value, (str, os.PathLike)):
-        from lightning_bytescale.profiler import load_cost_model
+        from lightning_bytescale.cli.profile import load_cost_model
 
         if not Path(value).is_file():
             raise DataError(

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_bytescale.attention.layout import AttentionLayout
-from lightning_bytescale.attention.segments import Rows, Segments, to_device
 from lightning_bytescale.errors import ByteScaleError
+from lightning_bytescale.packed_attention.layout import AttentionLayout
+from lightning_bytescale.packed_attention.segments import Rows, Segments, to_device
 from lightning_bytescale.planner import zigzag
 
 _LAST_SETUP: dict[tuple, RingSetup] = {}

@@ -43,7 +43,7 @@ def _devices_count(devices: Any) -> int:
 
 def _prepare(cfg: DictConfig) -> None:
     """Decisions the YAML leaves open: W&B online/offline, the launcher in sweeps."""
-    from lightning_bytescale.wandb_offline import wandb_offline_by_default
+    from lightning_bytescale.lightning.wandb_offline import wandb_offline_by_default
 
     with open_dict(cfg):
         logger = cfg.get("logger")
@@ -100,7 +100,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     trainer_cfg = _plain(cfg.trainer)
     max_time = trainer_cfg.pop("max_time", None)
     if max_time is not None:
-        from lightning_bytescale.run_timer import RunTimer
+        from lightning_bytescale.lightning.run_timer import RunTimer
 
         # Lightning's own max_time restores the elapsed time on resume; this one bounds each run
         callbacks.append(RunTimer(duration=max_time, interval="step"))
@@ -145,8 +145,8 @@ def _before_launch_error(err: BaseException) -> str | None:
     from hydra.errors import InstantiationException
     from omegaconf.errors import MissingMandatoryValue
 
-    from lightning_bytescale.conf import ConfigError
     from lightning_bytescale.data.errors import DataError
+    from lightning_bytescale.recipes.config import ConfigError
 
     if isinstance(err, MissingMandatoryValue):
         key = err.full_key or "a key"
@@ -197,7 +197,7 @@ def _model_for_data(model_cfg: dict[str, Any], datamodule: Any) -> dict[str, Any
 
 def _model_vocab(model: Any) -> int | None:
     """The model's vocabulary size: a ``vocab_size`` attribute, or a Hugging Face model's config."""
-    from lightning_bytescale.data.datamodule import model_vocab_size
+    from lightning_bytescale.lightning.datamodule import model_vocab_size
 
     found = model_vocab_size(model)
     source = getattr(model, "source", None)
@@ -284,7 +284,7 @@ def train(cfg: DictConfig) -> float | None:
         raise SystemExit(2) from None
     trainer, logger = parts["trainer"], parts["logger"]
     if logger is not None:
-        from lightning_bytescale.config_logger import ConfigLogger
+        from lightning_bytescale.lightning.config_logger import ConfigLogger
 
         trainer.callbacks.append(ConfigLogger(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
     start = time.perf_counter()
@@ -321,7 +321,7 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
         lines[0] += f", last loss {float(loss):.4f}"
     lines.append(f"  outputs: {cfg.run_dir}")
     if logger is not None and type(logger).__name__ == "WandbLogger":
-        from lightning_bytescale.wandb_offline import find_run_files
+        from lightning_bytescale.lightning.wandb_offline import find_run_files
 
         runs = find_run_files(os.path.join(str(logger.save_dir), "wandb"))
         if runs and "offline-run" in runs[-1].parent.name:
@@ -333,14 +333,14 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
 def _hydra_main() -> Any:
     import hydra
 
-    from lightning_bytescale.conf import PRIMARY, find_conf_dir
+    from lightning_bytescale.recipes.config import PRIMARY, find_conf_dir
 
     return hydra.main(version_base="1.3", config_path=str(find_conf_dir()), config_name=PRIMARY)(train)
 
 
 def main() -> None:
     """Console script ``bytescale-train``: Hydra's command line over ``conf/pretrain.yaml``."""
-    from lightning_bytescale.conf import ConfigError
+    from lightning_bytescale.recipes.config import ConfigError
 
     try:
         entry = _hydra_main()

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from lightning_bytescale.attention import kernels
-from lightning_bytescale.attention.comm import Transfer
-from lightning_bytescale.attention.layout import AttentionLayout
-from lightning_bytescale.attention.ring_plan import RingLayoutError, RingSetup, ring_setup
+from lightning_bytescale.packed_attention import kernels
+from lightning_bytescale.packed_attention.comm import Transfer
+from lightning_bytescale.packed_attention.layout import AttentionLayout
+from lightning_bytescale.packed_attention.ring_plan import RingLayoutError, RingSetup, ring_setup
 
 __all__ = [
     "RingLayoutError",

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalVariant
 
-from lightning_bytescale.attention.gqa import expand_kv, reduce_kv
-from lightning_bytescale.attention.segments import Segments
+from lightning_bytescale.packed_attention.gqa import expand_kv, reduce_kv
+from lightning_bytescale.packed_attention.segments import Segments
 
 _ALIGN = 8
 

@@ -22,8 +22,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from lightning_bytescale.attention import cuda_kernels
-from lightning_bytescale.attention.segments import Segments
+from lightning_bytescale.packed_attention import cuda_kernels
+from lightning_bytescale.packed_attention.segments import Segments
 
 _HALF = (torch.float16, torch.bfloat16)
 

@@ -42,8 +42,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from typing_extensions import override
 
 from lightning_bytescale import proc
-from lightning_bytescale.preemption import EXIT_PREEMPTED
-from lightning_bytescale.watchdog import EXIT_STEP_TIMEOUT
+from lightning_bytescale.engine.watchdog import EXIT_STEP_TIMEOUT
+from lightning_bytescale.lightning.preemption import EXIT_PREEMPTED
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

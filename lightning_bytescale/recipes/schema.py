@@ -74,9 +74,9 @@ class LoadOn(str, Enum):
 
 @dataclass
 class StrategyConfig:
-    """`lightning_bytescale.strategy.ByteScaleStrategy` options."""
+    """`lightning_bytescale.lightning.strategy.ByteScaleStrategy` options."""
 
-    _target_: str = "lightning_bytescale.strategy.ByteScaleStrategy"
+    _target_: str = "lightning_bytescale.lightning.strategy.ByteScaleStrategy"
     planner: Planner = Planner.balance
     capacity: int = 2048  # token capacity C per rank and micro-batch
     cp_size: int | None = None  # ring size of the static planner (None: as needed)
@@ -94,9 +94,9 @@ class StrategyConfig:
 
 @dataclass
 class DataConfig:
-    """`lightning_bytescale.data.datamodule.ByteScaleDataModule` options (docs/data.md)."""
+    """`lightning_bytescale.lightning.datamodule.ByteScaleDataModule` options (docs/data.md)."""
 
-    _target_: str = "lightning_bytescale.data.datamodule.ByteScaleDataModule"
+    _target_: str = "lightning_bytescale.lightning.datamodule.ByteScaleDataModule"
     source: Any = None  # None: Python's stdlib sources; a path/glob, "github", "byted", "hf:<name>", a dict
     pattern: str | None = None  # a folder source's files, e.g. "*.md" (None: "*.py")
     field: str | None = None  # the JSONL key / dataset column of the text (None: "text"; chats: "messages")
@@ -146,9 +146,9 @@ class ChatDataConfig(DataConfig):
 
 @dataclass
 class ModelConfig:
-    """`lightning_bytescale.recipes_module.PretrainModule` options."""
+    """`lightning_bytescale.recipes.module.PretrainModule` options."""
 
-    _target_: str = "lightning_bytescale.recipes_module.PretrainModule"
+    _target_: str = "lightning_bytescale.recipes.module.PretrainModule"
     preset: str = "tiny"  # a LlamaConfig preset: tiny, small, 125m, 1b, 7b, 13b, 70b
     vocab: int | None = None  # None: the data module's tokenizer vocabulary
     overrides: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields, e.g. {layers: 4}
@@ -246,9 +246,9 @@ class TensorBoardLoggerConfig:
 
 @dataclass
 class TelemetryConfig:
-    """`lightning_bytescale.telemetry.TelemetryCallback` options."""
+    """`lightning_bytescale.lightning.telemetry.TelemetryCallback` options."""
 
-    _target_: str = "lightning_bytescale.telemetry.TelemetryCallback"
+    _target_: str = "lightning_bytescale.lightning.telemetry.TelemetryCallback"
     peak_tflops: float | None = None  # per device; None: a table of GPUs, a nominal CPU core
     charts_every_n_steps: int = 50
     per_rank_limit: int = 64

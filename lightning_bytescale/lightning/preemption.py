@@ -242,7 +242,7 @@ def _resume_hint() -> str:
         return "On SLURM, Lightning resumes from it by itself when the job restarts (ckpt_path=None)."
     return (
         'Resume with trainer.fit(..., ckpt_path="hpc"), or ckpt_path='
-        "lightning_bytescale.preemption.latest_checkpoint(default_root_dir)."
+        "lightning_bytescale.lightning.preemption.latest_checkpoint(default_root_dir)."
     )
 
 

@@ -7,7 +7,7 @@ lengths, on the current device:
   captured from a real forward of the whole model, so whatever arguments it takes are real),
   and the share of it that is the forward;
 * ``Act(s)``: the bytes one layer saves for backward, counted through
-  ``saved_tensors_hooks`` (:class:`~lightning_bytescale.offload.ActivationOffloader` at ratio
+  ``saved_tensors_hooks`` (:class:`~lightning_bytescale.offload.offloader.ActivationOffloader` at ratio
   0), plus the bytes saved outside the layers (embedding, head, loss);
 * the host-link bandwidth in both directions (timed pinned copies on CUDA, a memcpy on CPU);
 * optionally (``p2p=True``, ``--p2p``) the point-to-point link bandwidth between two gloo
@@ -24,7 +24,7 @@ file (:class:`Profile`) holding the planner's :class:`CostModel` dict, the
 :func:`load_cost_model` / :func:`load_profile` read it (and plain cost-model dicts).
 
 The model contract is the engine's: ``model(input_ids [T], position_ids [T]) -> logits [T, V]``
-inside :func:`~lightning_bytescale.attention.attention_context`, with its transformer blocks
+inside :func:`~lightning_bytescale.packed_attention.attention_context`, with its transformer blocks
 given as ``layers`` (found automatically as ``model.blocks`` / ``model.layers``).
 """
 
@@ -52,9 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_bytescale.attention.layout import AttentionLayout
 from lightning_bytescale.errors import ByteScaleError
-from lightning_bytescale.offload import OUTSIDE, ActivationOffloader
+from lightning_bytescale.offload.offloader import OUTSIDE, ActivationOffloader
+from lightning_bytescale.packed_attention.layout import AttentionLayout
 from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig
 
 FORMAT = "bytescale-profile/1"
@@ -370,7 +370,7 @@ class _Runner:
 def _prepare_length(
     model: nn.Module, layers: list[nn.Module], s: int, vocab: int, device: torch.device
 ) -> _Runner:
-    from lightning_bytescale.attention import attention_context
+    from lightning_bytescale.packed_attention import attention_context
 
     gen = torch.Generator().manual_seed(s)
     ids = torch.randint(0, vocab, (s,), generator=gen).to(device)
@@ -426,7 +426,7 @@ def _time_rounds(
 ) -> list[float]:
     """Fastest of ``repeats`` runs per length, the lengths interleaved round by round so that a burst
     of load on a shared machine spreads over all lengths instead of bending one point."""
-    from lightning_bytescale.attention import attention_context
+    from lightning_bytescale.packed_attention import attention_context
 
     best = [math.inf] * len(runners)
     for rnd in range(warmup + repeats):

@@ -1,8 +1,8 @@
 """The layout of one packed micro-batch, as attention sees it.
 
 The engine builds one `AttentionLayout` per micro-batch and installs it with
-:func:`lightning_bytescale.attention.attention_context`; the public
-:func:`lightning_bytescale.attention.attention` reads it, so a user's model never sees a ring.
+:func:`lightning_bytescale.packed_attention.attention_context`; the public
+:func:`lightning_bytescale.packed_attention.attention` reads it, so a user's model never sees a ring.
 
 Slots of the packed ``[T, ...]`` tensors are grouped by sequence: sequence ``j`` occupies
 slots ``cu_seqlens[j]:cu_seqlens[j+1]``.

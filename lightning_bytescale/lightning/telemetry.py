@@ -253,7 +253,7 @@ def replan(trainer: Any, batch: Any) -> Any:
             return None
         stats = batch.stats if isinstance(batch.stats, dict) else {}
         plan = dataset.plan(int(stats.get("epoch", trainer.current_epoch)), int(batch.step))
-        from lightning_bytescale.engine.packing import step_digest
+        from lightning_bytescale.engine.micro_batch import step_digest
 
         identity = getattr(batch, "data_identity", "") or ""
         return plan if step_digest(plan, identity) == batch.digest else None

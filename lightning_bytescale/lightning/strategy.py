@@ -52,7 +52,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bytescale import lightning_compat as compat
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.executor import (
     LocalResult,
@@ -62,19 +61,20 @@ from lightning_bytescale.engine.executor import (
     run_micro_batches,
     sync_step,
 )
+from lightning_bytescale.engine.failures import is_peer_failure
 from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX
 from lightning_bytescale.engine.loss_check import LossScaling
 from lightning_bytescale.engine.state_sync import broadcast_module_state
 from lightning_bytescale.errors import ConfigError
-from lightning_bytescale.failures import is_peer_failure
+from lightning_bytescale.lightning import compat as compat
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.accelerators import Accelerator
 
-    from lightning_bytescale.preemption import PreemptionHandler
-    from lightning_bytescale.watchdog import StepWatchdog
+    from lightning_bytescale.engine.watchdog import StepWatchdog
+    from lightning_bytescale.lightning.preemption import PreemptionHandler
 
 log = logging.getLogger(__name__)
 
@@ -160,13 +160,13 @@ class ByteScaleStrategy(ParallelStrategy):
         watchdog: a rank whose step makes no progress for ``timeout`` seconds (or for
             ``watchdog`` seconds when it is a number: a stuck ``training_step``, a hung data
             worker it waits on) writes where it was (phase, step, micro-batch, ring, its stack),
-            ends its own children and exits with code 124 (:mod:`~lightning_bytescale.watchdog`).
+            ends its own children and exits with code 124 (:mod:`~lightning_bytescale.engine.watchdog`).
             Collectives and ring micro-batches get the process-group timeout plus a margin, so
             that ranks waiting for a stuck peer fail with the peer error.  ``False`` turns it off.
         preemption: SIGTERM (or the signals named, e.g. ``("SIGTERM", "SIGUSR1")``) sets a flag
             that rides in the step's all-reduce; at the next step boundary every rank saves
             ``<default_root_dir>/hpc_ckpt_<n>.ckpt`` and exits with code 143
-            (:mod:`~lightning_bytescale.preemption`).  ``False`` leaves Lightning's handler.
+            (:mod:`~lightning_bytescale.lightning.preemption`).  ``False`` leaves Lightning's handler.
         log_loss: log the global token-mean loss of the step as ``loss_name`` (progress bar too).
         loss_name: the metric name used by ``log_loss``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
@@ -342,7 +342,7 @@ class ByteScaleStrategy(ParallelStrategy):
             # Under torchrun or SLURM it starts no process but still checks devices x num_nodes
             # against the environment's world size, as DDP does.  (Imported here: those modules
             # import Lightning, which registers this module.)
-            from lightning_bytescale.launcher import ByteScaleScriptLauncher
+            from lightning_bytescale.lightning.launcher import ByteScaleScriptLauncher
 
             self._launcher = ByteScaleScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
@@ -415,8 +415,8 @@ class ByteScaleStrategy(ParallelStrategy):
 
     def _setup_lifecycle(self, trainer: pl.Trainer) -> None:
         """The step watchdog and the preemption handler (its callback installs it at train start)."""
-        from lightning_bytescale.preemption import PreemptionCallback, PreemptionHandler
-        from lightning_bytescale.watchdog import StepWatchdog
+        from lightning_bytescale.engine.watchdog import StepWatchdog
+        from lightning_bytescale.lightning.preemption import PreemptionCallback, PreemptionHandler
 
         if self._watchdog is None and self.watchdog is not False:
             seconds = self.watchdog if self.watchdog is not True else self._pg_seconds()
@@ -592,7 +592,7 @@ class ByteScaleStrategy(ParallelStrategy):
         if hasattr(self.offload, "micro_batch_context"):
             self._offloader = self.offload
             return self._offloader
-        from lightning_bytescale.offload import ActivationOffloader
+        from lightning_bytescale.offload.offloader import ActivationOffloader
 
         self._offloader = ActivationOffloader(_find_blocks(self.lightning_module), **self.offloader_options)
         return self._offloader
@@ -808,7 +808,7 @@ class ByteScaleStrategy(ParallelStrategy):
     def _eval_loop(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else None
         base = getattr(super(), hook)
-        from lightning_bytescale.attention import attention_context
+        from lightning_bytescale.packed_attention import attention_context
 
         if not isinstance(batch, StepBatch):
             return base(*args, **kwargs)
@@ -875,7 +875,7 @@ class ByteScaleStrategy(ParallelStrategy):
         batch = args[0] if args else None
         if not isinstance(batch, StepBatch):
             return super().predict_step(*args, **kwargs)
-        from lightning_bytescale.attention import attention_context
+        from lightning_bytescale.packed_attention import attention_context
 
         module = self.lightning_module
         assert module is not None
@@ -1047,7 +1047,7 @@ def _resolve_cost_model(cost_model: Any) -> Any:
     if cost_model is None or isinstance(cost_model, dict):
         return cost_model
     if isinstance(cost_model, (str, os.PathLike)):
-        from lightning_bytescale.profiler import load_cost_model
+        from lightning_bytescale.cli.profile import load_cost_model
 
         path = Path(cost_model)
         if not path.is_file():

@@ -3,7 +3,7 @@
 The YAML config groups live in the repository's top-level ``conf/`` folder (an editable
 install, ``pip install -e .``, is what the README uses); ``BYTESCALE_CONF_DIR`` points
 elsewhere.  Importing this module registers the structured-config schemas of
-:mod:`lightning_bytescale.conf.schema` in Hydra's ConfigStore.
+:mod:`lightning_bytescale.recipes.schema` in Hydra's ConfigStore.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_bytescale.conf.schema import (
+from lightning_bytescale.errors import ConfigError  # a recipe config that does not compose
+from lightning_bytescale.recipes.schema import (
     ChatDataConfig,
     CSVLoggerConfig,
     DataConfig,
@@ -29,7 +30,6 @@ from lightning_bytescale.conf.schema import (
     TrainerConfig,
     WandbLoggerConfig,
 )
-from lightning_bytescale.errors import ConfigError  # a recipe config that does not compose
 
 __all__ = [
     "GROUPS",
@@ -97,7 +97,7 @@ def find_conf_dir() -> Path:
     """The ``conf/`` folder: ``$BYTESCALE_CONF_DIR``, else the checkout this package lives in."""
     env = os.environ.get(ENV_CONF_DIR)
     candidates = [Path(env)] if env else []
-    candidates.append(Path(__file__).resolve().parents[2] / "conf")
+    candidates.append(Path(__file__).resolve().parent / "conf")
     for path in candidates:
         if (path / f"{PRIMARY}.yaml").is_file():
             return path.resolve()
@@ -122,7 +122,7 @@ def explain(err: BaseException) -> str:
 
 HINT = (
     "Check the spelling against `bytescale-train --cfg job` (prints the composed config), "
-    "or the schemas in lightning_bytescale/conf/schema.py; prefix a key with + to add one "
+    "or the schemas in lightning_bytescale/recipes/schema.py; prefix a key with + to add one "
     "the schema does not know."
 )
 

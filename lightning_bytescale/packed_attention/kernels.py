@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_bytescale.attention import cuda_kernels
-from lightning_bytescale.attention.gqa import expand_kv, reduce_kv
-from lightning_bytescale.attention.segments import Rows, Segments
+from lightning_bytescale.packed_attention import cuda_kernels
+from lightning_bytescale.packed_attention.gqa import expand_kv, reduce_kv
+from lightning_bytescale.packed_attention.segments import Rows, Segments
 
 _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward

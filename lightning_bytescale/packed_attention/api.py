@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from lightning_bytescale.attention.context import current_scope
-from lightning_bytescale.attention.local import varlen_attention
-from lightning_bytescale.attention.ring import ring_attention
 from lightning_bytescale.errors import ByteScaleError
+from lightning_bytescale.packed_attention.context import current_scope
+from lightning_bytescale.packed_attention.local import varlen_attention
+from lightning_bytescale.packed_attention.ring import ring_attention
 
 
 class AttentionShapeError(ByteScaleError, ValueError):

@@ -2,7 +2,7 @@
 
 The planner says *which* tokens a rank holds (pieces, rings); this module turns that into the
 tensors a model runs on: ``input_ids``, ``labels``, ``position_ids`` and the
-:class:`~lightning_bytescale.attention.layout.AttentionLayout`.
+:class:`~lightning_bytescale.packed_attention.layout.AttentionLayout`.
 
 * Local micro-batch: whole sequences concatenated, positions ``0 .. s - 1``.
 * Ring micro-batch: per sequence, this member's ``2c`` zigzag slots
@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from lightning_bytescale.attention.layout import AttentionLayout
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.errors import ByteScaleError
+from lightning_bytescale.packed_attention.layout import AttentionLayout
 from lightning_bytescale.planner import zigzag
 from lightning_bytescale.planner.plan import MicroBatch, Plan
 

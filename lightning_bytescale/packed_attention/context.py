@@ -1,7 +1,7 @@
 """Where the public ``attention`` function finds the current micro-batch's layout.
 
 The engine wraps each micro-batch's forward in :func:`attention_context`; the model calls
-:func:`lightning_bytescale.attention.attention` and never sees a ring.  The stack is
+:func:`lightning_bytescale.packed_attention.attention` and never sees a ring.  The stack is
 thread-local, so concurrent forwards in different threads do not see each other's layouts.
 Backward passes do not read it: ring attention stores its layout and group with the saved
 tensors, because autograd may run backward in another thread.
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_bytescale.attention.layout import AttentionLayout
+from lightning_bytescale.packed_attention.layout import AttentionLayout
 
 
 @dataclass(frozen=True)
