@@ -148,7 +148,12 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise SystemExit(
+            'the figures need matplotlib: pip install -e ".[bench]" (or pip install matplotlib)'
+        ) from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

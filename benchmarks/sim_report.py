@@ -168,7 +168,12 @@ def plan_time_part() -> dict:
 
 
 def plots(report: dict) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise SystemExit(
+            'the figures need matplotlib: pip install -e ".[bench]" (or pip install matplotlib)'
+        ) from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,69 +1,112 @@
 """lightning-bytescale: ByteScale Hybrid Data Parallelism for PyTorch Lightning.
 
-``import lightning_bytescale`` registers the strategy names ``bytescale``, ``bytescale_spawn``
-and ``bytescale_fork`` with Lightning, so ``Trainer(strategy="bytescale")`` works.
+The public API is the names in ``__all__``; every one of them is resolved on first use, so
+``import lightning_bytescale`` stays light (the planner and simulator command lines import the
+package without loading torch or Lightning)::
+
+    import lightning_bytescale as lb
+
+    lb.attention(q, k, v)                      # packed causal attention (local or zigzag ring)
+    trainer = pl.Trainer(strategy=lb.ByteScaleStrategy(capacity=8192))
+
+``import lightning_bytescale`` also makes the strategy names ``bytescale``, ``bytescale_spawn``
+and ``bytescale_fork`` known to Lightning: the strategy module registers them beside the class
+(``ByteScaleStrategy.register_strategies``), and this package imports that module at once when
+``lightning.pytorch`` is already imported, or else right after its first import (a ``wrapt``
+post-import hook), so ``Trainer(strategy="bytescale")`` works in either import order.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import wrapt
+
+from lightning_bytescale.errors import (
+    ByteScaleError,
+    ConfigError,
+    LossNormalizationError,
+    NonFiniteError,
+    ParameterDivergenceError,
+    PeerFailureError,
+    PlanDivergenceError,
+    PlanWorldSizeError,
+    StepError,
+)
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "attention_context": ("lightning_bytescale.packed_attention", "attention_context"),
-    "token_loss": ("lightning_bytescale.engine.loss", "token_loss"),
-    "ByteScaleStrategy": ("lightning_bytescale.lightning.strategy", "ByteScaleStrategy"),
-    "ByteScaleDataModule": ("lightning_bytescale.lightning.datamodule", "ByteScaleDataModule"),
+# Public name -> the module that defines it, imported on first access (PEP 562).
+_LAZY: dict[str, str] = {
+    "ByteScaleStrategy": "lightning_bytescale.lightning.strategy",
+    "ByteScaleDataModule": "lightning_bytescale.lightning.datamodule",
+    "attention": "lightning_bytescale.packed_attention.api",
+    "attention_context": "lightning_bytescale.packed_attention.context",
+    "token_loss": "lightning_bytescale.engine.loss",
+    "make_plan": "lightning_bytescale.planner.planners",
+    "register_planner": "lightning_bytescale.planner.planners",
+    "PlanError": "lightning_bytescale.planner.errors",
+    "DataError": "lightning_bytescale.data.errors",
 }
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time ``__getattr__`` imports them
+    from lightning_bytescale.data.errors import DataError
+    from lightning_bytescale.engine.loss import token_loss
+    from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
+    from lightning_bytescale.lightning.strategy import ByteScaleStrategy
+    from lightning_bytescale.packed_attention.api import attention
+    from lightning_bytescale.packed_attention.context import attention_context
+    from lightning_bytescale.planner.errors import PlanError
+    from lightning_bytescale.planner.planners import make_plan, register_planner
+
+__all__ = [
+    "ByteScaleDataModule",
+    "ByteScaleError",
+    "ByteScaleStrategy",
+    "ConfigError",
+    "DataError",
+    "LossNormalizationError",
+    "NonFiniteError",
+    "ParameterDivergenceError",
+    "PeerFailureError",
+    "PlanDivergenceError",
+    "PlanError",
+    "PlanWorldSizeError",
+    "StepError",
+    "__version__",
+    "attention",
+    "attention_context",
+    "make_plan",
+    "register_planner",
+    "token_loss",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'lightning_bytescale' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_bytescale' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
 
-class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
-    """Register the strategies right after ``lightning.pytorch`` finishes importing.
-
-    Importing Lightning costs seconds; the planner, simulator and profiler command lines never
-    need it.  So ``import lightning_bytescale`` registers at once when Lightning is already
-    loaded, and otherwise the first import of ``lightning.pytorch`` (which every ``Trainer``
-    needs) registers them.
-    """
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != _LIGHTNING or self not in sys.meta_path:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_then_register(module: Any) -> None:
-            exec_module(module)
-            importlib.import_module("lightning_bytescale.lightning.strategy")
-
-        loader.exec_module = exec_then_register  # type: ignore[method-assign]
-        return spec
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})
 
 
 _LIGHTNING = "lightning.pytorch"
+_STRATEGY_MODULE = "lightning_bytescale.lightning.strategy"
 
 
-def _register_strategies() -> None:
-    if _LIGHTNING in sys.modules:
-        importlib.import_module("lightning_bytescale.lightning.strategy")
-    elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterWhenLightningLoads())
+def _register_strategies(_lightning: Any = None) -> None:
+    """Import the strategy module, whose last line registers the strategy names with Lightning."""
+    importlib.import_module(_STRATEGY_MODULE)
 
 
-_register_strategies()
+if _LIGHTNING in sys.modules:
+    _register_strategies()
+else:
+    wrapt.register_post_import_hook(_register_strategies, _LIGHTNING)

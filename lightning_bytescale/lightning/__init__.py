@@ -4,3 +4,35 @@ Everything here may import Lightning and every floor below it (``engine``, ``att
 ``offload``, ``data``, ``models``, ``planner``, ``sim``); nothing below imports this floor.
 See ``docs/architecture.md``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> its module, imported on first access (PEP 562), so importing one module of
+# this package does not import the others.
+_LAZY: dict[str, str] = {
+    "ByteScaleStrategy": "lightning_bytescale.lightning.strategy",
+    "ByteScaleDataModule": "lightning_bytescale.lightning.datamodule",
+    "ByteScaleScriptLauncher": "lightning_bytescale.lightning.launcher",
+    "ConfigLogger": "lightning_bytescale.lightning.config_logger",
+    "PreemptedError": "lightning_bytescale.lightning.preemption",
+    "PreemptionCallback": "lightning_bytescale.lightning.preemption",
+    "PreemptionHandler": "lightning_bytescale.lightning.preemption",
+    "RunTimer": "lightning_bytescale.lightning.run_timer",
+    "TelemetryCallback": "lightning_bytescale.lightning.telemetry",
+}
+
+__all__ = sorted(_LAZY, key=str.lower)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})

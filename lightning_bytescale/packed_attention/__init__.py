@@ -5,24 +5,22 @@ A model calls :func:`attention`; the engine sets the micro-batch's layout with
 sharded ones run zigzag ring attention over P2P on the global process group.
 :func:`loopback_ring_attention` runs all members of a ring in one process (tests, one-GPU checks).
 
-The package itself is callable, so ``lightning_bytescale.attention(q, k, v)`` and
-``from lightning_bytescale.packed_attention import attention`` are the same function.
+``lightning_bytescale.attention`` is this package's :func:`attention` (the same function
+object), so a model can import it from either place.
 """
-
-import sys
-import types
 
 from lightning_bytescale.packed_attention.api import AttentionShapeError, attention
 from lightning_bytescale.packed_attention.comm import comm_stats, reset_comm_stats
 from lightning_bytescale.packed_attention.context import attention_context, current_layout
 from lightning_bytescale.packed_attention.kernels import select_kernel
 from lightning_bytescale.packed_attention.layout import AttentionLayout
-from lightning_bytescale.packed_attention.loopback import loopback_ring_attention
+from lightning_bytescale.packed_attention.loopback import LoopbackError, loopback_ring_attention
 from lightning_bytescale.packed_attention.ring import RingLayoutError, ring_attention, set_overlap
 
 __all__ = [
     "AttentionLayout",
     "AttentionShapeError",
+    "LoopbackError",
     "RingLayoutError",
     "attention",
     "attention_context",
@@ -34,13 +32,3 @@ __all__ = [
     "select_kernel",
     "set_overlap",
 ]
-
-
-class _CallableModule(types.ModuleType):
-    """``lightning_bytescale.packed_attention`` is both this package and the public function."""
-
-    def __call__(self, q, k, v, *, scale=None):
-        return attention(q, k, v, scale=scale)
-
-
-sys.modules[__name__].__class__ = _CallableModule

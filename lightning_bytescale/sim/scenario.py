@@ -206,6 +206,7 @@ SCENARIOS: dict[str, Scenario] = _build()
 
 
 def get_scenario(name: str) -> Scenario:
+    """The named scenario of :data:`SCENARIOS` (``bytescale-sim --list`` prints the names)."""
     try:
         return SCENARIOS[name]
     except KeyError:
