@@ -13,7 +13,13 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_bytescale.recipes.config import GROUPS, ConfigError, compose_pretrain, find_conf_dir
+from lightning_bytescale.recipes.config import (
+    GROUPS,
+    ConfigError,
+    compose_pretrain,
+    config_source,
+    find_conf_dir,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "lightning_bytescale" / "recipes" / "conf"
@@ -32,8 +38,10 @@ def _plain(node):
     return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
 
 
-def test_conf_dir_is_found_from_the_checkout():
+def test_conf_dir_is_the_packaged_one(monkeypatch):
+    monkeypatch.delenv("BYTESCALE_CONF_DIR", raising=False)
     assert find_conf_dir() == CONF.resolve()
+    assert config_source() == "pkg://lightning_bytescale.recipes.conf"
     assert set(GROUPS) <= {p.name for p in CONF.iterdir() if p.is_dir()}
     for group in GROUPS:
         assert _options(group), f"conf/{group} has no options"
@@ -178,13 +186,79 @@ def test_malformed_preset_file_is_a_readable_error(tmp_path):
         compose_pretrain(["experiment=badtype"], conf)
 
 
-def test_missing_conf_dir_says_how_to_fix(tmp_path, monkeypatch):
+def test_compose_reads_the_packaged_configs_through_hydras_package_source(tmp_path, monkeypatch):
+    monkeypatch.delenv("BYTESCALE_CONF_DIR", raising=False)
+    cfg = compose_pretrain([f"run_dir={tmp_path}"])
+    main = [s for s in cfg.hydra.runtime.config_sources if s.provider == "main"]
+    assert [(s.schema, s.path) for s in main] == [("pkg", "lightning_bytescale.recipes.conf")]
+    assert cfg.name == "cpu_quickstart"
+
+
+def _own_conf(tmp_path) -> Path:
+    """A copy of the packaged configs with one experiment of its own."""
+    conf = tmp_path / "my_conf"
+    shutil.copytree(CONF, conf, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    (conf / "experiment" / "mine.yaml").write_text("# @package _global_\nname: mine\n")
+    return conf
+
+
+def test_bytescale_conf_dir_replaces_the_packaged_configs(tmp_path, monkeypatch):
+    conf = _own_conf(tmp_path)
+    monkeypatch.setenv("BYTESCALE_CONF_DIR", str(conf))
+    assert find_conf_dir() == conf.resolve() and config_source() == str(conf.resolve())
+    cfg = compose_pretrain([f"run_dir={tmp_path}", "experiment=mine"])
+    assert cfg.name == "mine"
+    main = [s for s in cfg.hydra.runtime.config_sources if s.provider == "main"]
+    assert [(s.schema, s.path) for s in main] == [("file", str(conf.resolve()))]
+
+
+def test_a_conf_dir_without_pretrain_yaml_says_how_to_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("BYTESCALE_CONF_DIR", str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        find_conf_dir()
+    message = str(info.value)
+    for needle in ("BYTESCALE_CONF_DIR", str(tmp_path), "pretrain.yaml", str(CONF), "--config-dir"):
+        assert needle in message, message
+    assert "pip install -e" not in message and "editable" not in message
+
+
+def test_an_install_without_its_configs_says_how_to_fix(tmp_path, monkeypatch):
     import lightning_bytescale.recipes.config as conf_mod
 
-    monkeypatch.setenv("BYTESCALE_CONF_DIR", str(tmp_path))
-    monkeypatch.setattr(conf_mod, "__file__", str(tmp_path / "x" / "y" / "__init__.py"))
-    with pytest.raises(ConfigError, match="pip install -e"):
-        find_conf_dir()
+    monkeypatch.delenv("BYTESCALE_CONF_DIR", raising=False)
+    monkeypatch.setattr(conf_mod, "_packaged_conf_dir", lambda: tmp_path)
+    with pytest.raises(ConfigError) as info:
+        config_source()
+    message = str(info.value)
+    for needle in (str(tmp_path), "reinstall", "BYTESCALE_CONF_DIR"):
+        assert needle in message, message
+    assert "pip install -e" not in message and "editable" not in message
+
+
+@pytest.mark.parametrize("how", ["BYTESCALE_CONF_DIR", "--config-dir"])
+def test_command_line_uses_a_config_folder_of_your_own(tmp_path, how):
+    """``--config-dir`` adds a folder before the packaged configs; the variable replaces them."""
+    conf = _own_conf(tmp_path)
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    args = ["experiment=mine", "--cfg", "job"]
+    if how == "--config-dir":
+        extra = tmp_path / "extra"
+        (extra / "experiment").mkdir(parents=True)
+        shutil.copy2(conf / "experiment" / "mine.yaml", extra / "experiment" / "mine.yaml")
+        args = ["--config-dir", str(extra), *args]
+        env.pop("BYTESCALE_CONF_DIR", None)
+    else:
+        env["BYTESCALE_CONF_DIR"] = str(conf)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "pretrain.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "name: mine" in proc.stdout, proc.stdout
 
 
 def test_command_line_rejects_a_malformed_config_fast():

@@ -1,4 +1,4 @@
-"""The pretrain recipe: compose ``conf/``, build data, model, strategy, logger and callbacks, fit.
+"""The pretrain recipe: compose the configs, build data, model, strategy, logger and callbacks, fit.
 
 ``bytescale-train [overrides]`` (this module's :func:`main`) and ``python recipes/pretrain.py``
 run the same :func:`train`.  With no overrides it is the CPU quickstart.  Examples::
@@ -333,13 +333,16 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
 def _hydra_main() -> Any:
     import hydra
 
-    from lightning_bytescale.recipes.config import PRIMARY, find_conf_dir
+    from lightning_bytescale.recipes.config import PRIMARY, config_source
 
-    return hydra.main(version_base="1.3", config_path=str(find_conf_dir()), config_name=PRIMARY)(train)
+    # pkg://lightning_bytescale.recipes.conf (the packaged YAML), or $BYTESCALE_CONF_DIR;
+    # Hydra's --config-dir adds a folder searched before it
+    return hydra.main(version_base="1.3", config_path=config_source(), config_name=PRIMARY)(train)
 
 
 def main() -> None:
-    """Console script ``bytescale-train``: Hydra's command line over ``conf/pretrain.yaml``."""
+    """Console script ``bytescale-train``: Hydra's command line over the packaged
+    ``lightning_bytescale/recipes/conf/pretrain.yaml``."""
     from lightning_bytescale.recipes.config import ConfigError
 
     try:

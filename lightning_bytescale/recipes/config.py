@@ -1,9 +1,11 @@
-"""Hydra config plumbing for the recipes: schema registration, finding ``conf/``, readable errors.
+"""Hydra config plumbing for the recipes: schema registration, finding the configs, readable errors.
 
-The YAML config groups live in the repository's top-level ``conf/`` folder (an editable
-install, ``pip install -e .``, is what the README uses); ``BYTESCALE_CONF_DIR`` points
-elsewhere.  Importing this module registers the structured-config schemas of
-:mod:`lightning_bytescale.recipes.schema` in Hydra's ConfigStore.
+The YAML config groups ship inside the package (``lightning_bytescale/recipes/conf``, package
+data) and are read through Hydra's package config source,
+``pkg://lightning_bytescale.recipes.conf``, so ``bytescale-train`` works after any ``pip
+install`` from any folder.  ``BYTESCALE_CONF_DIR`` replaces them with a folder of your own;
+Hydra's ``--config-dir`` adds a folder searched before them.  Importing this module registers
+the structured-config schemas of :mod:`lightning_bytescale.recipes.schema` in Hydra's ConfigStore.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "GROUPS",
     "ConfigError",
     "compose_pretrain",
+    "config_source",
     "find_conf_dir",
     "register_configs",
 ]
@@ -42,6 +45,8 @@ __all__ = [
 PRIMARY = "pretrain"
 GROUPS = ("strategy", "data", "model", "trainer", "logger", "experiment")
 ENV_CONF_DIR = "BYTESCALE_CONF_DIR"
+CONF_MODULE = "lightning_bytescale.recipes.conf"  # the packaged configs, as a module
+PKG_SOURCE = f"pkg://{CONF_MODULE}"  # ... and as Hydra's config path
 
 
 def _store_schemas() -> None:
@@ -93,19 +98,53 @@ def register_configs() -> None:
 register_configs()
 
 
-def find_conf_dir() -> Path:
-    """The ``conf/`` folder: ``$BYTESCALE_CONF_DIR``, else the checkout this package lives in."""
+def _user_conf_dir() -> Path | None:
+    """``$BYTESCALE_CONF_DIR`` when set (checked: it must hold ``pretrain.yaml``), else None."""
     env = os.environ.get(ENV_CONF_DIR)
-    candidates = [Path(env)] if env else []
-    candidates.append(Path(__file__).resolve().parent / "conf")
-    for path in candidates:
-        if (path / f"{PRIMARY}.yaml").is_file():
-            return path.resolve()
-    raise ConfigError(
-        f"cannot find the recipe configs ({PRIMARY}.yaml) in {[str(p) for p in candidates]}. "
-        "The configs live in the repository's conf/ folder: install the package editable from a "
-        "checkout (`pip install -e .`), or set BYTESCALE_CONF_DIR=/path/to/lightning-bytescale/conf."
-    )
+    if not env:
+        return None
+    path = Path(env).expanduser()
+    if not (path / f"{PRIMARY}.yaml").is_file():
+        raise ConfigError(
+            f"{ENV_CONF_DIR}={env}: no {PRIMARY}.yaml in {path.resolve()}. Point {ENV_CONF_DIR} at a "
+            f"complete config folder (a copy of the packaged one: {_packaged_conf_dir()}), or unset it "
+            "to use the packaged configs; to add configs of your own beside the packaged ones, use "
+            "`bytescale-train --config-dir /path/to/extra/conf` instead."
+        )
+    return path.resolve()
+
+
+def _packaged_conf_dir() -> Path:
+    """The folder of the packaged configs, found the way Hydra's ``pkg://`` source finds it."""
+    from importlib.resources import files
+
+    return Path(str(files(CONF_MODULE)))
+
+
+def find_conf_dir() -> Path:
+    """The config folder in use: ``$BYTESCALE_CONF_DIR`` when set, else the packaged configs."""
+    user = _user_conf_dir()
+    if user is not None:
+        return user
+    path = _packaged_conf_dir()
+    if not (path / f"{PRIMARY}.yaml").is_file():
+        raise ConfigError(
+            f"the packaged recipe configs are missing: no {PRIMARY}.yaml in {path}. The installed "
+            "copy of lightning-bytescale is incomplete: reinstall it (`pip install --force-reinstall "
+            f"--no-deps lightning-bytescale`, or `pip install .` from a checkout), or set "
+            f"{ENV_CONF_DIR}=/path/to/conf to use a config folder of your own."
+        )
+    return path
+
+
+def config_source() -> str:
+    """Hydra's ``config_path`` for the recipes: ``$BYTESCALE_CONF_DIR`` when set, else
+    ``pkg://lightning_bytescale.recipes.conf`` (checked to hold ``pretrain.yaml``)."""
+    user = _user_conf_dir()
+    if user is not None:
+        return str(user)
+    find_conf_dir()  # a clear error for an incomplete install, before Hydra's own
+    return PKG_SOURCE
 
 
 def explain(err: BaseException) -> str:
@@ -135,16 +174,22 @@ def compose_pretrain(
 ) -> DictConfig:
     """Compose the recipe config the way ``bytescale-train`` does, outside ``@hydra.main``.
 
-    Raises `ConfigError` with the offending key, the reason and a hint.  With ``hydra_config``
-    the ``hydra`` node is included and registered, so ``${hydra:...}`` interpolations resolve.
+    The configs come from ``conf_dir`` when given, else from :func:`config_source` (the
+    packaged ones, or ``$BYTESCALE_CONF_DIR``).  Raises `ConfigError` with the offending key,
+    the reason and a hint.  With ``hydra_config`` the ``hydra`` node is included and registered,
+    so ``${hydra:...}`` interpolations resolve.
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_dir, initialize_config_module
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    directory = Path(conf_dir) if conf_dir is not None else find_conf_dir()
-    with initialize_config_dir(config_dir=str(Path(directory).resolve()), version_base="1.3"):
+    source = str(Path(conf_dir).resolve()) if conf_dir is not None else config_source()
+    if source == PKG_SOURCE:
+        context = initialize_config_module(config_module=CONF_MODULE, version_base="1.3")
+    else:
+        context = initialize_config_dir(config_dir=source, version_base="1.3")
+    with context:
         try:
             cfg = compose(PRIMARY, overrides=list(overrides), return_hydra_config=hydra_config)
         except (HydraException, OmegaConfBaseException) as err:
