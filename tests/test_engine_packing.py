@@ -52,17 +52,18 @@ def test_local_micro_batch_concatenates_whole_sequences():
 
 
 def test_ring_micro_batch_takes_zigzag_slots_with_labels_from_the_full_sequence():
-    # s = 7 on a ring of 2: c = 2, member 0 holds chunks 0 and 3 -> positions 0,1,6,7 (7 is padding).
+    # s = 7 on a ring of 2: c = 2, chunks hold 1, 2, 2, 2 tokens (padding spread, docs/planner.md):
+    # member 0 holds chunks 0 and 3 -> positions 0, 5, 6 and one padding slot (position 7, last).
     lengths = [7]
     tokens = make_tokens(lengths)
     m0 = build_micro_batch(ring_mb([0], lengths, (3, 1), 0), 3, tokens, num_global_tokens=6)
     m1 = build_micro_batch(ring_mb([0], lengths, (3, 1), 1), 1, tokens, num_global_tokens=6)
-    assert m0.position_ids.tolist() == [0, 1, 6, 7]
-    assert m0.input_ids.tolist() == [1, 2, 7, 0]
-    assert m0.labels.tolist() == [2, 3, -100, -100]
-    assert m1.position_ids.tolist() == [2, 3, 4, 5]
-    assert m1.input_ids.tolist() == [3, 4, 5, 6]
-    assert m1.labels.tolist() == [4, 5, 6, 7]  # chunk boundary: label of slot 5 is token 6 (held by member 0)
+    assert m0.position_ids.tolist() == [0, 5, 6, 7]
+    assert m0.input_ids.tolist() == [1, 6, 7, 0]
+    assert m0.labels.tolist() == [2, 7, -100, -100]  # chunk boundary: label of position 0 is held by member 1
+    assert m1.position_ids.tolist() == [1, 2, 3, 4]
+    assert m1.input_ids.tolist() == [2, 3, 4, 5]
+    assert m1.labels.tolist() == [3, 4, 5, 6]  # label of position 4 is token 5 (held by member 0)
     assert m0.layout.ring == (3, 1) and m0.layout.member == 0 and m1.layout.member == 1
     assert m0.layout.valid().tolist() == [True, True, True, False]
     for m in (m0, m1):
@@ -170,6 +171,9 @@ def check_step_batches(plan: Plan, tokens) -> None:
                 s = lengths[j]
                 a, b = int(lay.cu_seqlens[k]), int(lay.cu_seqlens[k + 1])
                 assert b - a == (s if spec.ring is None else zigzag.slots_per_member(s, n))
+                real = int(valid[a:b].sum())
+                assert bool(valid[a : a + real].all()), "padding is last in each sequence's slots"
+                assert b - a - real <= 2 and bool((mb.position_ids[a + real : b] >= s).all())
                 full = tokens(j)
                 for p, x, y, v in zip(
                     mb.position_ids[a:b].tolist(),

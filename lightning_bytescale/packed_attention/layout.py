@@ -10,9 +10,11 @@ slots ``cu_seqlens[j]:cu_seqlens[j+1]``.
 * Local micro-batch (``ring is None``): each sequence's slots are its real tokens, positions
   ``0 .. s_j - 1``, no padding.
 * Ring micro-batch: the same sequences, in the same order, on every member; sequence ``j``
-  occupies ``2 * c_j`` slots on every member (``c_j = zigzag.chunk_size(s_j, N)``): chunk
-  ``member`` then chunk ``2N - 1 - member``.  Slot positions come from
-  :func:`lightning_bytescale.planner.zigzag.member_positions`; positions ``>= s_j`` are padding.
+  occupies ``2 * c_j`` slots on every member (``c_j = zigzag.chunk_size(s_j, N)``): the real
+  tokens of chunk ``member``, then those of chunk ``2N - 1 - member``, then the member's padding
+  (0, 1 or 2 slots: the padding is spread over the chunks, see :mod:`lightning_bytescale.planner.zigzag`).
+  Slot positions come from :func:`lightning_bytescale.planner.zigzag.member_positions`;
+  positions ``>= s_j`` are padding.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Each member holds, for every sequence of the ring item, its two zigzag chunks
 key/value block around the ring (``N - 1`` transfers) and merges each step's partial result
 by log-sum-exp in the accumulation dtype; the first step is the member's own causal block,
 which covers every row, so it initialises the accumulators.  Padding slots (positions
-``>= s_j``, at the sequence end) are only visible to padding queries by causality; their
+``>= s_j``, last in each sequence's slots on every member) are only visible to padding queries,
+in the own block by causality, in the other blocks because they read real key rows only; their
 outputs are defined as zero and contribute no gradient.  Backward sends the key/value blocks
 around again and passes the key/value gradients along one step behind, so after ``N`` hops
 each member holds the gradients of its own keys and values.  The next block's transfer is
@@ -95,25 +96,29 @@ def forward_steps(
     n, i = setup.size, setup.member
     acc = kernels.acc_dtype(q.dtype)
     kv = torch.stack([k, v])
-    q_later = setup.later.q_rows.take(q) if i < n - 1 else None
+    taken: dict[int, torch.Tensor] = {}  # query rows gathered once per distinct row set
     out = lse = None
     for t in range(n):
         src = (i - t) % n
         pending = _post(setup, kv, _TAG_KV) if t < n - 1 and _OVERLAP else None
         plan = setup.block(src)
-        o_b, l_b = kernel.forward(
-            q_later if plan is setup.later else q,
-            plan.k_rows.take(kv[0]),
-            plan.k_rows.take(kv[1]),
-            plan.q_seg,
-            plan.k_seg,
-            plan.causal,
-            scale,
-        )
-        if t == 0:  # the own causal block covers every row
-            out, lse = o_b.to(acc).contiguous(), l_b.to(acc).contiguous()
-        else:
-            kernels.merge_rows(out, lse, plan.q_rows, o_b, l_b)
+        if plan is not None:
+            rows = plan.q_rows
+            if id(rows) not in taken:
+                taken[id(rows)] = rows.take(q)
+            o_b, l_b = kernel.forward(
+                taken[id(rows)],
+                plan.k_rows.take(kv[0]),
+                plan.k_rows.take(kv[1]),
+                plan.q_seg,
+                plan.k_seg,
+                plan.causal,
+                scale,
+            )
+            if t == 0:  # the own causal block covers every row
+                out, lse = o_b.to(acc).contiguous(), l_b.to(acc).contiguous()
+            else:
+                kernels.merge_rows(out, lse, rows, o_b, l_b)
         if t < n - 1:
             kv = yield from _await(pending or _post(setup, kv, _TAG_KV))
     assert out is not None and lse is not None
@@ -138,23 +143,26 @@ def backward_steps(
     dout = dout.to(q.dtype).masked_fill(~setup.valid.view(-1, 1, 1), 0)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack([k, v])
-    rows = setup.later.q_rows
-    later = (rows.take(dout), rows.take(q), rows.take(out), rows.take(lse, dim=1)) if i < n - 1 else None
+    taken: dict[int, tuple[torch.Tensor, ...]] = {}  # query-side rows gathered once per row set
     in_flight: Any = None
     dkv = None
     for t in range(n):
         src = (i - t) % n
         pending = _post(setup, kv, _TAG_KV) if t < n - 1 and _OVERLAP else None
         plan = setup.block(src)
-        d_b, q_b, o_b, l_b = later if plan is setup.later else (dout, q, out, lse)
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-        dq_b, dk_b, dv_b = kernel.backward(
-            d_b, q_b, plan.k_rows.take(kv[0]), plan.k_rows.take(kv[1]), o_b, l_b,
-            plan.q_seg, plan.k_seg, plan.causal, scale,
-        )  # fmt: skip
-        plan.q_rows.add_(dq, dq_b)
-        plan.k_rows.add_(dkv[0], dk_b)
-        plan.k_rows.add_(dkv[1], dv_b)
+        if plan is not None:
+            rows = plan.q_rows
+            if id(rows) not in taken:
+                taken[id(rows)] = (rows.take(dout), rows.take(q), rows.take(out), rows.take(lse, dim=1))
+            d_b, q_b, o_b, l_b = taken[id(rows)]
+            dq_b, dk_b, dv_b = kernel.backward(
+                d_b, q_b, plan.k_rows.take(kv[0]), plan.k_rows.take(kv[1]), o_b, l_b,
+                plan.q_seg, plan.k_seg, plan.causal, scale,
+            )  # fmt: skip
+            rows.add_(dq, dq_b)
+            plan.k_rows.add_(dkv[0], dk_b)
+            plan.k_rows.add_(dkv[1], dv_b)
         if in_flight is not None:
             dkv += yield from _await(in_flight)
         if n > 1:

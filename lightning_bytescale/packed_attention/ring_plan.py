@@ -1,24 +1,34 @@
 """One ring member's set-up: the layout checked against the tensors and rank, and its block plans.
 
 Member ``i`` of a ring of ``N`` holds, for every sequence ``j`` of the ring item, ``2 c_j``
-slots: zigzag chunk ``i`` then chunk ``2N - 1 - i``.  Against the key/value block of member
-``r``, causality leaves three kinds of block, the same for every ``r`` of a kind, so they are
-planned once per layout (:class:`BlockPlan`, one varlen kernel call each):
+slots: the real tokens of zigzag chunk ``i`` (``f_i`` of them), then those of chunk
+``2N - 1 - i`` (``g_i``), then its padding (:mod:`lightning_bytescale.planner.zigzag`: every chunk
+holds ``floor`` or ``ceil`` of ``s_j / 2N`` tokens, so ``f``, ``g`` and the padding depend on the
+member).  Against the key/value block of member ``r``, causality leaves three kinds of block:
 
-* ``own`` (``r == i``): all query slots against all key slots, causal per sequence;
-* ``earlier`` (``r < i``): all query slots against each sequence's first key chunk;
-* ``later`` (``r > i``): each sequence's second query chunk against all key slots.
+* ``own`` (``r == i``): all query slots against all key slots, causal per sequence by slot
+  order (padding is last, so only padding queries see padding keys);
+* ``earlier`` (``r < i``): the query slots of every sequence in which member ``i`` holds a real
+  token against member ``r``'s first chunk, its first ``f_r`` slots;
+* ``later`` (``r > i``): member ``i``'s second chunk, slots ``f_i .. f_i + g_i``, against member
+  ``r``'s real slots, its first ``f_r + g_r``.
 
-Set-ups are cached by content, so the layers of a model share one (and its device tensors).
+Only real key rows are read outside the own block, so no real query ever sees a padding key.
+The plans of ``earlier`` and ``later`` blocks depend on the source member through ``f_r`` and
+``g_r``; a set-up holds one per source (:class:`BlockPlan`, one varlen kernel call each), equal
+plans shared, and sequences with no query or no key row left out of a block (a block with none
+is ``None``: nothing to compute).  Set-ups are cached by content, so the layers of a model share
+one (and its device tensors).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -57,9 +67,7 @@ class RingSetup:
     # (tensor, dst, src, tag) -> object with wait() returning the received tensor; None = gloo/NCCL P2P.
     # In-process rings (threads, or the single-thread loopback) replace the sends and receives here.
     transport: Callable[[torch.Tensor, int, int, int], Any] | None = None
-    own: BlockPlan | None = None
-    earlier: BlockPlan | None = None
-    later: BlockPlan | None = None
+    blocks: tuple[BlockPlan | None, ...] = ()  # by source member; blocks[member] is the own block
 
     @property
     def size(self) -> int:
@@ -73,11 +81,15 @@ class RingSetup:
     def prev_rank(self) -> int:
         return self.ranks[(self.member - 1) % self.size]
 
-    def block(self, src: int) -> BlockPlan:
-        """The block this member computes against member ``src``'s keys and values."""
-        plan = self.own if src == self.member else self.earlier if src < self.member else self.later
+    @property
+    def own(self) -> BlockPlan:
+        plan = self.blocks[self.member]
         assert plan is not None
         return plan
+
+    def block(self, src: int) -> BlockPlan | None:
+        """The block this member computes against member ``src``'s keys and values (``None``: nothing)."""
+        return self.blocks[src]
 
 
 def ring_setup(
@@ -155,9 +167,65 @@ def _build_setup(
             )
         seqs.append((cu[j], c))
     valid = to_device(layout.valid(), device)
-    whole, both = Rows(0, num_slots), Segments.of([2 * c for _, c in seqs])
-    halves = Segments.of([c for _, c in seqs])
-    own = BlockPlan(whole, whole, both, both, causal=True)
-    earlier = BlockPlan(whole, Rows.of([(a, a + c) for a, c in seqs]), both, halves, causal=False)
-    later = BlockPlan(Rows.of([(a + c, a + 2 * c) for a, c in seqs]), whole, halves, both, causal=False)
-    return RingSetup(ranks, layout.member, tuple(seqs), valid, group, None, own, earlier, later)
+    blocks = _block_plans(layout.seq_lens, cu[:-1], n, layout.member, num_slots)
+    return RingSetup(ranks, layout.member, tuple(seqs), valid, group, None, blocks)
+
+
+def chunk_tokens(seq_lens: Sequence[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Real tokens of every member's first and second chunk: two int64 ``[len(seq_lens), n]`` arrays.
+
+    The same counts as :func:`lightning_bytescale.planner.zigzag.member_tokens`, for all
+    sequences and members at once (a static-mesh ring item holds thousands of sequences).
+    """
+    q, r = np.divmod(np.asarray(seq_lens, dtype=np.int64)[:, None], 2 * n)
+    first = np.arange(n, dtype=np.int64)[None, :]
+    second = 2 * n - 1 - first
+
+    def count(k: np.ndarray) -> np.ndarray:  # extras on the first r chunks, or on the last r when r > n
+        return q + np.where(r <= n, k < r, k >= 2 * n - r)
+
+    return count(first), count(second)
+
+
+def _block_plans(
+    seq_lens: Sequence[int], starts: Sequence[int], n: int, i: int, num_slots: int
+) -> tuple[BlockPlan | None, ...]:
+    """Member ``i``'s block plan against every source member (see the module docstring)."""
+    f, g = chunk_tokens(seq_lens, n)
+    a = np.asarray(starts, dtype=np.int64)
+    c2 = np.diff(np.append(a, num_slots))  # 2 c_j slots per sequence
+    shared: dict[bytes, Any] = {}  # equal row sets and plans are one object (one device index)
+
+    def rows(lo: np.ndarray, hi: np.ndarray) -> Rows:
+        key = b"rows" + lo.tobytes() + b"|" + hi.tobytes()
+        if key not in shared:
+            shared[key] = Rows.of(list(zip(lo.tolist(), hi.tolist())))
+        return shared[key]
+
+    def plan(sel: np.ndarray, q_lo: np.ndarray, q_hi: np.ndarray, k_hi: np.ndarray) -> BlockPlan | None:
+        if not sel.any():
+            return None
+        q_lo, q_hi, k_lo, k_hi = q_lo[sel], q_hi[sel], a[sel], k_hi[sel]
+        key = b"plan" + b"|".join(x.tobytes() for x in (q_lo, q_hi, k_lo, k_hi))
+        if key not in shared:
+            shared[key] = BlockPlan(
+                rows(q_lo, q_hi),
+                rows(k_lo, k_hi),
+                Segments.of((q_hi - q_lo).tolist()),
+                Segments.of((k_hi - k_lo).tolist()),
+                causal=False,
+            )
+        return shared[key]
+
+    blocks: list[BlockPlan | None] = []
+    f_i, g_i = f[:, i], g[:, i]
+    for r in range(n):
+        f_r, g_r = f[:, r], g[:, r]
+        if r == i:
+            whole, both = Rows(0, num_slots), Segments.of(c2.tolist())
+            blocks.append(BlockPlan(whole, whole, both, both, causal=True))
+        elif r < i:  # every slot of i (padding rows too) against r's first chunk
+            blocks.append(plan((f_i + g_i > 0) & (f_r > 0), a, a + c2, a + f_r))
+        else:  # i's second chunk against all of r's real tokens
+            blocks.append(plan((g_i > 0) & (f_r + g_r > 0), a + f_i, a + f_i + g_i, a + f_r + g_r))
+    return tuple(blocks)

@@ -39,7 +39,7 @@ from lightning_bytescale.planner.cost_model import CostModel, ranks_without_offl
 from lightning_bytescale.planner.errors import PlanError
 from lightning_bytescale.planner.packing import best_fit_decreasing
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
-from lightning_bytescale.planner.zigzag import slots_per_member
+from lightning_bytescale.planner.zigzag import all_member_ranges, slots_per_member
 
 
 class PeerPlanError(PlanError):
@@ -65,32 +65,13 @@ def _next_pow2(x: int) -> int:
 def _ring_item(lengths: Sequence[int], seqs: Sequence[int], ring: tuple[int, ...], item: int) -> list:
     """One MicroBatch per member: every sequence zigzag-sharded over ``ring``.
 
-    Same ranges as :func:`.zigzag.member_ranges`, computed sequence by sequence (a static
+    Same ranges as :func:`.zigzag.member_ranges`, all members of a sequence at once (a static
     mesh item holds thousands of sequences on hundreds of members).
     """
     n = len(ring)
     pieces: list[list[Piece]] = [[] for _ in range(n)]
-    last = 2 * n - 1
     for s in seqs:
-        length = lengths[s]
-        c = -(-length // (2 * n))
-        for member in range(n):
-            lo = member * c
-            a_end = lo + c
-            if a_end > length:
-                a_end = length
-            hi = (last - member) * c
-            b_end = hi + c
-            if b_end > length:
-                b_end = length
-            if lo >= a_end:
-                ranges: tuple = ()  # chunk ``member`` is padding, so is the later one
-            elif hi >= b_end:
-                ranges = ((lo, a_end),)
-            elif a_end == hi:
-                ranges = ((lo, b_end),)
-            else:
-                ranges = ((lo, a_end), (hi, b_end))
+        for member, ranges in enumerate(all_member_ranges(lengths[s], n)):
             pieces[member].append(Piece(s, ranges))  # every member lists every sequence
     return [MicroBatch(pieces=pieces[m], ring=ring, item=item) for m in range(n)]
 
