@@ -6,8 +6,10 @@ tensors a model runs on: ``input_ids``, ``labels``, ``position_ids`` and the
 
 * Local micro-batch: whole sequences concatenated, positions ``0 .. s - 1``.
 * Ring micro-batch: per sequence, this member's ``2c`` zigzag slots
-  (:func:`~lightning_bytescale.planner.zigzag.member_positions`); padding slots (positions
-  ``>= s``) hold input 0 and label -100.
+  (:func:`~lightning_bytescale.planner.zigzag.member_positions`): the real tokens of its two
+  chunks in position order, then its 0-2 padding slots (the padding is spread over the ``2N``
+  chunks, so every member gets about ``1/N`` of the causal-mask area).  Padding slots (positions
+  ``>= s``) hold input 0 and label -100; real tokens keep their positions in the sequence (RoPE).
 
 Labels are taken from the *full* sequence (``label[p] = token[p + 1]``), so a zigzag chunk's
 last slot is labelled with the first token of the next chunk even though another member holds
