@@ -23,6 +23,15 @@ exist.  Parameters narrower than float32 (bf16/fp16) are summed in a float32 cop
 launch, so a sum over many ranks does not drift; that copy is the only extra memory, one per
 such bucket in flight.
 
+ZeRO-2 (``owners``): a parameter whose optimizer state lives on one rank (the
+``ZeroRedundancyOptimizer`` partition, :mod:`~lightning_bytescale.engine.zero`) needs its
+summed gradient on that rank only.  Buckets then hold parameters of one owner each, and a
+bucket is *reduced* to its owner (``dist.reduce``) instead of all-reduced; once it is done,
+the other ranks drop those gradients and free the bucket's buffer (it is allocated again, zeroed,
+at the next :meth:`BucketedGradSync.prepare`).  So from the end of the sync to the next step's
+backward each rank holds only the gradients of its own shard.  Parameters without an owner
+(not in a sharded optimizer) are all-reduced as before.
+
 The all-reduces run on their own process group (created once, at set-up), so they can be in
 flight while the last micro-batch's ring exchanges run point-to-point on the global group:
 with NCCL, operations of one group are ordered on one stream, and a bucket all-reduce queued
@@ -31,7 +40,7 @@ before another rank's ring receive would deadlock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,29 +51,43 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 class _Bucket:
-    """Parameters whose gradients are summed by one all-reduce.
+    """Parameters whose gradients are summed by one collective.
 
     Several small parameters share one flat buffer whose views are their gradients.  A
     parameter of a bucket's size or more is a bucket of its own (``solo``): its gradient is
-    all-reduced in place, with no buffer, so autograd can hand over the gradient it computed
-    without an extra copy of that (large) tensor.
+    reduced in place, with no buffer, so autograd can hand over the gradient it computed
+    without an extra copy of that (large) tensor.  ``owner`` is the global rank the sum goes
+    to (ZeRO-2), or ``None``: every rank gets it (all-reduce).
     """
 
-    def __init__(self, params: list[nn.Parameter], solo: bool = False) -> None:
+    def __init__(self, params: list[nn.Parameter], solo: bool = False, owner: int | None = None) -> None:
         self.params = params
         self.solo = solo
-        first = params[0]
+        self.owner = owner
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor | None] = [None] * len(params)
         if not solo:
-            self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
-            offset = 0
-            for j, p in enumerate(params):
-                self.views[j] = self.buffer[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-        self.widen = first.dtype in (torch.bfloat16, torch.float16)  # sum in float32
+            self.allocate()
+        self.widen = params[0].dtype in (torch.bfloat16, torch.float16)  # sum in float32
         self.work: Any = None
         self.wide: torch.Tensor | None = None
+
+    def allocate(self) -> None:
+        """A zeroed flat buffer and the parameters' views into it."""
+        first = self.params[0]
+        self.buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device)
+        offset = 0
+        for j, p in enumerate(self.params):
+            self.views[j] = self.buffer[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def release(self) -> None:
+        """Drop the gradients and the buffer (a non-owner after the reduce: ZeRO-2)."""
+        for p in self.params:
+            p.grad = None
+        self.buffer = None
+        self.views = [None] * len(self.params)
+        self.wide = None
 
 
 class BucketedGradSync:
@@ -73,9 +96,11 @@ class BucketedGradSync:
     Per step: :meth:`prepare` before the first micro-batch, :meth:`arm` right before the last
     one (its backward then launches buckets as they become final), :meth:`finish` after the
     loop on every rank (it launches the rest and waits); afterwards every ``p.grad`` holds the
-    sum over ranks.  :meth:`produced` tells which parameters got a gradient on this rank (a
-    prepared gradient is a zero buffer even if nothing reached it).  :meth:`close` removes the
-    hooks.  Without an initialised process group nothing is communicated.
+    sum over ranks -- with ``owners`` (ZeRO-2: ``id(parameter) -> global rank`` of the rank
+    that keeps its optimizer state), only on the owner, and the other ranks hold ``None``.
+    :meth:`produced` tells which parameters got a gradient on this rank (a prepared gradient
+    is a zero buffer even if nothing reached it).  :meth:`close` removes the hooks.  Without
+    an initialised process group nothing is communicated.
     """
 
     def __init__(
@@ -83,12 +108,16 @@ class BucketedGradSync:
         params: Sequence[nn.Parameter],
         group: Any = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        owners: Mapping[int, int] | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.bucket_bytes = int(bucket_bytes)
+        self.owners = dict(owners) if owners is not None else None
+        initialised = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if initialised else 0  # global rank: owners are global ranks
         self.buckets = self._make_buckets()
         self._where = {
             id(p): (b, j) for b, bucket in enumerate(self.buckets) for j, p in enumerate(bucket.params)
@@ -101,43 +130,67 @@ class BucketedGradSync:
         self.launched_in_backward = 0  # buckets launched during the last backward (telemetry)
 
     def _make_buckets(self) -> list[_Bucket]:
-        """Last parameters first (backward computes them first); one dtype and device per bucket."""
-        buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(self.params):
+        """Last parameters first (backward computes them first); one dtype, device and owner per bucket.
+
+        Buckets are ordered by the backward position of their last parameter, i.e. by when they
+        become final.  Without ``owners`` one bucket is filled at a time; with them, one per
+        owner (and dtype and device) is open at a time, so each bucket can be reduced to one rank.
+        """
+        done: list[tuple[int, _Bucket]] = []  # (backward position of its last parameter, bucket)
+        open_: dict[tuple[Any, ...], tuple[list[nn.Parameter], int, int]] = {}  # key -> params, bytes, last
+
+        def close(key: tuple[Any, ...]) -> None:
+            members, _, last = open_.pop(key)
+            done.append((last, _Bucket(members, owner=key[0])))
+
+        for position, p in enumerate(reversed(self.params)):
+            owner = None if self.owners is None else self.owners.get(id(p))
+            key = (owner, p.dtype, p.device)
+            if self.owners is None:  # one open bucket at a time
+                for other in [k for k in open_ if k != key]:
+                    close(other)
             nbytes = p.numel() * p.element_size()
-            if nbytes >= self.bucket_bytes:  # a bucket of its own, all-reduced in place
-                if current:
-                    buckets.append(_Bucket(current))
-                    current, size = [], 0
-                buckets.append(_Bucket([p], solo=True))
+            if nbytes >= self.bucket_bytes:  # a bucket of its own, reduced in place
+                if key in open_:
+                    close(key)
+                done.append((position, _Bucket([p], solo=True, owner=owner)))
                 continue
-            if current and (
-                size + nbytes > self.bucket_bytes
-                or (p.dtype, p.device) != (current[0].dtype, current[0].device)
-            ):
-                buckets.append(_Bucket(current))
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            buckets.append(_Bucket(current))
-        return buckets
+            if key in open_ and open_[key][1] + nbytes > self.bucket_bytes:
+                close(key)
+            members, size, _ = open_.get(key, ([], 0, position))
+            members.append(p)
+            open_[key] = (members, size + nbytes, position)
+        for key in list(open_):
+            close(key)
+        return [bucket for _, bucket in sorted(done, key=lambda item: item[0])]
 
     @property
     def extra_bytes(self) -> int:
         """Memory this sync holds beyond the gradients themselves (float32 copies of narrow buckets)."""
         return sum(b.wide.numel() * b.wide.element_size() for b in self.buckets if b.wide is not None)
 
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients this rank holds now: bucket buffers and solo parameters' gradients."""
+        total = 0
+        for b in self.buckets:
+            if b.buffer is not None:
+                total += b.buffer.numel() * b.buffer.element_size()
+            elif b.solo and b.params[0].grad is not None:
+                total += b.params[0].grad.numel() * b.params[0].grad.element_size()
+        return total
+
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
     def prepare(self) -> None:
         """Point every gradient at its (zeroed) bucket view; an existing gradient is kept as its value."""
         for bucket in self.buckets:
+            if bucket.solo:  # autograd's own gradient tensor is reduced in place
+                continue
+            if bucket.buffer is None:  # released after last step's reduce (ZeRO-2, not the owner)
+                bucket.allocate()
             for p, view in zip(bucket.params, bucket.views):
-                if view is None:  # solo: autograd's own gradient tensor is all-reduced in place
-                    continue
+                assert view is not None
                 if p.grad is None:
                     view.zero_()
                 elif p.grad.data_ptr() != view.data_ptr():
@@ -199,14 +252,23 @@ class BucketedGradSync:
         if bucket.widen:
             bucket.wide = target.float()
             target = bucket.wide
-        if dist.is_available() and dist.is_initialized():
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if bucket.owner is None:
             bucket.work = dist.all_reduce(target, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        else:  # ZeRO-2: the sum goes to the rank that keeps this bucket's optimizer state
+            bucket.work = dist.reduce(
+                target, dst=bucket.owner, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            )
 
     @torch.no_grad()
     def _complete(self, bucket: _Bucket) -> None:
         if bucket.work is not None:
             bucket.work.wait()
             bucket.work = None
+        if bucket.owner is not None and bucket.owner != self.rank:
+            bucket.release()  # ZeRO-2: another rank owns these gradients
+            return
         if bucket.solo:
             p = bucket.params[0]
             if bucket.wide is not None and p.grad is not None:

@@ -66,6 +66,12 @@ from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX
 from lightning_bytescale.engine.loss_check import LossScaling
 from lightning_bytescale.engine.state_sync import broadcast_module_state
+from lightning_bytescale.engine.zero import (
+    clip_grad_norm_,
+    drop_unowned_gradients,
+    owner_ranks,
+    resolve_zero_level,
+)
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.lightning import compat as compat
 
@@ -134,7 +140,13 @@ class ByteScaleStrategy(ParallelStrategy):
         comm_aware: plan on the communication-aware cost model (``False``: the paper's
             compute-only model, the ablation).
         ranks_per_node: ranks per node for ring placement (``None``: the cost model's value).
-        zero1: shard optimizer state over all ranks with ``ZeroRedundancyOptimizer``.
+        zero: ZeRO level: ``0`` (default) every rank keeps all optimizer state and gradients;
+            ``1`` shards optimizer state over all ranks with ``ZeroRedundancyOptimizer``; ``2``
+            also shards gradients: each is reduced to the rank that owns its optimizer state
+            instead of all-reduced, and the other ranks drop it (:mod:`~lightning_bytescale.engine.zero`).
+            Gradient clipping uses the global norm, so ``gradient_clip_val`` gives the same
+            result at every level.
+        zero1: the older spelling of ``zero=1`` (``True``); contradicting ``zero`` is an error.
         timeout: process-group timeout (seconds or ``timedelta``): a dead or stuck peer gives
             an error within it instead of a hang.
         check_finite: stop with :class:`~lightning_bytescale.errors.NonFiniteError` (naming the
@@ -190,7 +202,8 @@ class ByteScaleStrategy(ParallelStrategy):
         cost_model: Any = None,
         comm_aware: bool = True,
         ranks_per_node: int | None = None,
-        zero1: bool = False,
+        zero: int = 0,
+        zero1: bool | None = None,
         timeout: float | int | timedelta | None = default_pg_timeout,
         check_finite: bool = True,
         check_loss_normalization: bool = True,
@@ -242,7 +255,9 @@ class ByteScaleStrategy(ParallelStrategy):
         self.cost_model = _resolve_cost_model(cost_model)
         self.comm_aware = comm_aware
         self.ranks_per_node = ranks_per_node
-        self.zero1 = bool(zero1)
+        self.zero = resolve_zero_level(zero, zero1)
+        self.zero1 = self.zero >= 1  # optimizer state is sharded (ZeRO-1 and ZeRO-2)
+        self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
         self.check_finite = bool(check_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
         self.check_parameters_every_n_steps = check_parameters_every_n_steps
@@ -462,11 +477,12 @@ class ByteScaleStrategy(ParallelStrategy):
         if self.gradient_sync != "bucketed":
             return None
         sync = self._grad_sync
-        if sync is None or [id(p) for p in sync.params] != [id(p) for p in params]:
+        owners = self._grad_owners if self.zero == 2 else None
+        if sync is None or [id(p) for p in sync.params] != [id(p) for p in params] or sync.owners != owners:
             if sync is not None:
                 sync.close()
             sync = BucketedGradSync(
-                params, group=self._grad_group, bucket_bytes=int(self.bucket_cap_mb * 2**20)
+                params, group=self._grad_group, bucket_bytes=int(self.bucket_cap_mb * 2**20), owners=owners
             )
             self._grad_sync = sync
         return sync
@@ -498,10 +514,37 @@ class ByteScaleStrategy(ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self.zero1:
-            self._wrap_zero1()
+        if self.zero >= 1:
+            self._wrap_zero()
+        self._grad_owners = owner_ranks(self.optimizers) if self.zero == 2 else None
+        if self.zero == 2:
+            self._clip_by_global_norm()
 
-    def _wrap_zero1(self) -> None:
+    def _clip_by_global_norm(self) -> None:
+        """ZeRO-2: each rank holds only its shard of the gradients, so clipping by norm needs the global norm.
+
+        ``LightningModule.clip_gradients`` calls the precision plugin, so its ``clip_grad_by_norm``
+        is replaced (on this strategy's plugin instance) by one that combines the shards' norms
+        with one all-reduce; clipping by value works on each shard as it is.
+        """
+        plugin = self.precision_plugin
+        if getattr(plugin, "scaler", None) is not None:
+            raise ConfigError(
+                "ByteScaleStrategy(zero=2) cannot run with a float16 GradScaler (precision='16-mixed'): each rank "
+                "would decide on its own gradient shard whether to skip a step. Use precision='bf16-mixed' or "
+                "'32-true', or zero=1."
+            )
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            clip_grad_norm_(
+                plugin.main_params(optimizer), clip_val, group=getattr(inner, "process_group", None)
+            )
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _wrap_zero(self) -> None:
+        """Each optimizer as a ``ZeroRedundancyOptimizer`` (ZeRO-1 and ZeRO-2 share this state layout)."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         wrapped = []
@@ -760,6 +803,8 @@ class ByteScaleStrategy(ParallelStrategy):
             stop_request=preemption is not None and preemption.requested,
             grad_sync=pending["grad_sync"],
         )
+        if self._grad_owners is not None and pending["grad_sync"] is None:  # ZeRO-2 after a flat all-reduce
+            drop_unowned_gradients([p for _, p in self._named_params()], self._grad_owners, self.global_rank)
         if preemption is not None:  # the preemption callback acts on it after this step
             preemption.record_agreement(result.stop_requested)
         self._steps_run += 1

@@ -82,7 +82,8 @@ class StrategyConfig:
     cp_size: int | None = None  # ring size of the static planner (None: as needed)
     offload: bool = False  # let long sequences offload activations to need fewer ranks
     slack: float = 0.05  # balance scheduler slack (delta)
-    zero1: bool = False  # shard optimizer state over all ranks (ZeroRedundancyOptimizer)
+    zero: int = 0  # ZeRO level: 0 none, 1 optimizer state sharded, 2 optimizer state and gradients sharded
+    zero1: bool | None = None  # the older spelling of zero=1 (True); leave None and set zero
     timeout: float = 300.0  # seconds before a collective or P2P wait fails
     seed: int = "${seed}"  # type: ignore[assignment]  # planning seed, the same on every rank
     check_finite: bool = True  # stop on a non-finite loss/gradient, naming the micro-batch

@@ -1,0 +1,134 @@
+"""ZeRO levels: which rank owns which parameter, and gradient clipping over sharded gradients.
+
+``ByteScaleStrategy(zero=1)`` shards optimizer state with ``ZeroRedundancyOptimizer`` (each
+parameter's state lives on one rank; after the step that rank broadcasts the parameter).
+``zero=2`` also shards the *gradients*: the gradient sync reduces each parameter's gradient to
+the rank that owns its optimizer state (:class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync`
+with ``owners``) and the other ranks drop it.  Both levels share one optimizer-state layout
+(the ``ZeroRedundancyOptimizer`` partition) and so one checkpoint format.
+
+With sharded gradients a rank's local gradient norm covers its shard only, so clipping by norm
+needs the norms of all shards: :func:`clip_grad_norm_` combines them with one all-reduce of
+one number (clipping by value needs nothing: each rank clips the gradients it holds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_bytescale.errors import ConfigError
+
+ZERO_LEVELS = (0, 1, 2)
+
+
+def resolve_zero_level(zero: Any, zero1: Any = None) -> int:
+    """The ZeRO level from ``zero`` and the older ``zero1`` flag (an alias for ``zero=1``).
+
+    ``zero1=True`` with the default ``zero=0`` means ``zero=1``; ``zero1=True`` with
+    ``zero=2``, or ``zero1=False`` with ``zero`` 1 or 2, contradict each other and are refused.
+    """
+    if isinstance(zero, bool) or not isinstance(zero, int) or zero not in ZERO_LEVELS:
+        raise ConfigError(
+            f"zero must be 0 (no sharding), 1 (optimizer state sharded) or 2 (optimizer state and gradients "
+            f"sharded), got {zero!r}"
+        )
+    if zero1 is None:
+        return zero
+    if not isinstance(zero1, bool):
+        raise ConfigError(f"zero1 must be True or False (an alias for zero=1), got {zero1!r}")
+    if zero1 and zero in (0, 1):
+        return 1
+    if not zero1 and zero == 0:
+        return 0
+    raise ConfigError(
+        f"zero1={zero1} contradicts zero={zero}: zero1=True is the older spelling of zero=1. Pass only zero "
+        "(0, 1 or 2) and drop zero1."
+    )
+
+
+def owner_ranks(optimizers: Iterable[Any]) -> dict[int, int]:
+    """``id(parameter) -> global rank`` that keeps its optimizer state, for every sharded optimizer.
+
+    Reads the partition of each ``ZeroRedundancyOptimizer`` (ranks of its process group,
+    translated to global ranks); other optimizers shard nothing and are skipped.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    owners: dict[int, int] = {}
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)  # a LightningOptimizer
+        if not isinstance(opt, ZeroRedundancyOptimizer):
+            continue
+        group = opt.process_group
+        for param, rank in opt._param_to_rank.items():  # the partition its step and state_dict use
+            owners[id(param)] = dist.get_global_rank(group, rank) if group is not None else rank
+    return owners
+
+
+def drop_unowned_gradients(params: Iterable[nn.Parameter], owners: Mapping[int, int], rank: int) -> int:
+    """Set ``p.grad = None`` where another rank owns ``p`` (after a full all-reduce); returns bytes freed."""
+    freed = 0
+    for p in params:
+        owner = owners.get(id(p))
+        if owner is not None and owner != rank and p.grad is not None:
+            freed += p.grad.numel() * p.grad.element_size()
+            p.grad = None
+    return freed
+
+
+def _local_norm(grads: Sequence[Tensor], norm_type: float) -> Tensor:
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if get_total_norm is not None:
+        return get_total_norm(grads, norm_type)
+    norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: Any = None,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` when each gradient is held by exactly one rank of ``group``.
+
+    Every rank computes the norm of the gradients it holds; one all-reduce combines them (sum
+    of ``norm ** p``, or the maximum for the infinity norm) into the norm of the whole
+    gradient, and each rank scales its own gradients by the same factor,
+    ``min(1, max_norm / (total + 1e-6))``, as one process would.  Call it on every rank of
+    ``group``.  Returns the total norm.
+    """
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
+    norm_type = float(norm_type)
+    local = _local_norm(grads, norm_type) if grads else torch.zeros((), device=device)
+    dtype = local.dtype if grads else torch.float32
+    wide = local.to(device=device, dtype=torch.promote_types(local.dtype, torch.float32))
+    initialised = dist.is_available() and dist.is_initialized()
+    if math.isinf(norm_type):
+        if initialised:
+            dist.all_reduce(wide, op=dist.ReduceOp.MAX, group=group)
+        total = wide
+    else:
+        powered = wide.pow(norm_type)
+        if initialised:
+            dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+        total = powered.pow(1.0 / norm_type)
+    total = total.to(dtype)
+    if grads:
+        clip_coef = float(max_norm) / (total + 1e-6)
+        coef = torch.clamp(clip_coef, max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device, g.dtype))
+    return total
+
+
+__all__ = ["ZERO_LEVELS", "clip_grad_norm_", "drop_unowned_gradients", "owner_ranks", "resolve_zero_level"]
