@@ -16,9 +16,9 @@ forks 3 ranks per scenario:
   only the process-group timeout can end the others' wait.
 
 In every one of these scenarios the survivors must raise a clear error
-(:class:`lightning_bytescale.engine.failures.PeerFailureError`) within the process-group timeout
-(:data:`TIMEOUT_S`), and no process may outlive the launcher.  The Lightning-level versions of
-the dead/stuck peer (``[ByteScale]`` hint from ``ByteScaleStrategy.on_exception``) are in
+(:class:`lightning_bytescale.errors.PeerFailureError`, from ``_failure_helpers.peer_failure_guard``)
+within the process-group timeout (:data:`TIMEOUT_S`), and no process may outlive the launcher.  The Lightning-level versions of
+the dead/stuck peer (the same message appended by ``ByteScaleStrategy.on_exception``) are in
 ``tests/test_strategy_launch.py``.
 """
 
@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _failure_helpers import peer_failure_guard
 from _proc import group_alive
 
 TESTS = Path(__file__).resolve().parent
@@ -163,8 +164,6 @@ def _checks(rank: int, report: dict) -> None:
     step = build_step(_plan(world=WORLD + 1), rank, tokens, step=4)
     t0 = time.time()
     try:
-        from lightning_bytescale.engine.failures import peer_failure_guard
-
         with peer_failure_guard(rank, CHECKS_TIMEOUT_S, "a step"):
             _guarded_step(model, step)
         report["world"] = {"error": None}
@@ -177,7 +176,6 @@ def _dead_peer(scenario: str, rank: int, report: dict) -> None:
     import torch.distributed as dist
 
     from lightning_bytescale.engine import build_step, run_step
-    from lightning_bytescale.engine.failures import peer_failure_guard
     from lightning_bytescale.packed_attention import ring as ring_mod
 
     model = _model()

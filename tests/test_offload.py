@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+from _offload_helpers import get_act_ctx
 from torch import nn
 
 from lightning_bytescale.models import LlamaConfig, LlamaModel
@@ -14,7 +15,6 @@ from lightning_bytescale.offload.offloader import (
     OUTSIDE,
     ActivationOffloader,
     OffloadError,
-    get_act_ctx,
     offloaded_layers,
 )
 from lightning_bytescale.packed_attention import attention_context

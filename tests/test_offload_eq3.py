@@ -10,8 +10,9 @@ D(s, r) = ceil((2 + 8 (1 - r)) * 100 s / (10 * 1000 * 100)) = ceil((2 + 8 (1 - r
 from __future__ import annotations
 
 import pytest
+from _offload_helpers import plan_offload_ratios
 
-from lightning_bytescale.offload.offloader import micro_batch_offload_ratio, plan_offload_ratios
+from lightning_bytescale.offload.offloader import micro_batch_offload_ratio
 from lightning_bytescale.planner import make_plan
 from lightning_bytescale.planner.cost_model import (
     CostModel,

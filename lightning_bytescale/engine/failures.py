@@ -1,18 +1,19 @@
-"""Turn a dead or stuck peer into one clear error instead of a backend's socket message.
+"""Turn a dead or stuck peer into one clear message instead of a backend's socket text.
 
 When a rank dies (out of memory, killed, a crash) or stops answering, the survivors' next ring
 transfer or all-reduce fails inside the communication backend, with text such as gloo's
 ``Connection closed by peer`` or ``Timed out waiting 5000ms for recv operation``.  That text
-names neither the cause nor the fix.  :func:`peer_failure_guard` wraps any code that talks to
-other ranks and re-raises such failures as :class:`PeerFailureError`, whose message says
-which rank noticed, in which phase, the process-group timeout that bounds the wait, and what
-to do; the backend's text stays attached as ``__cause__``.
+names neither the cause nor the fix.  :func:`is_peer_failure` recognises such errors and
+:func:`peer_failure_message` is the one wording of the condition: which rank noticed, in which
+phase, the process-group timeout that bounds the wait, and what to do.
+``ByteScaleStrategy.on_exception`` appends it to the backend's error (Lightning re-raises the
+original exception object); an engine loop of one's own raises
+:class:`~lightning_bytescale.errors.PeerFailureError` with it, the backend's error attached as
+``__cause__`` (docs/troubleshooting.md shows the five lines).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 
 from lightning_bytescale.errors import PeerFailureError
@@ -52,39 +53,26 @@ def _seconds(timeout: float | timedelta | None) -> float | None:
     return None if timeout is None else float(timeout)
 
 
-def peer_failure_message(
-    error: BaseException, *, rank: int, timeout: float | timedelta | None, phase: str = "a step"
-) -> str:
-    """The message of :class:`PeerFailureError` for ``error`` seen on ``rank`` during ``phase``."""
+def peer_failure_message(*, rank: int, timeout: float | timedelta | None, phase: str = "a step") -> str:
+    """The message of the dead-peer condition, seen on ``rank`` during ``phase``.
+
+    The backend's error is not repeated in the text: the strategy appends this message to it,
+    and :class:`PeerFailureError` carries it as ``__cause__``.
+    """
     seconds = _seconds(timeout)
     bound = f"{seconds:g} s" if seconds is not None else "the backend's default"
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return (
         f"rank {rank}: another rank died or stopped answering during {phase} (process-group timeout "
-        f"{bound}; backend said: {first}). The first error is in the logs of the rank that failed; fix "
-        "that one (often out of memory, a kill by the scheduler, or a crash in the data loader), then "
-        "resume from the last checkpoint. To give up sooner or later, set the process-group timeout "
+        f"{bound}). The first error is in the logs of the rank that failed; fix that one (often out of "
+        "memory, a kill by the scheduler, or a crash in the data loader), then resume from the last "
+        "checkpoint. To give up sooner or later, set the process-group timeout "
         "(ByteScaleStrategy(timeout=...), or init_process_group(timeout=...))."
     )
-
-
-@contextmanager
-def peer_failure_guard(rank: int, timeout: float | timedelta | None, phase: str = "a step") -> Iterator[None]:
-    """Re-raise a lost-peer error inside the block as :class:`PeerFailureError` (others unchanged)."""
-    try:
-        yield
-    except PeerFailureError:
-        raise
-    except (RuntimeError, ConnectionError, TimeoutError) as err:
-        if not is_peer_failure(err):
-            raise
-        raise PeerFailureError(peer_failure_message(err, rank=rank, timeout=timeout, phase=phase)) from err
 
 
 __all__ = [
     "PEER_FAILURE_MARKERS",
     "PeerFailureError",
     "is_peer_failure",
-    "peer_failure_guard",
     "peer_failure_message",
 ]

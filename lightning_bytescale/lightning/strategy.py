@@ -61,7 +61,7 @@ from lightning_bytescale.engine.executor import (
     run_micro_batches,
     sync_step,
 )
-from lightning_bytescale.engine.failures import is_peer_failure
+from lightning_bytescale.engine.failures import is_peer_failure, peer_failure_message
 from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX
 from lightning_bytescale.engine.loss_check import LossScaling
@@ -91,7 +91,6 @@ warnings.filterwarnings(
 )
 warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning)
 
-ByteScaleConfigError = ConfigError  # the first landing's name
 LOSS_PROBE_STEPS = 3  # steps in which each rank probes the loss normalisation until one probe is conclusive
 
 
@@ -941,13 +940,8 @@ class ByteScaleStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         text = str(exception)
         if isinstance(exception, RuntimeError) and is_peer_failure(exception):
-            timeout = self._timeout.total_seconds() if self._timeout is not None else None
-            hint = (
-                f"\n[ByteScale] rank {self.global_rank}: communication failed during {self._phase} "
-                f"(process-group timeout {timeout} s). Another rank has most likely died or is stuck; check the "
-                "other ranks' logs for the first error. Set ByteScaleStrategy(timeout=...) to bound how long "
-                "ranks wait."
-            )
+            message = peer_failure_message(rank=self.global_rank, timeout=self._timeout, phase=self._phase)
+            hint = f"\n[ByteScale] {message}"
             with contextlib.suppress(Exception):
                 exception.args = (
                     f"{exception.args[0] if exception.args else text}{hint}",

@@ -46,15 +46,13 @@ from torch import nn
 from lightning_bytescale.errors import ByteScaleError
 
 __all__ = [
-    "ActCtx",
     "ActivationOffloader",
+    "OffloadError",
     "OffloadStats",
     "PassStats",
     "Tag",
-    "get_act_ctx",
     "micro_batch_offload_ratio",
     "offloaded_layers",
-    "plan_offload_ratios",
 ]
 
 OUTSIDE = -1  # layer index of tensors saved outside the given layers (or in fallback mode)
@@ -380,10 +378,6 @@ class ActivationOffloader:
         ratio = micro_batch_offload_ratio(micro_batch, capacity=self.capacity)
         return self.context(int(getattr(micro_batch, "index", 0)), ratio)
 
-    def get_act_ctx(self, offload_ratios: Sequence[float]) -> ActCtx:
-        """The paper's interface: ``ctx = get_act_ctx(ratios); ctx.update_micro_batch_id(i); with ctx: ...``."""
-        return ActCtx(self, offload_ratios)
-
     def reset_peak(self) -> None:
         with self._lock:
             self.stats.peak_device_bytes = self.stats.live_device_bytes
@@ -575,46 +569,6 @@ class ActivationOffloader:
             s.reloaded_bytes += reloaded
 
 
-class ActCtx:
-    """The paper's ``act_ctx``: per-micro-batch ratios; select one with :meth:`update_micro_batch_id`."""
-
-    def __init__(self, offloader: ActivationOffloader, offload_ratios: Sequence[float]) -> None:
-        for r in offload_ratios:
-            _check_ratio(r)
-        self.offloader = offloader
-        self.offload_ratios = [float(r) for r in offload_ratios]
-        self.micro_batch_id = 0
-        self._cm: contextlib.AbstractContextManager | None = None
-
-    def update_micro_batch_id(self, micro_batch_id: int) -> None:
-        if not 0 <= micro_batch_id < len(self.offload_ratios):
-            raise OffloadError(
-                f"micro-batch id {micro_batch_id} out of range: this act_ctx has "
-                f"{len(self.offload_ratios)} ratios"
-            )
-        self.micro_batch_id = micro_batch_id
-
-    def __enter__(self) -> PassStats:
-        self._cm = self.offloader.context(self.micro_batch_id, self.offload_ratios[self.micro_batch_id])
-        return self._cm.__enter__()
-
-    def __exit__(self, *exc: Any) -> bool | None:
-        cm, self._cm = self._cm, None
-        return cm.__exit__(*exc) if cm is not None else None
-
-
-def get_act_ctx(
-    num_micro_batch: int,
-    offload_ratios: Sequence[float],
-    layers: Sequence[nn.Module] | None = None,
-    **kw: Any,
-) -> ActCtx:
-    """Paper-style constructor: an :class:`ActCtx` over a new :class:`ActivationOffloader`."""
-    if len(offload_ratios) != num_micro_batch:
-        raise OffloadError(f"got {len(offload_ratios)} offload ratios for {num_micro_batch} micro-batches")
-    return ActivationOffloader(layers, **kw).get_act_ctx(offload_ratios)
-
-
 # ---------------------------------------------------------------------- plan integration
 def micro_batch_offload_ratio(
     micro_batch: Any, lengths: Sequence[int] | None = None, capacity: int | None = None
@@ -640,10 +594,3 @@ def micro_batch_offload_ratio(
     if own and all(s < capacity for s in own):
         return 0.0
     return ratio
-
-
-def plan_offload_ratios(plan: Any, rank: int) -> list[float]:
-    """Per micro-batch offload ratios of ``rank``'s list in ``plan`` (short-only micro-batches get 0)."""
-    if not 0 <= rank < len(plan.ranks):
-        raise OffloadError(f"rank {rank} not in the plan (world size {len(plan.ranks)})")
-    return [micro_batch_offload_ratio(mb, plan.lengths, plan.capacity) for mb in plan.ranks[rank]]
