@@ -42,19 +42,15 @@ from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
 from lightning_bytescale.planner.zigzag import all_member_ranges, slots_per_member
 
 
-class PeerPlanError(PlanError):
-    """The batch cannot be planned by this peer scheduler with these settings."""
-
-
 def _check(lengths: Sequence[int], world_size: int, capacity: int) -> list[int]:
     if world_size < 1:
-        raise PeerPlanError(f"world_size must be >= 1, got {world_size}")
+        raise PlanError(f"world_size must be >= 1, got {world_size}")
     if capacity < 2:
-        raise PeerPlanError(f"capacity must be >= 2 tokens, got {capacity}")
+        raise PlanError(f"capacity must be >= 2 tokens, got {capacity}")
     out = [int(x) for x in lengths]
     bad = [x for x in out if x < 1]
     if bad:
-        raise PeerPlanError(f"sequence lengths must be >= 1, got {bad[0]}; drop empty samples first")
+        raise PlanError(f"sequence lengths must be >= 1, got {bad[0]}; drop empty samples first")
     return out
 
 
@@ -146,7 +142,7 @@ def plan_megatron_dcp(
     too_big = [i for i, c in enumerate(cps) if c > world_size]
     if too_big:
         i = too_big[0]
-        raise PeerPlanError(
+        raise PlanError(
             f"sequence {i} of {lens[i]} tokens needs a CP group of {cps[i]} ranks (a power of two), "
             f"more than world_size={world_size}; raise capacity or the number of ranks"
         )
@@ -187,7 +183,7 @@ def plan_megatron_dcp(
             if not placed:
                 deferred.append(i)
         if not groups:  # cannot happen: the longest remaining sequence always fits an empty round
-            raise PeerPlanError("megatron_dcp made no progress; this is a bug")
+            raise PlanError("megatron_dcp made no progress; this is a bug")
         # fill empty ranks by doubling the CP size of the most loaded groups that fit
         for g in sorted(range(len(groups)), key=lambda g: -groups[g]["load"]):
             grp = groups[g]
@@ -224,7 +220,7 @@ def plan_megatron_dcp(
 def karmarkar_karp(weights: Sequence[float], k: int) -> list[list[int]]:
     """k-way largest differencing method: indices of ``weights`` split into ``k`` parts of near-equal sum."""
     if k < 1:
-        raise PeerPlanError(f"number of partitions must be >= 1, got {k}")
+        raise PlanError(f"number of partitions must be >= 1, got {k}")
     if not weights:
         return [[] for _ in range(k)]
     counter = itertools.count()
@@ -267,13 +263,11 @@ def plan_verl_kk(
 
     cp = static_cp_size(lens, world_size, capacity) if cp_size is None else int(cp_size)
     if cp < 1 or world_size % cp:
-        raise PeerPlanError(
-            f"cp_size {cp} must be >= 1 and divide world_size {world_size} (static DP x CP mesh)"
-        )
+        raise PlanError(f"cp_size {cp} must be >= 1 and divide world_size {world_size} (static DP x CP mesh)")
     too_long = [i for i, x in enumerate(lens) if slots_per_member(x, cp) > capacity]
     if too_long:
         i = too_long[0]
-        raise PeerPlanError(
+        raise PlanError(
             f"sequence {i} of {lens[i]} tokens does not fit a CP group of {cp} ranks at capacity "
             f"{capacity}; raise cp_size or capacity"
         )
@@ -343,7 +337,7 @@ def plan_lpt(
             continue
         d = ranks_without_offload(s, capacity)
         if d > world_size:
-            raise PeerPlanError(
+            raise PlanError(
                 f"sequence {i} has length {s} and needs {d} ranks of capacity {capacity}, but world_size "
                 f"is {world_size}; add ranks, raise capacity, or split/truncate documents to the context length"
             )
