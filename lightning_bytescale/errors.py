@@ -29,6 +29,10 @@ class LossNormalizationError(ConfigError):
     """
 
 
+class CheckpointError(ByteScaleError, ValueError):
+    """A checkpoint that cannot be written or read here, or that does not match the model or optimizer."""
+
+
 class StepError(ByteScaleError, RuntimeError):
     """A distributed step could not be completed consistently on all ranks."""
 
@@ -64,6 +68,7 @@ ByteScaleConfigError = ConfigError
 __all__ = [
     "ByteScaleConfigError",
     "ByteScaleError",
+    "CheckpointError",
     "ConfigError",
     "DivergentPlanError",
     "LossNormalizationError",

@@ -178,6 +178,12 @@ class ByteScaleStrategy(ParallelStrategy):
             that rides in the step's all-reduce; at the next step boundary every rank saves
             ``<default_root_dir>/hpc_ckpt_<n>.ckpt`` and exits with code 143
             (:mod:`~lightning_bytescale.lightning.preemption`).  ``False`` leaves Lightning's handler.
+        checkpoint_format: ``"sharded"``: every rank writes its part of a checkpoint folder with
+            ``torch.distributed.checkpoint`` (the model once, optimizer state by parameter name
+            from the rank that holds it), and loading reshards onto any world size and ZeRO
+            level (:mod:`~lightning_bytescale.lightning.checkpoint`); ``"consolidated"``: rank 0
+            gathers everything and writes one file; ``"auto"`` (default): sharded exactly when
+            optimizer state is sharded (``zero >= 1``).  Both formats load whatever the option.
         log_loss: log the global token-mean loss of the step as ``loss_name`` (progress bar too).
         loss_name: the metric name used by ``log_loss``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
@@ -211,6 +217,7 @@ class ByteScaleStrategy(ParallelStrategy):
         bucket_cap_mb: float = 25.0,
         watchdog: bool | float = True,
         preemption: bool | tuple[str, ...] = True,
+        checkpoint_format: Literal["auto", "sharded", "consolidated"] = "auto",
         log_loss: bool = True,
         loss_name: str = "train/loss",
         accelerator: Accelerator | None = None,
@@ -279,6 +286,9 @@ class ByteScaleStrategy(ParallelStrategy):
                 f"watchdog must be True, False or a positive number of seconds, got {watchdog!r}"
             )
         self.preemption = preemption
+        from lightning_bytescale.lightning.checkpoint import validate_format
+
+        self.checkpoint_format = validate_format(checkpoint_format)
         self.log_loss = bool(log_loss)
         self.loss_name = loss_name
         self.step_stats: dict[str, Any] = {}
@@ -586,6 +596,69 @@ class ByteScaleStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Whether a save now writes a sharded folder (``checkpoint_format``, ``"auto"`` resolved)."""
+        if self.checkpoint_format == "auto":
+            from lightning_bytescale.lightning.checkpoint import is_zero
+
+            return any(is_zero(opt) for opt in self.optimizers)
+        return self.checkpoint_format == "sharded"
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Sharded: this rank's own state by parameter name (no gather); else Lightning's (ZeRO: gathered on rank 0)."""
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if not self.sharded_checkpoints:
+            return super().optimizer_state(inner)
+        from lightning_bytescale.lightning.checkpoint import sharded_optimizer_state
+
+        assert self.lightning_module is not None
+        return sharded_optimizer_state(inner, self.lightning_module)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
+        """Sharded: every rank writes its part of the folder ``filepath``; else rank 0 writes one file."""
+        from lightning_bytescale.lightning.checkpoint import is_sharded_checkpoint, save_sharded
+
+        if not self.sharded_checkpoints:
+            if self.is_global_zero and is_sharded_checkpoint(filepath):
+                import shutil
+
+                shutil.rmtree(filepath)  # a file replaces the folder an earlier sharded save wrote there
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                "ByteScaleStrategy.save_checkpoint(..., storage_options=...) is not supported for sharded "
+                "checkpoints (they do not use the CheckpointIO plugin); set checkpoint_format='consolidated'"
+            )
+        path = self.broadcast(filepath)  # every rank writes into rank 0's folder
+        self._phase = f"saving the sharded checkpoint {path}"
+        save_sharded(checkpoint, path, rank=self.global_rank, barrier=self.barrier)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """A sharded folder: each rank reads the model and its own optimizer entries; a file: Lightning's load."""
+        from lightning_bytescale.lightning.checkpoint import is_sharded_checkpoint, load_sharded
+
+        if not is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        module = self.lightning_module
+        assert module is not None
+        self._phase = f"loading the sharded checkpoint {checkpoint_path}"
+        return load_sharded(
+            checkpoint_path,
+            module,
+            self.optimizers,
+            strict=module.strict_loading,
+            weights_only=weights_only,
+        )
 
     # ------------------------------------------------------------------ options
     def planner_options(self) -> dict[str, Any]:

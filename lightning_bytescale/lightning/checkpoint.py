@@ -1,0 +1,401 @@
+"""Sharded checkpoints: every rank writes its own part with ``torch.distributed.checkpoint`` (DCP).
+
+A consolidated checkpoint gathers everything on rank 0, which writes one file: under ZeRO that
+is the whole optimizer state (for a 7B model with Adam, about 84 GB) sent to one rank at every
+save.  A *sharded* checkpoint is a folder instead:
+
+* the model's ``state_dict`` (replicated: every rank offers it, DCP's de-duplication has each
+  tensor written once, the writes spread over the ranks);
+* each optimizer's state **keyed by parameter name** (``optimizer_<i>/<name>/<state>``), each
+  entry offered only by the rank that holds it (its ``ZeroRedundancyOptimizer`` partition; every
+  rank when the state is not sharded, de-duplicated like the model);
+* ``meta.pt``, written by rank 0: everything else Lightning puts in a checkpoint (loops and the
+  data position, callbacks, LR schedulers, hyper-parameters, precision state) and each
+  optimizer's parameter groups with parameter *names* in place of indices.
+
+Because optimizer state is keyed by name, loading reshards: each rank reads the model and the
+entries of the parameters it owns under the *current* partition, whatever the world size and
+ZeRO setting of the run that saved.  :func:`export_consolidated` turns a folder into the one
+file a consolidated save writes (``state_dict``, ``optimizer_states`` in PyTorch's indexed
+layout, the rest), for sharing a model or loading it anywhere without a process group.
+
+The folder keeps Lightning's name for the metadata file (``meta.pt``), so Lightning's own
+helpers recognise it as a sharded checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_bytescale.errors import CheckpointError, ConfigError
+
+CHECKPOINT_FORMATS = ("auto", "sharded", "consolidated")
+META_FILE = "meta.pt"  # Lightning's name for a sharded checkpoint's metadata file
+DCP_METADATA_FILE = ".metadata"
+INFO_KEY = "bytescale_sharded"  # in meta.pt: the layout of the DCP part
+LAYOUT_VERSION = 1
+MODEL_KEY = "state_dict"
+
+
+def optimizer_key(index: int) -> str:
+    """The top-level DCP key of optimizer ``index``'s state."""
+    return f"optimizer_{index}"
+
+
+def validate_format(value: Any) -> str:
+    """``checkpoint_format`` as given, or a :class:`ConfigError` naming the valid values."""
+    if value not in CHECKPOINT_FORMATS:
+        raise ConfigError(
+            f"checkpoint_format must be one of {list(CHECKPOINT_FORMATS)}, got {value!r}: 'sharded' has every rank "
+            "write its part of a checkpoint folder with torch.distributed.checkpoint, 'consolidated' gathers "
+            "everything on rank 0 into one file, 'auto' is 'sharded' exactly when optimizer state is sharded (ZeRO)"
+        )
+    return str(value)
+
+
+def is_zero(optimizer: Any) -> bool:
+    """Whether ``optimizer`` shards its state over the ranks (``ZeroRedundancyOptimizer``)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a folder written by :func:`save_sharded` (its ``meta.pt`` and DCP metadata)."""
+    path = Path(path)
+    return path.is_dir() and (path / META_FILE).is_file() and (path / DCP_METADATA_FILE).is_file()
+
+
+def _param_names(module: Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def _group_names(optimizer: Optimizer, names: dict[int, str]) -> list[list[str]]:
+    """Each parameter group's parameter names (the full groups, also under ZeRO)."""
+    groups = []
+    for g, group in enumerate(optimizer.param_groups):
+        fqns = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError(
+                    f"parameter group {g} of {type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)} that "
+                    "is not a parameter of the LightningModule, so a sharded checkpoint cannot name its state; "
+                    "optimize only the module's parameters or use checkpoint_format='consolidated'"
+                )
+            fqns.append(names[id(p)])
+        groups.append(fqns)
+    return groups
+
+
+def sharded_optimizer_state(optimizer: Optimizer, module: Module) -> dict[str, Any]:
+    """This rank's part of ``optimizer``'s state, keyed by parameter name; no communication.
+
+    ``{"state": {name: {state_name: value}}, "param_groups": [{..., "params": [names]}]}``:
+    under ZeRO ``state`` holds the parameters of this rank's partition, otherwise all of them.
+    The groups are the full groups (the same on every rank).
+    """
+    names = _param_names(module)
+    local = optimizer.optim.state if is_zero(optimizer) else optimizer.state  # type: ignore[attr-defined]
+    groups = _group_names(optimizer, names)
+    state: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in local and local[p]:
+                state[names[id(p)]] = dict(local[p])
+    param_groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": fqns}
+        for group, fqns in zip(optimizer.param_groups, groups)
+    ]
+    return {"state": state, "param_groups": param_groups}
+
+
+def _check_local(path: str | Path) -> Path:
+    text = str(path)
+    if "://" in text:
+        raise ConfigError(
+            f"sharded checkpoints are written to a local or mounted file system, got {text!r}; save to a shared "
+            "mounted folder, or set ByteScaleStrategy(checkpoint_format='consolidated') for remote storage"
+        )
+    return Path(text)
+
+
+def save_sharded(
+    checkpoint: dict[str, Any],
+    path: str | Path,
+    *,
+    rank: int,
+    barrier: Any = None,
+) -> Path:
+    """Write ``checkpoint`` (Lightning's dict; optimizer states from :func:`sharded_optimizer_state`) as a folder.
+
+    A collective: every rank calls it with its own ``checkpoint`` and the same ``path``.  An
+    existing checkpoint at ``path`` (a file or a sharded folder) is replaced; any other existing
+    folder is refused.
+    """
+    path = _check_local(path)
+    if rank == 0:
+        if path.is_file() or is_sharded_checkpoint(path):
+            (path.unlink if path.is_file() else lambda: shutil.rmtree(path))()
+        elif path.is_dir() and any(path.iterdir()):
+            raise CheckpointError(
+                f"cannot write a sharded checkpoint to {str(path)!r}: it is a folder that is not a checkpoint; "
+                "choose another path or remove the folder"
+            )
+        path.mkdir(parents=True, exist_ok=True)
+    if barrier is not None:
+        barrier()
+    meta = dict(checkpoint)
+    tensors: dict[str, Any] = {MODEL_KEY: meta.pop(MODEL_KEY, {})}
+    states = meta.pop("optimizer_states", None)
+    layouts = []
+    for i, state in enumerate(states or []):
+        if set(state) != {"state", "param_groups"} or any(
+            not isinstance(n, str) for g in state["param_groups"] for n in g["params"]
+        ):
+            raise CheckpointError(
+                f"optimizer state {i} is not keyed by parameter name; the strategy's optimizer_state() makes it "
+                "for sharded checkpoints"
+            )
+        tensors[optimizer_key(i)] = state["state"]
+        layouts.append({"param_groups": state["param_groups"]})
+    meta[INFO_KEY] = {
+        "version": LAYOUT_VERSION,
+        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        "optimizers": layouts if states is not None else None,
+    }
+    with _local_io():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path))
+    if rank == 0:
+        torch.save(meta, path / META_FILE)
+    if barrier is not None:
+        barrier()
+    return path
+
+
+# ------------------------------------------------------------------------------- reading
+@dataclass(frozen=True)
+class _Entry:
+    key: str  # DCP's flat key
+    path: tuple[Any, ...]  # the nested path it was saved under
+    metadata: TensorStorageMetadata | BytesStorageMetadata
+
+
+def _entries(metadata: Metadata) -> list[_Entry]:
+    planner_data = metadata.planner_data or {}
+    return [
+        _Entry(key, tuple(planner_data.get(key, (key,))), md)
+        for key, md in metadata.state_dict_metadata.items()
+    ]
+
+
+def _allocate(entry: _Entry, device: torch.device | None = None) -> Any:
+    md = entry.metadata
+    if isinstance(md, TensorStorageMetadata):
+        size = tuple(md.size)
+        return torch.empty(size, dtype=md.properties.dtype, device=device if len(size) else None)
+    return None  # bytes: DCP puts the loaded object here
+
+
+def _read(path: Path, template: dict[str, Any]) -> dict[str, Any]:
+    """Read the flat keys of ``template`` from the folder into it, on this rank only (no collectives)."""
+    if template:
+        with _local_io():
+            dcp.load(template, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return template
+
+
+@contextmanager
+def _local_io() -> Iterator[None]:
+    """Without a process group DCP reads and writes in this process (what is meant here): no warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
+
+
+def _load_meta(path: Path, weights_only: bool | None) -> tuple[dict[str, Any], Metadata]:
+    if not is_sharded_checkpoint(path):
+        raise CheckpointError(
+            f"{str(path)!r} is not a sharded checkpoint folder (it needs {META_FILE} and {DCP_METADATA_FILE}); "
+            "pass the folder a sharded save wrote, or a consolidated .ckpt file"
+        )
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+    if INFO_KEY not in meta:
+        raise CheckpointError(
+            f"{str(path)!r} is a sharded checkpoint of another strategy (its {META_FILE} lacks {INFO_KEY!r}); "
+            "load it with the strategy that wrote it, or convert it to one file first"
+        )
+    return meta, dcp.FileSystemReader(path).read_metadata()
+
+
+def _check_groups(i: int, saved: list[dict[str, Any]], current: list[list[str]]) -> None:
+    if len(saved) != len(current):
+        raise CheckpointError(
+            f"optimizer {i} has {len(current)} parameter group(s) but the checkpoint has {len(saved)}; build the "
+            "optimizer as the saved run did (configure_optimizers)"
+        )
+    for g, (group, names) in enumerate(zip(saved, current)):
+        if set(group["params"]) != set(names):
+            missing = sorted(set(group["params"]) - set(names))[:3]
+            extra = sorted(set(names) - set(group["params"]))[:3]
+            raise CheckpointError(
+                f"parameter group {g} of optimizer {i} differs from the checkpoint's: saved but not optimized now "
+                f"{missing}, optimized now but not saved {extra}; build the optimizer as the saved run did"
+            )
+
+
+def _indexed(
+    state: dict[str, dict[str, Any]], saved_groups: list[dict[str, Any]], order: list[list[str]]
+) -> dict[str, Any]:
+    """PyTorch's optimizer ``state_dict`` layout (integer indices in the order of ``order``'s groups)."""
+    index = {name: i for i, name in enumerate(n for names in order for n in names)}
+    start, groups = 0, []
+    for group, names in zip(saved_groups, order):
+        groups.append(
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": list(range(start, start + len(names))),
+            }
+        )
+        start += len(names)
+    return {"state": {index[name]: value for name, value in state.items()}, "param_groups": groups}
+
+
+def _nest(values: dict[str, Any], entries: dict[str, _Entry]) -> dict[str, dict[str, Any]]:
+    """``{name: {state_name: value}}`` from flat keys saved under ``(optimizer_<i>, name, state_name)``."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        _, name, state_name = entries[key].path
+        out.setdefault(name, {})[state_name] = value
+    return out
+
+
+def load_sharded(
+    path: str | Path,
+    module: Module,
+    optimizers: Sequence[Optimizer] = (),
+    *,
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Read a sharded checkpoint for this rank; returns the dict Lightning restores from.
+
+    The model's tensors are read *in place* into ``module``'s own state (every rank reads them);
+    ``state_dict`` in the result is the module's state, so Lightning's ``load_state_dict`` after
+    it changes nothing.  Each optimizer gets, in PyTorch's indexed layout, the entries of the
+    parameters this rank owns now (its ZeRO partition, or all), read from whichever ranks wrote
+    them.  No collectives: every rank reads on its own.
+    """
+    path = _check_local(path)
+    meta, metadata = _load_meta(path, weights_only)
+    info = meta.pop(INFO_KEY)
+    entries = _entries(metadata)
+    by_key = {e.key: e for e in entries}
+
+    own = module.state_dict(keep_vars=False)
+    saved = {e.path[1]: e.key for e in entries if e.path[0] == MODEL_KEY and len(e.path) == 2}
+    missing = sorted(set(own) - set(saved))
+    unexpected = sorted(set(saved) - set(own))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"the checkpoint {str(path)!r} does not match the model: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; "
+            "load it into the model it was saved from, or set LightningModule.strict_loading = False"
+        )
+    common = [k for k in own if k in saved]
+    with torch.no_grad():
+        _read(path, {saved[k]: own[k] for k in common})
+    checkpoint: dict[str, Any] = dict(meta)
+    checkpoint[MODEL_KEY] = {k: own[k] for k in common}
+
+    layouts = info.get("optimizers")
+    if layouts is None:  # saved with weights_only=True
+        return checkpoint
+    if optimizers and len(optimizers) != len(layouts):
+        raise CheckpointError(
+            f"the run has {len(optimizers)} optimizer(s) but the checkpoint {str(path)!r} has {len(layouts)}; "
+            "return the same optimizers from configure_optimizers as the saved run"
+        )
+    names = _param_names(module)
+    states = []
+    for i, optimizer in enumerate(optimizers):
+        order = _group_names(optimizer, names)
+        _check_groups(i, layouts[i]["param_groups"], order)
+        local = optimizer.optim if is_zero(optimizer) else optimizer  # type: ignore[attr-defined]
+        devices = {names[id(p)]: p.device for g in local.param_groups for p in g["params"]}
+        template = {
+            e.key: _allocate(e, devices[e.path[1]])
+            for e in entries
+            if e.path[0] == optimizer_key(i) and len(e.path) == 3 and e.path[1] in devices
+        }
+        state = _nest(_read(path, template), by_key)
+        states.append(_indexed(state, layouts[i]["param_groups"], order))
+    checkpoint["optimizer_states"] = states
+    return checkpoint
+
+
+def export_consolidated(folder: str | Path, out: str | Path) -> Path:
+    """Write the sharded checkpoint ``folder`` as one consolidated checkpoint file ``out``.
+
+    The file is what a consolidated save writes: ``state_dict``, ``optimizer_states`` in
+    PyTorch's indexed layout (parameters in the order of the optimizer's groups) and Lightning's
+    other state, so ``torch.load``, ``LightningModule.load_from_checkpoint``,
+    ``optimizer.load_state_dict`` and ``Trainer.fit(ckpt_path=...)`` with any strategy read it.
+    Runs in one process (no process group) and holds the whole checkpoint in memory.
+    """
+    folder = _check_local(folder)
+    meta, metadata = _load_meta(folder, weights_only=False)
+    info = meta.pop(INFO_KEY)
+    entries = _entries(metadata)
+    by_key = {e.key: e for e in entries}
+    values = _read(folder, {e.key: _allocate(e, torch.device("cpu")) for e in entries})
+    checkpoint: dict[str, Any] = dict(meta)
+    checkpoint[MODEL_KEY] = {e.path[1]: values[e.key] for e in entries if e.path[0] == MODEL_KEY}
+    layouts = info.get("optimizers")
+    if layouts is not None:
+        states = []
+        for i, layout in enumerate(layouts):
+            keys = {e.key: values[e.key] for e in entries if e.path[0] == optimizer_key(i)}
+            order = [list(g["params"]) for g in layout["param_groups"]]
+            states.append(_indexed(_nest(keys, by_key), layout["param_groups"], order))
+        checkpoint["optimizer_states"] = states
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, out)
+    return out
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """``python -m lightning_bytescale.lightning.checkpoint FOLDER OUT.ckpt``: export a sharded checkpoint."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_bytescale.lightning.checkpoint",
+        description="Turn a sharded checkpoint folder into one consolidated checkpoint file.",
+    )
+    parser.add_argument("folder", help="the sharded checkpoint folder (e.g. checkpoints/last.ckpt)")
+    parser.add_argument("out", help="the consolidated file to write")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        written = export_consolidated(args.folder, args.out)
+    except CheckpointError as err:
+        parser.exit(2, f"error: {err}\n")
+    print(f"wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
