@@ -319,3 +319,28 @@ def test_the_option_is_validated_and_auto_follows_zero():
     strategy = ByteScaleStrategy()
     assert not strategy.sharded_checkpoints  # no optimizer, or an unsharded one: one file
     assert ByteScaleStrategy(checkpoint_format="sharded").sharded_checkpoints
+
+
+# ----------------------------------------------------------------------------- the recipe
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_recipe_resumes_from_its_sharded_last_checkpoint(tmp_path):
+    from test_recipes_run import _run
+
+    run = tmp_path / "run"
+    common = [
+        "experiment=cpu_smoke",
+        "trainer.devices=1",
+        "strategy.checkpoint_format=sharded",
+        "logger=csv",
+        "trainer.enable_checkpointing=true",
+        f"run_dir={run}",
+        f"hydra.run.dir={run}",
+    ]
+    first = _run([*common, "trainer.max_steps=2"], tmp_path)
+    assert "cpu_smoke: 2 steps" in first.stdout
+    last = run / "checkpoints" / "last.ckpt"
+    assert is_sharded_checkpoint(last), sorted(p.name for p in (run / "checkpoints").iterdir())
+    second = _run([*common, "trainer.max_steps=4", f"ckpt_path={last}"], tmp_path)
+    assert "cpu_smoke: 2 steps (resumed; step 4 now)" in second.stdout, second.stdout[-2000:]

@@ -72,6 +72,12 @@ class LoadOn(str, Enum):
     every_rank = "every_rank"
 
 
+class CheckpointFormat(str, Enum):
+    auto = "auto"
+    sharded = "sharded"
+    consolidated = "consolidated"
+
+
 @dataclass
 class StrategyConfig:
     """`lightning_bytescale.lightning.strategy.ByteScaleStrategy` options."""
@@ -85,6 +91,9 @@ class StrategyConfig:
     zero: int = 0  # ZeRO level: 0 none, 1 optimizer state sharded, 2 optimizer state and gradients sharded
     zero1: bool | None = None  # the older spelling of zero=1 (True); leave None and set zero
     timeout: float = 300.0  # seconds before a collective or P2P wait fails
+    # sharded: each rank writes its part of a checkpoint folder (loading reshards onto any world size);
+    # consolidated: rank 0 gathers everything into one file; auto: sharded exactly when zero >= 1
+    checkpoint_format: CheckpointFormat = CheckpointFormat.auto
     seed: int = "${seed}"  # type: ignore[assignment]  # planning seed, the same on every rank
     check_finite: bool = True  # stop on a non-finite loss/gradient, naming the micro-batch
     comm_aware: bool = True  # plan with ring communication in the cost model (False: compute only)
