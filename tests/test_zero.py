@@ -92,16 +92,17 @@ def test_hydra_schema_passes_zero_to_the_strategy():
 
 
 # ----------------------------------------------------------------------------- one process
-def _small_model() -> torch.nn.Module:
+def _small_model(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
         torch.nn.Linear(8, 8), torch.nn.Linear(8, 64), torch.nn.Linear(64, 2), torch.nn.Linear(2, 2)
-    ).double()
+    ).to(dtype)
 
 
-def test_owner_buckets_hold_one_owner_each_in_backward_order_and_non_owners_free_theirs():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_owner_buckets_hold_one_owner_each_in_backward_order_and_non_owners_free_theirs(dtype):
     """Without a process group this process is rank 0: buckets owned by 'rank 1' are released."""
-    model = _small_model()
+    model = _small_model(dtype)
     params = list(model.parameters())
     owners = {id(p): i % 2 for i, p in enumerate(params)}  # interleaved owners
     sync = BucketedGradSync(params, bucket_bytes=2**20, owners=owners)
@@ -110,11 +111,11 @@ def test_owner_buckets_hold_one_owner_each_in_backward_order_and_non_owners_free
     backward = {id(p): i for i, p in enumerate(reversed(params))}
     last = [max(backward[id(p)] for p in b.params) for b in sync.buckets]
     assert last == sorted(last)  # launched in the order they become final
-    ref = _small_model()
+    ref = _small_model(dtype)
     for _ in range(2):  # two steps: released buffers come back zeroed
         model.zero_grad(set_to_none=True)
         sync.prepare()
-        x = torch.randn(3, 8, dtype=torch.float64)
+        x = torch.randn(3, 8, dtype=dtype)
         sync.arm()
         model(x).square().sum().backward()
         sync.finish()
@@ -127,6 +128,7 @@ def test_owner_buckets_hold_one_owner_each_in_backward_order_and_non_owners_free
                 assert p.grad is None
         owned = sum(p.numel() * p.element_size() for p in params if owners[id(p)] == 0)
         assert sync.gradient_bytes == owned
+        assert sync.extra_bytes == 0  # no float32 copy of a narrow bucket outlives the sync
     sync.close()
 
 
