@@ -1,0 +1,177 @@
+"""What a user does: ``pip install .`` (not editable), then the console scripts from any folder.
+
+The package is built from a temporary copy of the checkout (no ``build/`` or egg-info left in
+the checkout) and installed with ``pip install --no-deps --no-build-isolation --target``: the
+dependencies come from this interpreter, nothing from the network.  Every command then runs in
+an unrelated temporary folder with the installed copy first on ``PYTHONPATH``, and the test
+checks that this copy, not the checkout (which this interpreter may have installed editable),
+is the one imported.  ``bytescale-train`` must find its YAML inside the installed package.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess  # the training run starts 2 ranks (gloo on 127.0.0.1)
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "lightning_bytescale"
+SCRIPTS = ("bytescale-plan", "bytescale-sim", "bytescale-profile", "bytescale-data", "bytescale-train")
+LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+
+
+def _build_leftovers() -> dict[str, float]:
+    """The checkout's build outputs (``build/``, egg-info) and when each last changed."""
+    found = [REPO / "build", *REPO.glob("*.egg-info")]
+    return {str(p): p.stat().st_mtime for p in found if p.exists()}
+
+
+def _package_files(root: Path) -> set[str]:
+    """Every file of the package under ``root``, relative to it (compiled files left out)."""
+    return {
+        str(p.relative_to(root))
+        for p in (root / PACKAGE).rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    }
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict[str, Path]:
+    """``pip install .`` of a copy of the checkout into its own folder; returns the folders."""
+    import setuptools
+
+    if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (70, 1):
+        pytest.fail(
+            f"setuptools {setuptools.__version__} cannot build the wheel without build isolation "
+            "(pyproject.toml asks for >= 70.1): run scripts/setup.sh, or pip install 'setuptools>=70.1'"
+        )
+    tmp = tmp_path_factory.mktemp("pip_install")
+    source, target, work = tmp / "source", tmp / "site", tmp / "elsewhere"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    shutil.copytree(REPO / PACKAGE, source / PACKAGE, ignore=SKIP)
+    work.mkdir()
+    before = _build_leftovers()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=work,
+        env={**os.environ, "PIP_NO_INPUT": "1"},
+    )
+    assert proc.returncode == 0, f"pip install failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert _build_leftovers() == before, "the build wrote into the checkout"
+    return {"source": source, "site": target, "work": work, "tmp": tmp}
+
+
+def _env(installed: dict[str, Path]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and k != "WANDB_API_KEY"}
+    env.update(
+        PYTHONPATH=str(installed["site"]),  # the installed copy first, before any editable install
+        PYTHONNOUSERSITE="1",
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        HYDRA_FULL_ERROR="1",
+        BYTESCALE_DATA_CACHE=str(installed["tmp"] / "cache"),
+        NETRC=str(installed["tmp"] / "no-netrc"),
+    )
+    env.pop("BYTESCALE_CONF_DIR", None)  # the packaged configs, nothing else
+    return env
+
+
+def _run(installed: dict[str, Path], args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, cwd=installed["work"], env=_env(installed)
+    )
+    assert proc.returncode == 0, (
+        f"{args} exited {proc.returncode}\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}"
+    )
+    return proc
+
+
+def test_the_installed_copy_is_complete(installed):
+    site = installed["site"]
+    missing = _package_files(REPO) - _package_files(site)
+    assert not missing, f"files of the checkout's package missing from the installed copy: {sorted(missing)}"
+    conf = site / PACKAGE / "recipes" / "conf"
+    assert (conf / "pretrain.yaml").is_file()
+    assert {p.name for p in conf.iterdir() if p.is_dir() and p.name != "__pycache__"} >= {
+        "strategy",
+        "data",
+        "model",
+        "trainer",
+        "logger",
+        "experiment",
+    }
+    assert (site / PACKAGE / "py.typed").is_file()
+    assert (site / PACKAGE / "data" / "samples" / "chat.jsonl").is_file()
+    for script in SCRIPTS:
+        assert (site / "bin" / script).is_file(), f"no console script {script}"
+
+
+def test_the_installed_copy_is_what_gets_imported(installed):
+    import json
+
+    probe = (
+        "import json, lightning_bytescale, lightning_bytescale.cli.train as t, "
+        "lightning_bytescale.recipes.config as c; "
+        "print(json.dumps([lightning_bytescale.__file__, t.__file__, str(c.find_conf_dir()), c.config_source()]))"
+    )
+    found = json.loads(_run(installed, [sys.executable, "-c", probe]).stdout.strip().splitlines()[-1])
+    site = installed["site"].resolve()
+    for path in found[:3]:
+        assert Path(path).resolve().is_relative_to(site), f"{path} is not in the installed copy {site}"
+        assert not Path(path).resolve().is_relative_to(REPO), f"{path} is the checkout, not the install"
+    assert found[3] == "pkg://lightning_bytescale.recipes.conf"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_console_script_starts(installed, script):
+    proc = _run(installed, [str(installed["site"] / "bin" / script), "--help"])
+    assert proc.stdout.strip(), f"{script} --help printed nothing"
+    if script == "bytescale-train":  # the groups come from the packaged YAML
+        assert "experiment: " in proc.stdout and "cpu_smoke" in proc.stdout, proc.stdout
+
+
+def test_bytescale_train_runs_from_an_unrelated_folder(installed):
+    run_dir = installed["tmp"] / "run"
+    proc = _run(
+        installed,
+        [
+            str(installed["site"] / "bin" / "bytescale-train"),
+            "experiment=cpu_smoke",
+            "trainer.max_steps=2",
+            "logger=csv",
+            f"hydra.run.dir={run_dir}",
+        ],
+        timeout=240,
+    )
+    assert "[bytescale-train] cpu_smoke: 2 steps" in proc.stdout, proc.stdout[-3000:]
+    (metrics,) = run_dir.glob("csv/version_*/metrics.csv")
+    steps = {row["step"] for row in csv.DictReader(metrics.open()) if row.get("train/loss")}
+    assert len(steps) == 2, steps
+    assert not (installed["work"] / "outputs").exists()  # hydra.run.dir was honoured
