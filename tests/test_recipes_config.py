@@ -237,7 +237,7 @@ def test_an_install_without_its_configs_says_how_to_fix(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("how", ["BYTESCALE_CONF_DIR", "--config-dir"])
 def test_command_line_uses_a_config_folder_of_your_own(tmp_path, how):
-    """``--config-dir`` adds a folder before the packaged configs; the variable replaces them."""
+    """``--config-dir`` adds a folder of new options to the packaged configs; the variable replaces them."""
     conf = _own_conf(tmp_path)
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
     args = ["experiment=mine", "--cfg", "job"]

@@ -135,8 +135,11 @@ def _validate_data(datamodule: Any, strategy: Any, trainer: Any) -> None:
     validate = getattr(datamodule, "validate", None)
     if not callable(validate):
         return
-    options = getattr(strategy, "planner_options", None)
-    validate(world_size=trainer.world_size, planner_options=options() if callable(options) else None)
+    config = getattr(strategy, "planner_config", None)
+    if config is None:
+        options = getattr(strategy, "planner_options", None)
+        config = options() if callable(options) else None
+    validate(world_size=trainer.world_size, planner_options=config)
 
 
 def _before_launch_error(err: BaseException) -> str | None:
@@ -336,7 +339,7 @@ def _hydra_main() -> Any:
     from lightning_bytescale.recipes.config import PRIMARY, config_source
 
     # pkg://lightning_bytescale.recipes.conf (the packaged YAML), or $BYTESCALE_CONF_DIR;
-    # Hydra's --config-dir adds a folder searched before it
+    # Hydra's --config-dir adds a folder of new options, searched after it
     return hydra.main(version_base="1.3", config_path=config_source(), config_name=PRIMARY)(train)
 
 

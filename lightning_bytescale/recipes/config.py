@@ -4,8 +4,9 @@ The YAML config groups ship inside the package (``lightning_bytescale/recipes/co
 data) and are read through Hydra's package config source,
 ``pkg://lightning_bytescale.recipes.conf``, so ``bytescale-train`` works after any ``pip
 install`` from any folder.  ``BYTESCALE_CONF_DIR`` replaces them with a folder of your own;
-Hydra's ``--config-dir`` adds a folder searched before them.  Importing this module registers
-the structured-config schemas of :mod:`lightning_bytescale.recipes.schema` in Hydra's ConfigStore.
+Hydra's ``--config-dir`` adds a folder of new options (searched after them).  Importing this
+module registers the structured-config schemas of :mod:`lightning_bytescale.recipes.schema` in
+Hydra's ConfigStore.
 """
 
 from __future__ import annotations
@@ -166,6 +167,21 @@ HINT = (
 )
 
 
+def check_planner(cfg: DictConfig) -> None:
+    """``strategy.planner`` against the planner registry (the schema keeps it a plain string so
+    that planners added with ``register_planner`` work from the recipes)."""
+    from lightning_bytescale.planner.registry import planner_names
+
+    name = OmegaConf.select(cfg, "strategy.planner", default=None)
+    if name is None or name in planner_names():
+        return
+    raise ConfigError(
+        f"invalid recipe config: strategy.planner={name!r} is not a registered planner; choose from "
+        f"{', '.join(planner_names())} (or register one with lightning_bytescale.planner.register_planner "
+        f"before composing)\n{HINT}"
+    )
+
+
 def compose_pretrain(
     overrides: Sequence[str] = (),
     conf_dir: str | os.PathLike[str] | None = None,
@@ -194,6 +210,7 @@ def compose_pretrain(
             cfg = compose(PRIMARY, overrides=list(overrides), return_hydra_config=hydra_config)
         except (HydraException, OmegaConfBaseException) as err:
             raise ConfigError(f"invalid recipe config: {explain(err)}\n{HINT}") from err
+        check_planner(cfg)
         if hydra_config:
             HydraConfig.instance().set_config(cfg)
     return cfg
