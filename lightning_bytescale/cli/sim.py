@@ -14,6 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.sim.run import SUMMARY_KEYS, VARIANTS, run_scenario
 from lightning_bytescale.sim.scenario import SCENARIOS, get_scenario
 
@@ -75,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scenario = scenario.with_(seed=args.seed)
         planners = [p.strip() for p in args.planners.split(",") if p.strip()] if args.planners else None
         if args.steps is not None and args.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {args.steps}")
+            raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         result = run_scenario(scenario, planners=planners, steps=args.steps)
     except ValueError as err:
         print(f"bytescale-sim: error: {err}", file=sys.stderr)

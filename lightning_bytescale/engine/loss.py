@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_bytescale.errors import ConfigError
+
 IGNORE_INDEX = -100
 
 
@@ -20,12 +22,12 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, num_global_tokens: in
     computed in float32 or wider: half-precision logits are upcast, float64 stays float64.
     """
     if int(num_global_tokens) <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"num_global_tokens must be positive, got {num_global_tokens}; "
             "a global batch without loss tokens cannot be normalised"
         )
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(
+        raise ConfigError(
             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match: "
             "expected logits [..., V] for labels [...]"
         )

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_bytescale.engine.micro_batch import EmptyBatchError
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal attention over ONE sequence, ``[T, H, D]`` with GQA (``H % H_kv == 0``)."""
@@ -41,5 +43,5 @@ def reference_loss(model: nn.Module, sequences: Sequence[torch.Tensor]) -> torch
         total = ce if total is None else total + ce
         count += seq.numel() - 1
     if total is None or count == 0:
-        raise ValueError("the reference needs at least one sequence of two or more tokens")
+        raise EmptyBatchError("the reference needs at least one sequence of two or more tokens")
     return total / count

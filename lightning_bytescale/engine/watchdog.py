@@ -28,6 +28,7 @@ import traceback
 from types import TracebackType
 
 from lightning_bytescale import proc
+from lightning_bytescale.errors import ConfigError
 
 EXIT_STEP_TIMEOUT = 124
 """Exit code of a rank the watchdog ended: 124, what ``timeout(1)`` returns for a command that ran too long."""
@@ -74,13 +75,13 @@ class StepWatchdog:
             or not isinstance(timeout_s, (int, float))
             or not math.isfinite(timeout_s)
         ):
-            raise ValueError(f"StepWatchdog timeout_s must be a finite number of seconds, got {timeout_s!r}")
+            raise ConfigError(f"StepWatchdog timeout_s must be a finite number of seconds, got {timeout_s!r}")
         if timeout_s <= 0:
-            raise ValueError(f"StepWatchdog timeout_s must be positive, got {timeout_s!r}")
+            raise ConfigError(f"StepWatchdog timeout_s must be positive, got {timeout_s!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"StepWatchdog rank must be a non-negative integer, got {rank!r}")
+            raise ConfigError(f"StepWatchdog rank must be a non-negative integer, got {rank!r}")
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
-            raise ValueError(
+            raise ConfigError(
                 f"StepWatchdog exit_code must be 1..255 (0 would report a stuck rank as a success), got {exit_code!r}"
             )
         self.timeout_s = float(timeout_s)
@@ -116,7 +117,7 @@ class StepWatchdog:
         if timeout_s is None:
             timeout_s = self.timeout_s
         elif not timeout_s > 0:
-            raise ValueError(f"StepWatchdog.beat timeout_s must be positive seconds, got {timeout_s!r}")
+            raise ConfigError(f"StepWatchdog.beat timeout_s must be positive seconds, got {timeout_s!r}")
         if self._mark is None and self._armable:
             self._arm_backstop(now, timeout_s)
         self._mark = (now, phase, _thread_id(), timeout_s)

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_bytescale.errors import ConfigError
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -79,11 +81,11 @@ def _as_signal(value: int | str | signal.Signals) -> signal.Signals:
         else:
             sig = signal.Signals(value)
     except (KeyError, ValueError):
-        raise ValueError(
+        raise ConfigError(
             f"PreemptionHandler: {value!r} is not a signal on this platform; use a name such as 'SIGTERM' or 'SIGUSR1'"
         ) from None
     if sig in _NEVER_CATCHABLE:
-        raise ValueError(
+        raise ConfigError(
             f"PreemptionHandler: {sig.name} cannot be caught; preemption uses SIGTERM (or SIGUSR1)"
         )
     return sig
@@ -105,7 +107,7 @@ class PreemptionHandler:
     def __init__(self, signals: Iterable[int | str | signal.Signals] = ("SIGTERM",)) -> None:
         self.signals: tuple[signal.Signals, ...] = tuple(dict.fromkeys(_as_signal(s) for s in signals))
         if not self.signals:
-            raise ValueError("PreemptionHandler needs at least one signal, e.g. signals=('SIGTERM',)")
+            raise ConfigError("PreemptionHandler needs at least one signal, e.g. signals=('SIGTERM',)")
         self.requested = False
         self.signal_name: str | None = None
         self._callback = self._on_signal  # one bound method, so getsignal() can be compared with it

@@ -22,6 +22,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_bytescale.errors import ConfigError
+
 __all__ = [
     "TelemetryCallback",
     "merge_plan_stats",
@@ -290,9 +292,9 @@ class TelemetryCallback(Callback):
         flops_per_token: float | None = None,
     ) -> None:
         if charts_every_n_steps < 0:
-            raise ValueError(f"charts_every_n_steps must be >= 0, got {charts_every_n_steps}")
+            raise ConfigError(f"charts_every_n_steps must be >= 0, got {charts_every_n_steps}")
         if peak_tflops is not None and peak_tflops <= 0:
-            raise ValueError(f"peak_tflops must be positive (TFLOP/s per device), got {peak_tflops}")
+            raise ConfigError(f"peak_tflops must be positive (TFLOP/s per device), got {peak_tflops}")
         self.peak_tflops = peak_tflops
         self.charts_every_n_steps = charts_every_n_steps
         self.per_rank_limit = per_rank_limit

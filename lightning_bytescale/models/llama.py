@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_bytescale.errors import ConfigError
+
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -55,17 +57,17 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.dim % self.heads:
-            raise ValueError(f"dim {self.dim} must be divisible by heads {self.heads}")
+            raise ConfigError(f"dim {self.dim} must be divisible by heads {self.heads}")
         if self.heads % self.kv_heads:
-            raise ValueError(f"heads {self.heads} must be divisible by kv_heads {self.kv_heads} (GQA)")
+            raise ConfigError(f"heads {self.heads} must be divisible by kv_heads {self.kv_heads} (GQA)")
         if self.head_dim % 2:
-            raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
+            raise ConfigError(f"head dim {self.head_dim} must be even for rotary embeddings")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
         """A named shape (``tiny``, ``small``, ``125m``, ``1b``, ``7b``, ``13b``, ``70b``), with overrides."""
         if name not in cls.PRESETS:
-            raise ValueError(f"unknown Llama preset {name!r}; choose one of {sorted(cls.PRESETS)}")
+            raise ConfigError(f"unknown Llama preset {name!r}; choose one of {sorted(cls.PRESETS)}")
         return cls(**{**cls.PRESETS[name], **overrides})
 
     @property
@@ -208,7 +210,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be packed [T], got shape {tuple(input_ids.shape)}")
+            raise ConfigError(f"input_ids must be packed [T], got shape {tuple(input_ids.shape)}")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
         x = self.embed(input_ids)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.packed_attention import cuda_kernels
 from lightning_bytescale.packed_attention.gqa import expand_kv, reduce_kv
 from lightning_bytescale.packed_attention.segments import Rows, Segments
@@ -286,12 +287,12 @@ def resolve_kernel(impl: str | None, q: torch.Tensor) -> BlockKernel:
     name = impl or select_kernel(q.device, q.dtype, q.shape[-1])
     kernel = KERNELS.get(name)
     if kernel is None:
-        raise ValueError(
+        raise ConfigError(
             f"unknown attention kernel {name!r}; use one of {sorted(KERNELS)} or None (automatic)"
         )
     why = kernel.unsupported(q.device, q.dtype, q.shape[-1])
     if why is not None:
-        raise ValueError(
+        raise ConfigError(
             f"attention kernel {name!r} cannot run {str(q.dtype).removeprefix('torch.')} tensors "
             f"with head size {q.shape[-1]} on {q.device}: {why}; pass impl=None to pick one that can"
         )

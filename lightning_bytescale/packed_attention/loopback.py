@@ -182,7 +182,7 @@ def loopback_ring_attention(
     :func:`.ring.ring_attention`; pass ``mailboxes`` to count the transfers.
     """
     if not (len(q_list) == len(k_list) == len(v_list)):
-        raise ValueError(
+        raise RingLayoutError(
             f"got {len(q_list)} q, {len(k_list)} k and {len(v_list)} v tensors; pass one per member"
         )
     scale = q_list[0].shape[-1] ** -0.5 if scale is None else float(scale)

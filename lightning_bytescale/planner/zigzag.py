@@ -35,13 +35,15 @@ use these formulas.
 
 from __future__ import annotations
 
+from lightning_bytescale.planner.errors import PlanError
+
 
 def chunk_size(length: int, ring_size: int) -> int:
     """Slots per zigzag chunk: ``ceil(length / (2 * ring_size))``."""
     if length < 1:
-        raise ValueError(f"sequence length must be >= 1, got {length}")
+        raise PlanError(f"sequence length must be >= 1, got {length}")
     if ring_size < 1:
-        raise ValueError(f"ring size must be >= 1, got {ring_size}")
+        raise PlanError(f"ring size must be >= 1, got {ring_size}")
     return -(-length // (2 * ring_size))
 
 
@@ -58,7 +60,7 @@ def padding(length: int, ring_size: int) -> int:
 def member_chunks(ring_size: int, member: int) -> tuple[int, int]:
     """The two chunk indices member ``member`` holds: ``(member, 2n - 1 - member)``."""
     if not 0 <= member < ring_size:
-        raise ValueError(f"member {member} is outside a ring of {ring_size}")
+        raise PlanError(f"member {member} is outside a ring of {ring_size}")
     return member, 2 * ring_size - 1 - member
 
 

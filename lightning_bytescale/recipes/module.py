@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_bytescale.engine.batch import PackedMicroBatch
 from lightning_bytescale.engine.loss import token_loss
+from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 
 __all__ = ["PretrainModule", "warmup_cosine"]
@@ -57,9 +58,9 @@ class PretrainModule(LightningModule):
     ) -> None:
         super().__init__()
         if lr <= 0:
-            raise ValueError(f"lr must be positive, got {lr}")
+            raise ConfigError(f"lr must be positive, got {lr}")
         if len(betas) != 2:
-            raise ValueError(f"betas must be two numbers (beta1, beta2), got {list(betas)}")
+            raise ConfigError(f"betas must be two numbers (beta1, beta2), got {list(betas)}")
         extra = dict(overrides or {})
         if vocab is not None:
             extra["vocab"] = int(vocab)

@@ -20,6 +20,7 @@ from lightning_bytescale.sim import costs
 from lightning_bytescale.sim.scenario import Scenario
 from lightning_bytescale.sim.timeline import (
     RankTimeline,
+    SimulationError,
     ring_allreduce_seconds,
     simulate_pipelines,
     simulate_ranks,
@@ -114,7 +115,7 @@ def make_variant_plan(name: str, lengths: Sequence[int], scenario: Scenario, cos
     from lightning_bytescale.planner import make_plan
 
     if name not in VARIANTS:
-        raise ValueError(f"unknown planner {name!r}; choose from {sorted(VARIANTS)}")
+        raise SimulationError(f"unknown planner {name!r}; choose from {sorted(VARIANTS)}")
     planner, extra = VARIANTS[name]
     kwargs = dict(
         world_size=scenario.ranks,
@@ -163,7 +164,7 @@ def run_scenario(
     names = list(planners or scenario.planners)
     unknown = [p for p in names if p not in VARIANTS]
     if unknown:
-        raise ValueError(f"unknown planner(s) {unknown}; choose from {sorted(VARIANTS)}")
+        raise SimulationError(f"unknown planner(s) {unknown}; choose from {sorted(VARIANTS)}")
     steps = steps or scenario.steps
     cost_model = costs.cost_model_for(scenario)
     per: dict[str, list[StepResult]] = {n: [] for n in names}

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from lightning_bytescale.planner import distributions
+from lightning_bytescale.sim.timeline import SimulationError
 
 DEFAULT_PLANNERS = ("static", "naive", "balance", "megatron_dcp", "verl_kk", "lpt")
 
@@ -127,17 +128,17 @@ class Scenario:
 
     def validate(self) -> None:
         if self.gpus % (self.tensor_parallel * self.pipeline_degree):
-            raise ValueError(
+            raise SimulationError(
                 f"scenario {self.name}: {self.gpus} GPUs do not split into TP={self.tensor_parallel} x "
                 f"PP={self.pipeline_degree} groups; pick degrees that divide the GPU count"
             )
         known = distributions.names()
         if self.dataset not in known and not self.dataset.startswith("fixed:"):
-            raise ValueError(
+            raise SimulationError(
                 f"scenario {self.name}: unknown dataset {self.dataset!r}; use one of {known} or 'fixed:<lengths>'"
             )
         if self.context_length > self.ranks * self.capacity:
-            raise ValueError(
+            raise SimulationError(
                 f"scenario {self.name}: a {self.context_length}-token sequence does not fit "
                 f"{self.ranks} ranks x C={self.capacity}; add GPUs or raise the capacity"
             )
@@ -210,6 +211,6 @@ def get_scenario(name: str) -> Scenario:
     try:
         return SCENARIOS[name]
     except KeyError:
-        raise ValueError(
+        raise SimulationError(
             f"unknown scenario {name!r}; `bytescale-sim --list` names the {len(SCENARIOS)} scenarios"
         ) from None

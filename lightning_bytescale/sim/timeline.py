@@ -31,7 +31,11 @@ __all__ = [
 
 
 class SimulationError(ByteScaleError, ValueError):
-    """The plan cannot be run as given (for example, ring items in an order that deadlocks)."""
+    """Simulator input that cannot be simulated.
+
+    An unknown scenario or planner, a scenario whose degrees or lengths do not fit its GPUs, or a
+    plan that cannot run as given (for example, ring items in an order that deadlocks).
+    """
 
 
 @dataclass(frozen=True)
