@@ -1,9 +1,12 @@
 """The one HDP step loop: this rank's micro-batches, then one all-reduce; used by tests and the strategy.
 
-First every rank of the group joins a tiny all-gather of the plan digest and step
-(:func:`~lightning_bytescale.engine.step_checks.check_plan_agreement`), so ranks that
-planned differently stop together before any ring exchange; a step planned for another
-number of ranks is refused too.  Then each rank runs forward and backward on *its own*
+First every rank of the group starts a tiny all-gather of the plan digest and step
+(:func:`check_step`, :func:`~lightning_bytescale.engine.step_checks.start_plan_agreement`);
+it is checked where the step first depends on it -- before this rank's first ring
+micro-batch, before its gradient buckets can launch, at the latest after its loop -- so ranks
+that planned differently stop together before any ring exchange, while the round trip runs
+behind the local micro-batches; a step planned for another number of ranks is refused too.
+Then each rank runs forward and backward on *its own*
 micro-batches (:func:`run_micro_batches`; their number differs between ranks), accumulating
 gradients locally, with no barrier between micro-batches; ring micro-batches synchronise only
 the members of their ring, through attention's P2P calls.  Then every rank -- also one with
@@ -42,9 +45,10 @@ from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
 from lightning_bytescale.engine.loss_check import LossScaling, is_probe_candidate, probe_forward, verdict
 from lightning_bytescale.engine.step_checks import (
     SLOT,
+    PlanAgreement,
     RankReport,
-    check_plan_agreement,
     describe_non_finite,
+    start_plan_agreement,
 )
 from lightning_bytescale.errors import (
     LossNormalizationError,
@@ -223,10 +227,21 @@ def _device_events(device: torch.device) -> tuple[torch.cuda.Event, torch.cuda.E
 
 
 def _grads_finite(params: Sequence[nn.Parameter]) -> torch.Tensor | None:
-    """A 0-d bool on the device: every ``.grad`` is finite (one max-abs pass; no host sync)."""
+    """A 0-d bool on the device: every ``.grad`` is finite (one pass over them; no host sync on a GPU).
+
+    A max-abs norm per gradient is exact (it never overflows).  On a CPU it is several times
+    slower than an L2 norm, so there an L2 pass comes first: a NaN or inf element makes its norm
+    non-finite, so "all finite" from it is exact, and only otherwise (a non-finite value, or a
+    finite gradient so large that its norm overflows) does the max-abs pass decide; reading the
+    flag costs a CPU nothing.  On a GPU both passes cost the same and the flag stays on the device.
+    """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return None
+    if grads[0].device.type == "cpu":
+        norms = torch._foreach_norm(grads, 2)
+        if bool(torch.isfinite(torch.stack([n.to(norms[0].dtype) for n in norms])).all()):
+            return torch.ones((), dtype=torch.bool)
     norms = torch._foreach_norm(grads, math.inf)
     return torch.isfinite(torch.stack([n.to(norms[0].dtype) for n in norms])).all()
 
@@ -254,13 +269,14 @@ def run_micro_batches(
     on_phase: PhaseFn | None = None,
     step: int | None = None,
     grad_sync: BucketedGradSync | None = None,
+    plan_check: StepCheck | None = None,
 ) -> LocalResult:
     """This rank's micro-batches in order, gradients accumulating locally, no barriers.
 
     Losses and token counts stay on the device until the loop ends (one host sync per step,
     not one per micro-batch), so the host can queue the next micro-batch's work early.
     ``check_finite`` also checks the accumulated gradients of ``params`` (default: the model's)
-    after every micro-batch (one max-abs pass over them, kept on the device), so the
+    after every micro-batch (one pass over them, see :func:`_grads_finite`), so the
     micro-batch that first made them non-finite is known
     (:attr:`LocalResult.first_non_finite_gradient`).  ``check_loss_scaling`` probes the first
     micro-batch without a ring whose loss is not zero (:mod:`~lightning_bytescale.engine.loss_check`;
@@ -270,10 +286,35 @@ def run_micro_batches(
     synchronised wall time elsewhere.  ``on_phase(text)`` is called before each micro-batch
     with where the rank is (for a watchdog and error messages).  ``grad_sync`` points the
     gradients at its buckets before the first micro-batch and is armed right before the last
-    one, so its backward launches the buckets as they become final (call :func:`sync_step`
-    with the same ``grad_sync`` afterwards).
+    micro-batch's backward (after the plan check), so that backward launches the buckets as
+    they become final (call :func:`sync_step` with the same ``grad_sync`` afterwards).
+
+    ``plan_check`` (from :func:`check_step` with ``wait=False``) is waited for -- and raises on
+    every rank if the ranks' plans or data differ -- before the first micro-batch with a ring
+    (its point-to-point transfers), before the backward of the last micro-batch when
+    ``grad_sync`` is given (it launches gradient all-reduces), and at the latest after the
+    loop: no P2P transfer or gradient collective of this rank runs on a divergent plan, and the
+    check's round trip overlaps the local micro-batches before that point.
     """
     checked = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
+
+    def confirm_plan() -> None:
+        if plan_check is not None and not plan_check.done:
+            if on_phase is not None:
+                on_phase(f"the plan digest check of step {step} (waits on every rank)")
+            plan_check.wait()
+
+    last_backward = backward
+    if grad_sync is not None:
+
+        def last_backward(loss: torch.Tensor) -> None:
+            confirm_plan()  # this backward launches the gradient buckets: the plan must agree first
+            grad_sync.arm()
+            if backward is None:
+                loss.backward()
+            else:
+                backward(loss)
+
     losses: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
     seconds: list[float] = []
@@ -284,10 +325,11 @@ def run_micro_batches(
     if grad_sync is not None:
         grad_sync.prepare()  # gradients accumulate into the sync's buckets
     for position, mb in enumerate(micro_batches):
+        last = position == len(micro_batches) - 1
+        if mb.layout.ring is not None:
+            confirm_plan()  # before this micro-batch's point-to-point transfers
         if on_phase is not None:
             on_phase(describe_micro_batch(mb, step))
-        if grad_sync is not None and position == len(micro_batches) - 1:
-            grad_sync.arm()
         probing = (
             check_loss_scaling
             and is_probe_candidate(mb)
@@ -300,7 +342,7 @@ def run_micro_batches(
             model,
             mb,
             forward=forward,
-            backward=backward,
+            backward=last_backward if last else backward,
             micro_batch_context=micro_batch_context,
             sync_timing=sync_timing and events is None,
             p2p_group=p2p_group,
@@ -315,6 +357,7 @@ def run_micro_batches(
         if check_finite:
             flag = _grads_finite(checked)
             finite.append(flag if flag is not None else torch.ones((), dtype=torch.bool, device=loss.device))
+    confirm_plan()
     sent1, wait1 = _comm_counters()
     scaling = next((v for v in verdicts if v != LossScaling.UNCHECKED), LossScaling.UNCHECKED)
     if not losses:
@@ -441,6 +484,40 @@ def allreduce_gradients(
     return torch.cat(out)
 
 
+@dataclass
+class _PendingScalars:
+    """A float64 all-reduce of ``[floats | count limbs]`` in flight; :meth:`wait` decodes it."""
+
+    flat: torch.Tensor
+    work: object
+    n_floats: int
+    n_counts: int
+    bits: int
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()  # type: ignore[attr-defined]
+        floats = self.flat[: self.n_floats].to("cpu", torch.float64)
+        return torch.cat([floats, _decode_counts(self.flat[self.n_floats :], self.n_counts, self.bits)])
+
+
+def _start_scalars(
+    floats: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device
+) -> _PendingScalars:
+    """Start the step's small all-reduce (sum) of ``floats`` and exact integer ``counts`` in float64."""
+    world, _ = _group_shape(group)
+    bits = _limb_bits(torch.float64, world)
+    flat = torch.cat([floats.detach().reshape(-1).to(torch.float64), _encode_counts(counts, bits)]).to(device)
+    work = None
+    if dist.is_available() and dist.is_initialized():
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _PendingScalars(flat, work, floats.numel(), counts.numel(), bits)
+
+
+def _is_nccl(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
+
+
 def _group_shape(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group), dist.get_rank(group)
@@ -535,7 +612,9 @@ def sync_step(
     Without ``grad_sync`` everything is ONE all-reduce of one flat buffer (every gradient copied
     into it).  With a :class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync` (armed by
     :func:`run_micro_batches`), the gradients were summed in buckets overlapped with the last
-    backward (this waits for the rest), and the scalars travel in one small float64 all-reduce.
+    backward (this waits for the rest), and the scalars travel in one small float64 all-reduce
+    (with gloo started before waiting for the buckets, so its round trip hides behind theirs;
+    with NCCL after them, since two communicators' collectives must keep one order everywhere).
     """
     named = [(item if isinstance(item, tuple) else (f"param{i}", item)) for i, item in enumerate(params)]
     named = [(n, p) for n, p in named if p.requires_grad]
@@ -562,12 +641,19 @@ def sync_step(
     if grad_sync is None:
         reduced = allreduce_gradients(plist, group=group, extra=torch.cat(floats), counts=torch.cat(counts))
     else:
-        grad_sync.finish()  # the buckets' all-reduces, started during the last backward
         device = plist[0].device if plist else torch.device("cpu")
-        small = torch.cat(floats).to(device)
-        reduced = allreduce_gradients(
-            [], group=group, extra=small, counts=torch.cat(counts), reduce_dtype=torch.float64
-        )
+        small, ints_in = torch.cat(floats), torch.cat(counts)
+        if _is_nccl(group):
+            # collectives of two communicators must be issued in one order on every rank, and
+            # the buckets are launched at different points on different ranks: scalars after
+            grad_sync.finish()  # the buckets' all-reduces, started during the last backward
+            reduced = _start_scalars(small, ints_in, group, device).wait()
+        else:
+            # gloo: the groups progress independently, so the scalars' round trip runs while
+            # the last buckets are still being summed instead of after them
+            pending = _start_scalars(small, ints_in, group, device)
+            grad_sync.finish()
+            reduced = pending.wait()
     allreduce_s = time.perf_counter() - t0
     assert reduced is not None
     n_float = 1 + world * SLOT + (0 if extra is None else extra.numel())
@@ -607,31 +693,69 @@ def sync_step(
     )
 
 
-def check_step(step: StepBatch, group: dist.ProcessGroup | None = None, *, check_plan: bool = True) -> None:
-    """Before any micro-batch: the ranks agree on the plan and data, and it was made for this world.
+@dataclass
+class StepCheck:
+    """The pre-P2P checks of one step, started by :func:`check_step` (``wait=False``).
+
+    :meth:`wait` waits for the plan-key all-gather (if one was started), raises on every rank
+    if the ranks disagree, then refuses a step planned for another number of ranks.  It is
+    idempotent; ``done`` says whether it has run.
+    """
+
+    agreement: PlanAgreement | None
+    planned: int | None
+    world: int
+    done: bool = False
+
+    def wait(self) -> None:
+        self.done = True
+        if self.agreement is not None:
+            self.agreement.wait()
+        if self.planned is not None and int(self.planned) != self.world:
+            raise PlanWorldSizeError(
+                f"this step was planned for {self.planned} ranks but the process group has {self.world}; "
+                "plan with world_size=dist.get_world_size(group)"
+            )
+
+
+def check_step(
+    step: StepBatch,
+    group: dist.ProcessGroup | None = None,
+    *,
+    check_plan: bool = True,
+    wait: bool = True,
+) -> StepCheck:
+    """Before any P2P: the ranks agree on the plan and data, and it was made for this world.
 
     ``check_plan`` all-gathers ``(step.digest, step.step, planned world, step.data_identity)``
     over ``group`` and raises :class:`PlanDivergenceError` (or :class:`PlanWorldSizeError`) on
     every rank together, before any ring exchange.  Without it, or without a process group, a
     step whose ``stats["world_size"]`` differs from the group's size is still refused.
+
+    Every rank must call it at the same point (the all-gather is a collective).  With ``wait``
+    (default) it checks at once.  ``wait=False`` only starts the all-gather and returns the
+    :class:`StepCheck` to pass to :func:`run_micro_batches` (``plan_check``), which waits for
+    it right before this rank's first P2P transfer or gradient collective of the step, so the
+    round trip overlaps the local micro-batches before that point.
     """
     world, _ = _group_shape(group)
     stats = step.stats if isinstance(step.stats, dict) else {}
     planned = stats.get("world_size") or len(stats.get("micro_batch_counts", ())) or None
+    agreement = None
     if check_plan and dist.is_available() and dist.is_initialized():
-        check_plan_agreement(
+        agreement = start_plan_agreement(
             step.digest,
             step.step,
             world,
             plan_world=planned,
             group=group,
             data_identity=getattr(step, "data_identity", "") or "",
+            async_op=not wait,
         )
-    if planned is not None and int(planned) != world:
-        raise PlanWorldSizeError(
-            f"this step was planned for {planned} ranks but the process group has {world}; "
-            "plan with world_size=dist.get_world_size(group)"
-        )
+    check = StepCheck(agreement, planned, world)
+    if wait or agreement is None:  # without a collective in flight there is nothing to overlap
+        check.wait()
+    return check
 
 
 def run_step(
@@ -663,7 +787,7 @@ def run_step(
     named = (
         list(model.named_parameters()) if params is None else [(f"param{i}", p) for i, p in enumerate(params)]
     )
-    check_step(step, group, check_plan=check_plan)
+    plan_check = check_step(step, group, check_plan=check_plan, wait=False)
     local = run_micro_batches(
         model,
         step.micro_batches,
@@ -677,6 +801,7 @@ def run_step(
         check_loss_scaling=check_loss_scaling,
         step=step.step,
         grad_sync=grad_sync,
+        plan_check=plan_check,
     )
     return sync_step(
         named,

@@ -1,13 +1,18 @@
 """What ranks check about each other in a step: the same plan and data, and what each rank did.
 
 A step makes two collectives on the one global process group: a tiny all-gather of the plan
-digest and the data identity *before* any ring exchange (so ranks that planned differently,
-or read different data, stop before they can deadlock or train on wrong data), and exactly
-one all-reduce (sum, :func:`~lightning_bytescale.engine.executor.sync_step`) that carries
-every gradient *and* the step's scalars: the loss sum and, in per-rank slots
-(:class:`RankReport`), the measured busy time, ring bytes, time blocked on ring transfers,
-micro-batch count and any non-finite report.  Keeping the scalars in the gradient buffer
-means telemetry and the logged loss cost no extra collective.
+digest and the data identity, checked *before* any ring exchange (so ranks that planned
+differently, or read different data, stop before they can deadlock or train on wrong data),
+and one all-reduce (sum, :func:`~lightning_bytescale.engine.executor.sync_step`) of the step's
+scalars: the loss sum and, in per-rank slots (:class:`RankReport`), the measured busy time,
+ring bytes, time blocked on ring transfers, micro-batch count and any non-finite report.
+
+The all-gather is started asynchronously (:func:`start_plan_agreement`) and checked
+(:meth:`PlanAgreement.wait`) only where the step would first depend on it: before this rank's
+first ring micro-batch, before its gradient buckets can launch, and at the latest at the end
+of its micro-batch loop.  Its round trip thus runs behind the local micro-batches instead of
+being a barrier at the start of every step; every rank still sees the same gathered keys, so
+all of them raise before any point-to-point transfer or gradient collective on a divergent plan.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +36,74 @@ SLOT = _SEQS + MAX_REPORTED_SEQS
 def digest_key(digest: str) -> int:
     """A 60-bit integer key of a plan digest string, exactly representable in int64."""
     return int(hashlib.sha256(digest.encode()).hexdigest()[:15], 16)
+
+
+@dataclass
+class PlanAgreement:
+    """The plan-key all-gather of one step, in flight; :meth:`wait` checks the gathered keys.
+
+    Made by :func:`start_plan_agreement` on every rank.  :meth:`wait` is idempotent: the first
+    call waits for the all-gather and raises on every rank if the keys differ; later calls
+    return at once (or raise the same error again).
+    """
+
+    step: int
+    world_size: int
+    data_identity: str
+    group: object | None
+    gathered: list[torch.Tensor]
+    work: Any = None
+    done: bool = False
+    error: Exception | None = None
+
+    def wait(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.done:
+            return
+        self.done = True
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        rows = [[int(x) for x in t.tolist()] for t in self.gathered]
+        try:
+            _judge(rows, self.step, self.world_size, self.group, self.data_identity)
+        except Exception as err:
+            self.error = err
+            raise
+
+
+def start_plan_agreement(
+    digest: str,
+    step: int,
+    world_size: int,
+    plan_world: int | None = None,
+    group: object | None = None,
+    data_identity: str = "",
+    *,
+    async_op: bool = True,
+) -> PlanAgreement:
+    """Start the all-gather of ``(digest, step, plan world size, data identity)``; check it later.
+
+    Every rank of ``group`` must call it at the same point of the step (it is a collective).
+    Call :meth:`PlanAgreement.wait` before this rank's first point-to-point exchange or
+    gradient collective of the step: see :func:`check_plan_agreement` for what it raises.
+    ``async_op=False`` gathers before returning (the check itself still waits for ``wait``).
+    """
+    # NCCL gathers device tensors only; gloo (and the CPU path) gathers host tensors
+    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    data_key = digest_key(data_identity) if data_identity else 0
+    mine = torch.tensor(
+        [digest_key(digest), int(step), int(plan_world or 0), data_key], dtype=torch.long, device=device
+    )
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    if async_op:
+        work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    else:
+        work = None
+        dist.all_gather(gathered, mine, group=group)
+    return PlanAgreement(int(step), world_size, data_identity, group, gathered, work)
 
 
 def check_plan_agreement(
@@ -48,18 +122,15 @@ def check_plan_agreement(
     (and, when ``data_identity`` differs, the data each group of ranks reads).  ``data_identity``
     names what this rank reads (for example a token store's content hash); the step digest
     already covers it when the data module folds it in, the separate key only makes the
-    message name the stores.
+    message name the stores.  :func:`start_plan_agreement` is the same check, waited later.
     """
-    # NCCL gathers device tensors only; gloo (and the CPU path) gathers host tensors
-    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    data_key = digest_key(data_identity) if data_identity else 0
-    mine = torch.tensor(
-        [digest_key(digest), int(step), int(plan_world or 0), data_key], dtype=torch.long, device=device
-    )
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [[int(x) for x in t.tolist()] for t in gathered]
+    start_plan_agreement(digest, step, world_size, plan_world, group, data_identity, async_op=False).wait()
+
+
+def _judge(
+    rows: list[list[int]], step: int, world_size: int, group: object | None, data_identity: str
+) -> None:
+    """Raise on every rank unless the gathered ``rows`` agree (they are the same on every rank)."""
     worlds = [row[2] for row in rows]
     wrong = [r for r, w in enumerate(worlds) if w and w != world_size]
     if wrong:
