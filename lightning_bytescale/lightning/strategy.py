@@ -693,7 +693,7 @@ class ByteScaleStrategy(ParallelStrategy):
             self._in_micro_batches = False
 
     def _set_phase(self, text: str) -> None:
-        self._beat(text, waits_on_peers="(ring" in text)
+        self._beat(text, waits_on_peers="(ring" in text or "(waits on every rank)" in text)
 
     def _offload_context(self, mb: PackedMicroBatch) -> contextlib.AbstractContextManager:
         if self.offload in (None, False) or mb.offload_ratio <= 0:
@@ -757,7 +757,8 @@ class ByteScaleStrategy(ParallelStrategy):
         assert module is not None
         t_start = time.perf_counter()
         self._beat(f"the plan digest check of step {batch.step}", waits_on_peers=True)
-        check_step(batch)  # an all-gather over all ranks: before any ring P2P of the step
+        # an all-gather over all ranks, waited for before this rank's first ring P2P or gradient bucket
+        plan_check = check_step(batch, wait=False)
         named = self._named_params()
         for _, p in named:
             p.grad = None
@@ -789,6 +790,7 @@ class ByteScaleStrategy(ParallelStrategy):
                 on_phase=self._set_phase,
                 step=batch.step,
                 grad_sync=grad_sync,
+                plan_check=plan_check,
             )
         # Lightning zeroes gradients between training_step and backward: keep ours aside until then.
         self._stashed_grads = [p.grad for _, p in named]
