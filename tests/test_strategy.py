@@ -351,7 +351,10 @@ def test_options_validated():
         "comm_aware": True,
         "ranks_per_node": None,
         "seed": 3,
+        "num_buckets": 8,
+        "pipeline_degree": 1,
     }
+    assert s.planner_options() == s.planner_config.as_options()
     assert s._timeout.total_seconds() == 5
 
 

@@ -3,18 +3,21 @@
 Lengths come from a file (a JSON list of integers, a ``.npy`` array, or text with one length
 per line; ``#`` starts a comment) or from a synthetic distribution (``--distribution NAME
 --tokens T``).  ``--json PATH`` also writes the plan in the documented schema
-(docs/planner.md); two runs with the same arguments write byte-identical files.
+(docs/planner.md); two runs with the same arguments write byte-identical files.  The options
+become one :class:`~lightning_bytescale.planner.config.PlannerConfig`; ``--option KEY=VALUE``
+passes a planner's own options and ``--import MODULE`` loads planners registered elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 from pathlib import Path
 
-from lightning_bytescale.planner.cost_model import CostModel
+from lightning_bytescale.planner.config import PlannerConfig
 from lightning_bytescale.planner.errors import PlanError
 
 
@@ -87,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="also write the plan (documented schema) to PATH")
-    ap.add_argument("--cost-model", metavar="FILE", help="cost model JSON (default: the paper preset)")
+    ap.add_argument(
+        "--cost-model",
+        metavar="FILE",
+        help="a bytescale-profile file or a cost-model JSON dict (default: the paper preset)",
+    )
     ap.add_argument("--ranks-per-node", type=int, default=None)
     ap.add_argument("--pipeline-degree", type=int, default=1)
     ap.add_argument("--slack", type=float, default=0.05)
@@ -104,7 +111,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="naive with offload: Eq. 3's fewest ranks (default) or shrink rings only where it pays",
     )
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a planner's own option (repeatable; VALUE read as JSON, else as a string), e.g. pp_reading=round_robin",
+    )
+    ap.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (repeatable): a module that registers planners with register_planner",
+    )
     return ap
+
+
+def _option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--option``: the value as JSON (numbers, true/false, null), else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise PlanError(f"--option {text!r}: write KEY=VALUE, e.g. --option pp_reading=round_robin")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
 
 
 def _summary(stats: dict, plan_ms: float) -> str:
@@ -138,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        for module in args.imports:
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                raise PlanError(f"--import {module}: cannot import it ({err}); is it on PYTHONPATH?") from err
         if args.lengths:
             if args.tokens is not None:
                 raise PlanError("--tokens goes with --distribution, not with --lengths")
@@ -149,19 +187,13 @@ def main(argv: list[str] | None = None) -> int:
             lengths = distributions.sample_global_batch(args.distribution, args.tokens, ctx, seed=args.seed)
         if not lengths:
             raise PlanError("no lengths given; the global batch is empty")
-        cost = None
-        if args.cost_model:
-            try:
-                cost = CostModel.from_json_dict(json.loads(Path(args.cost_model).read_text(encoding="utf-8")))
-            except (OSError, json.JSONDecodeError) as err:
-                raise PlanError(f"cannot read cost model {args.cost_model!r}: {err}") from err
-        t0 = time.perf_counter()
-        plan = make_plan(
-            lengths,
-            world_size=args.world_size,
-            capacity=args.capacity,
+        options = dict(_option(text) for text in args.option)
+        if args.offload_policy is not None:
+            options["offload_policy"] = args.offload_policy
+        config = PlannerConfig.from_options(
             planner=args.planner,
-            cost_model=cost,
+            capacity=args.capacity,
+            cost_model=args.cost_model,
             cp_size=args.cp_size,
             seed=args.seed,
             offload=args.offload,
@@ -170,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             pipeline_degree=args.pipeline_degree,
             ranks_per_node=args.ranks_per_node,
             comm_aware=not args.compute_only,
-            **({} if args.offload_policy is None else {"offload_policy": args.offload_policy}),
+            **options,
         )
+        t0 = time.perf_counter()
+        plan = make_plan(lengths, world_size=args.world_size, config=config)
         plan_ms = (time.perf_counter() - t0) * 1e3
         plan.validate()
     except PlanError as err:

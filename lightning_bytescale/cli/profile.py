@@ -21,7 +21,9 @@ then fits ``T(s) = a s^2 + b s + g`` and ``Act(s) = c s + d`` by least squares
 tokens one rank can hold in a micro-batch within a device memory budget.  The result is a JSON
 file (:class:`Profile`) holding the planner's :class:`CostModel` dict, the
 :class:`OffloadConfig` (layers and bandwidths for Eq. 3) and ``C``;
-:func:`load_cost_model` / :func:`load_profile` read it (and plain cost-model dicts).
+:func:`load_profile` reads it; :func:`~lightning_bytescale.planner.cost_model.load_cost_model` (the planner
+floor, so the strategy and the data module need not import this module) reads its cost model
+(and plain cost-model dicts).
 
 The model contract is the engine's: ``model(input_ids [T], position_ids [T]) -> logits [T, V]``
 inside :func:`~lightning_bytescale.packed_attention.attention_context`, with its transformer blocks
@@ -55,9 +57,14 @@ from torch import nn
 from lightning_bytescale.errors import ByteScaleError
 from lightning_bytescale.offload.offloader import OUTSIDE, ActivationOffloader
 from lightning_bytescale.packed_attention.layout import AttentionLayout
-from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig
+from lightning_bytescale.planner.cost_model import (
+    PROFILE_FORMAT,
+    CostModel,
+    OffloadConfig,
+    load_cost_model,  # noqa: F401  (re-exported: it lives in the planner floor now)
+)
 
-FORMAT = "bytescale-profile/1"
+FORMAT = PROFILE_FORMAT
 
 
 class ProfileError(ByteScaleError, ValueError):
@@ -158,16 +165,6 @@ class Profile:
 def load_profile(path: str | Path) -> Profile:
     """Read a profiler file written by :meth:`Profile.save`."""
     return Profile.from_json_dict(json.loads(Path(path).read_text()))
-
-
-def load_cost_model(path: str | Path) -> CostModel:
-    """The :class:`CostModel` in a profiler file, or in a file holding a plain cost-model dict."""
-    data = json.loads(Path(path).read_text())
-    if isinstance(data, dict) and data.get("format") == FORMAT:
-        return CostModel.from_json_dict(data["cost_model"])
-    if isinstance(data, dict) and "cost_model" in data:
-        return CostModel.from_json_dict(data["cost_model"])
-    return CostModel.from_json_dict(data)
 
 
 # ---------------------------------------------------------------------- measurements

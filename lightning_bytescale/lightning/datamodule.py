@@ -6,8 +6,9 @@ opens the store, applies the empty-sample and long-document policies to the leng
 cuts the token-budgeted global batches, and loads only its own share of each step's plan
 (``setup`` and the dataloaders).  See ``docs/data.md``.
 
-Planner options come from the strategy when it offers ``planner_options()`` (so the loader
-plans exactly what the strategy runs), else from this module's arguments.  The rank and world
+Planner options (one :class:`~lightning_bytescale.planner.config.PlannerConfig`) come from the
+strategy's ``planner_config`` when it has one (so the loader plans exactly what the strategy
+runs), else from this module's arguments.  The rank and world
 size come from the trainer, or from ``rank=`` / ``world_size=`` for standalone use.
 
 Data identity: the store folder is named after the content of the source (not file sizes and
@@ -60,39 +61,20 @@ from lightning_bytescale.data.store import (
     write_store,
 )
 from lightning_bytescale.data.tokenizer import Tokenizer, load_tokenizer
+from lightning_bytescale.planner.config import PlannerConfig
+from lightning_bytescale.planner.errors import PlanError
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 
-PLANNER_KEYS = (
-    "planner", "capacity", "cp_size", "offload", "slack", "cost_model", "comm_aware", "ranks_per_node",
-)  # fmt: skip
+#: The data module's own capacity when neither it nor a ``planner_config`` gives one.
+DEFAULT_CAPACITY = 4096
 
 
 def _plain(value: Any) -> Any:
     """An Enum option (as Hydra structured configs pass them) as its plain value."""
     return value.value if isinstance(value, Enum) else value
-
-
-def _cost_model(value: Any) -> Any:
-    """A cost-model file path read into the planner's ``CostModel`` (other values unchanged)."""
-    if isinstance(value, (str, os.PathLike)):
-        from lightning_bytescale.cli.profile import load_cost_model
-
-        if not Path(value).is_file():
-            raise DataError(
-                f"cost_model file {str(value)!r} does not exist; write one with bytescale-profile "
-                "or leave cost_model=None for the planner's default"
-            )
-        try:
-            return load_cost_model(value)
-        except (OSError, ValueError, TypeError) as err:
-            raise DataError(
-                f"cost_model file {str(value)!r} is not a usable cost model ({err}); write one with "
-                "bytescale-profile or leave cost_model=None for the planner's default"
-            ) from err
-    return value
 
 
 class ByteScaleDataModule(pl.LightningDataModule):
@@ -144,10 +126,13 @@ class ByteScaleDataModule(pl.LightningDataModule):
         seed: shuffling and planning seed (identical on every rank).
         shuffle: shuffle samples every epoch.
         drop_last: drop each epoch's final, partly filled step.
+        planner_config: the :class:`~lightning_bytescale.planner.config.PlannerConfig` to plan
+            with when the strategy has none (default: ``PlannerConfig(capacity=4096)``).
         planner, capacity, cp_size, offload, slack, cost_model, comm_aware, ranks_per_node:
-            planner options, used when the strategy has no ``planner_options()``; ``None`` leaves
-            the planner's default.  ``cost_model`` may also be the path of a profiler file.
-        planner_options: extra keyword arguments for ``make_plan``.
+            ``PlannerConfig`` fields replacing those of ``planner_config`` (``None``: keep its
+            value).  ``cost_model`` may also be the path of a profiler file.
+        planner_options: more ``PlannerConfig`` options by name (``num_buckets``, a planner's
+            own options such as ``pp_reading``); an unknown name fails naming the closest one.
         val_fraction: fraction of documents held out for validation (0: no validation loader).
         test_fraction: fraction of documents held out for ``trainer.test`` (0: the test loader
             is the validation split).  The validation split does not change when it is added.
@@ -177,8 +162,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
-        planner: str | None = "balance",
-        capacity: int | None = 4096,
+        planner: str | None = None,
+        capacity: int | None = None,
         cp_size: int | None = None,
         offload: Any = None,
         slack: float | None = None,
@@ -186,6 +171,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         comm_aware: bool | None = None,
         ranks_per_node: int | None = None,
         planner_options: dict | None = None,
+        planner_config: PlannerConfig | None = None,
         val_fraction: float = 0.0,
         num_workers: int = 1,
         prefetch_factor: int | None = None,
@@ -282,11 +268,14 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
-        self._own_planner_options = dict(
+        given = dict(
             planner=planner, capacity=capacity, cp_size=cp_size, offload=offload, slack=slack,
-            cost_model=_cost_model(cost_model), comm_aware=comm_aware, ranks_per_node=ranks_per_node,
-            **(planner_options or {}),
+            cost_model=cost_model, comm_aware=comm_aware, ranks_per_node=ranks_per_node,
         )  # fmt: skip
+        self._own_planner_config = _planner_config(
+            planner_config, {**{k: v for k, v in given.items() if v is not None}, **(planner_options or {})}
+        )
+        self._checking_config: PlannerConfig | None = None  # validate()'s stand-in for the strategy's
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
         self.predict_split = predict_split
@@ -378,25 +367,36 @@ class ByteScaleDataModule(pl.LightningDataModule):
     def _trainer_or_none(self):
         return getattr(self, "trainer", None)
 
-    def _strategy_options(self) -> dict | None:
+    def _strategy_config(self) -> PlannerConfig | None:
+        """The strategy's ``planner_config`` (or a config from its ``planner_options()``), if any."""
         trainer = self._trainer_or_none()
         strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        config = getattr(strategy, "planner_config", None)
+        if isinstance(config, PlannerConfig):
+            return config
         fn = getattr(strategy, "planner_options", None)
-        return dict(fn()) if callable(fn) else None
+        if not callable(fn):
+            return None
+        return _planner_config(None, {k: v for k, v in dict(fn()).items() if v is not None})
+
+    @property
+    def planner_config(self) -> PlannerConfig:
+        """What every step is planned with: the strategy's ``planner_config`` if it has one, else
+        this module's (``seed`` ``None``: this module's ``seed`` is the planning seed)."""
+        if self._checking_config is not None:
+            return self._checking_config
+        config = self._strategy_config()
+        return config if config is not None else self._own_planner_config
 
     def planner_options(self) -> dict:
-        """The ``make_plan`` options (without the seed): the strategy's ``planner_options()``
-        if it has one, else this module's arguments.  ``None`` values are left out."""
-        opts = self._strategy_options()
-        if opts is None:
-            opts = dict(self._own_planner_options)
-        opts.pop("seed", None)
-        return {k: v for k, v in opts.items() if v is not None}
+        """:attr:`planner_config` as ``make_plan`` keyword options (without the seed and ``None`` values)."""
+        opts = self.planner_config.as_options()
+        return {k: v for k, v in opts.items() if v is not None and k != "seed"}
 
     def plan_seed(self) -> int:
-        """The base of every step's planning seed: the strategy's ``seed`` if it gives one."""
-        opts = self._strategy_options() or {}
-        return int(opts["seed"]) if opts.get("seed") is not None else int(self.seed)
+        """The base of every step's planning seed: the planner config's ``seed`` if it gives one."""
+        seed = self.planner_config.seed
+        return int(seed) if seed is not None else int(self.seed)
 
     def pool_tokens(self, want: int | None = None) -> int | None:
         """The longest sequence (at most ``want``) the planner can place (None: no capacity).
@@ -405,13 +405,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
         checked with the planner itself, so ``static``'s CP degree and offload are taken into
         account; the longest length the planner accepts is returned.
         """
-        opts = self.planner_options()
-        cap = opts.get("capacity")
-        if cap is None:
-            return None
-        cap = int(cap)
-        if cap < 2:
-            raise DataError(f"capacity={cap} must be at least 2 tokens per rank")
+        config = self.planner_config.replace(seed=0)
+        cap = config.capacity
         if want is None:
             want = self.world_size * cap
         if want <= cap:
@@ -421,7 +416,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
 
         def fits(n: int) -> bool:
             try:
-                make_plan((n,), world_size=self.world_size, **{**opts, "seed": 0})
+                make_plan((n,), world_size=self.world_size, config=config)
             except PlanError:
                 return False
             return True
@@ -524,8 +519,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
         if pool is not None and max_len > pool:
             warnings.warn(
                 f"context_length {max_len} is more than the pool can hold (world_size "
-                f"{self.world_size} x capacity {self.planner_options().get('capacity')}"
-                f"{', with offload' if self.planner_options().get('offload') else ''}: {pool} tokens); "
+                f"{self.world_size} x capacity {self.planner_config.capacity}"
+                f"{', with offload' if self.planner_config.offload else ''}: {pool} tokens); "
                 f"samples are limited to {pool} tokens and longer documents follow "
                 f"long_document_policy={self.long_document_policy!r}",
                 stacklevel=2,
@@ -544,7 +539,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
             return
         if self.context_length is None:
             world = self.world_size if world_size is None else world_size
-            cap = self.planner_options().get("capacity") if capacity is None else capacity
+            cap = self.planner_config.capacity if capacity is None else capacity
             how = (
                 f"context_length is unset, so it defaults to the pool (world_size {world} x "
                 f"capacity {cap}: {self.max_length} tokens)"
@@ -558,19 +553,21 @@ class ByteScaleDataModule(pl.LightningDataModule):
             f"long_document_policy={self.long_document_policy!r}"
         )
 
-    def validate(self, world_size: int, planner_options: dict | None = None) -> None:
+    def validate(self, world_size: int, planner_options: PlannerConfig | dict | None = None) -> None:
         """Check, before any process starts, what ``setup`` would reject; builds nothing.
 
-        ``world_size`` and ``planner_options`` (the strategy's ``planner_options()``; default:
-        this module's) stand in for the trainer's.  The pool and the context length are checked
+        ``world_size`` and ``planner_options`` (the strategy's ``planner_config`` or its
+        ``planner_options()``; default: this module's) stand in for the trainer's.  The pool and the context length are checked
         always; ``tokens_per_step`` against the longest training sample when the token store
         is already built (opening its index is cheap), else by ``setup``.  Raises
         :class:`DataError` naming the option and the fix.
         """
-        opts = dict(planner_options) if planner_options is not None else dict(self._own_planner_options)
-        opts = {k: v for k, v in opts.items() if v is not None and k != "seed"}
-        saved = (self._world_size, self._own_planner_options, self.store, self.max_length)
-        self._world_size, self._own_planner_options = int(world_size), opts
+        if isinstance(planner_options, PlannerConfig) or planner_options is None:
+            config = planner_options if planner_options is not None else self._own_planner_config
+        else:
+            config = _planner_config(None, {k: v for k, v in dict(planner_options).items() if v is not None})
+        saved = (self._world_size, self._checking_config, self.store, self.max_length)
+        self._world_size, self._checking_config = int(world_size), config
         try:
             pool = self.pool_tokens(self.context_length)
             max_len = self.context_length if self.context_length is not None else pool
@@ -589,10 +586,10 @@ class ByteScaleDataModule(pl.LightningDataModule):
             train_docs = self._split_documents()[0]
             self._check_budget(
                 int(self._samples(train_docs, "the training data", quiet=True).length.max()),
-                world_size, opts.get("capacity"),
+                world_size, config.capacity,
             )  # fmt: skip
         finally:
-            self._world_size, self._own_planner_options, self.store, self.max_length = saved
+            self._world_size, self._checking_config, self.store, self.max_length = saved
 
     def _open_store(self) -> TokenStore:
         """Open this module's store (waiting for a build in progress), naming what went wrong."""
@@ -827,6 +824,25 @@ class ByteScaleDataModule(pl.LightningDataModule):
             self._train_loader.load_state_dict(train)
         else:
             self._pending_state = train
+
+
+def _planner_config(base: PlannerConfig | None, options: dict[str, Any]) -> PlannerConfig:
+    """``base`` (default: ``PlannerConfig(capacity=4096)``) with ``options`` replaced; a bad
+    option is a :class:`DataError` carrying the planner's message (cause and fix)."""
+    cap = options.get("capacity")
+    if isinstance(cap, int) and not isinstance(cap, bool) and cap < 2:
+        raise DataError(
+            f"capacity={cap} must be at least 2 tokens per rank (a ring member holds two zigzag chunks); "
+            "raise capacity"
+        )
+    if base is not None and not isinstance(base, PlannerConfig):
+        raise DataError(f"planner_config must be a PlannerConfig or None, got {type(base).__name__}")
+    try:
+        if base is None:
+            return PlannerConfig.from_options(**{"capacity": DEFAULT_CAPACITY, **options})
+        return base.replace(**options) if options else base
+    except PlanError as err:
+        raise DataError(str(err)) from err
 
 
 def model_vocab_size(module: Any) -> int | None:

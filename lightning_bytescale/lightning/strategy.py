@@ -30,7 +30,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -74,6 +73,7 @@ from lightning_bytescale.engine.zero import (
 )
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.lightning import compat as compat
+from lightning_bytescale.planner.config import PlannerConfig
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -102,10 +102,44 @@ def _as_timedelta(timeout: float | int | timedelta | None) -> timedelta | None:
     return timedelta(seconds=float(timeout))
 
 
-def _planner_names() -> tuple[str, ...]:
-    from lightning_bytescale.planner.planners import available_planners
+def _planner_config(planner: str | PlannerConfig, **given: Any) -> PlannerConfig:
+    """The strategy's :class:`PlannerConfig`: ``planner`` itself when it is one (the other
+    planner arguments then stay at their defaults), else one built from the arguments.
 
-    return tuple(available_planners())
+    ``offload=None`` means off here (the strategy offloads only when asked), and an
+    ``ActivationOffloader`` means on; the strategy runs no pipeline stages.
+    """
+    offloader = hasattr(given["offload"], "micro_batch_context")
+    if isinstance(planner, PlannerConfig):
+        defaults = inspect.signature(ByteScaleStrategy.__init__).parameters
+        clash = sorted(
+            k
+            for k, v in given.items()
+            if v is not defaults[k].default
+            and v != defaults[k].default
+            and not (k == "offload" and offloader)
+        )
+        if clash:
+            raise ConfigError(
+                f"ByteScaleStrategy got planner=PlannerConfig(...) and also {', '.join(clash)}; give the planner "
+                f"options one way: inside the PlannerConfig (config.replace({clash[0]}=...)) or as keyword arguments"
+            )
+        config = planner
+        if offloader or planner.offload is None:
+            config = planner.replace(offload=offloader)
+    else:
+        if offloader:  # an ActivationOffloader: the planner only needs "on"
+            given["offload"] = True
+        elif given["offload"] is None:
+            given["offload"] = False
+        given["options"] = given["options"] or {}
+        config = PlannerConfig.from_options(planner=planner, **given)
+    if config.pipeline_degree != 1:
+        raise ConfigError(
+            f"pipeline_degree={config.pipeline_degree}: ByteScaleStrategy runs no pipeline stages, so it plans with "
+            "pipeline_degree=1; pipelines are for bytescale-plan and bytescale-sim"
+        )
+    return config
 
 
 _DDP_ONLY = {
@@ -126,7 +160,11 @@ class ByteScaleStrategy(ParallelStrategy):
     Args:
         planner: a registered planner name: ``"balance"`` (HDP with the balance scheduler),
             ``"naive"`` (HDP, equal micro-batch counts), ``"static"`` (the fixed DP x CP
-            baseline), or one added with ``register_planner``.
+            baseline), or one added with ``register_planner``; or a whole
+            :class:`~lightning_bytescale.planner.config.PlannerConfig` (then leave the other
+            planner arguments at their defaults).  The planner arguments below are
+            ``PlannerConfig``'s fields (docs/planner.md); the strategy keeps them in
+            ``strategy.planner_config``, which the data module plans with.
         capacity: tokens one rank holds resident in one micro-batch (C).
         cp_size: context-parallel degree of the ``static`` planner (``None``: the planner's default).
         offload: selective activation offload: ``False`` (default, off), ``True``, the planner's
@@ -139,6 +177,10 @@ class ByteScaleStrategy(ParallelStrategy):
         comm_aware: plan on the communication-aware cost model (``False``: the paper's
             compute-only model, the ablation).
         ranks_per_node: ranks per node for ring placement (``None``: the cost model's value).
+        num_buckets: the balance scheduler's buckets of about equal work.
+        pipeline_degree: must be 1 (the strategy runs no pipeline stages; a ``PlannerConfig`` field).
+        options: the planner's own options, e.g. ``{"pp_reading": "round_robin"}`` or a
+            registered planner's keyword parameters.
         zero: ZeRO level: ``0`` (default) every rank keeps all optimizer state and gradients;
             ``1`` shards optimizer state over all ranks with ``ZeroRedundancyOptimizer``; ``2``
             also shards gradients: each is reduced to the rank that owns its optimizer state
@@ -197,7 +239,7 @@ class ByteScaleStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        planner: str = "balance",
+        planner: str | PlannerConfig = "balance",
         capacity: int = 8192,
         cp_size: int | None = None,
         offload: Any = False,
@@ -207,6 +249,9 @@ class ByteScaleStrategy(ParallelStrategy):
         cost_model: Any = None,
         comm_aware: bool = True,
         ranks_per_node: int | None = None,
+        num_buckets: int = 8,
+        pipeline_degree: int = 1,
+        options: dict[str, Any] | None = None,
         zero: int = 0,
         zero1: bool | None = None,
         timeout: float | int | timedelta | None = default_pg_timeout,
@@ -230,7 +275,11 @@ class ByteScaleStrategy(ParallelStrategy):
         **unknown: Any,
     ) -> None:
         _refuse_unknown_options(unknown)
-        _validate_options(planner, capacity, cp_size, slack, comm_aware, ranks_per_node)
+        planner_config = _planner_config(
+            planner, capacity=capacity, cp_size=cp_size, offload=offload, slack=slack, seed=seed,
+            cost_model=cost_model, comm_aware=comm_aware, ranks_per_node=ranks_per_node,
+            num_buckets=num_buckets, pipeline_degree=pipeline_degree, options=options,
+        )  # fmt: skip
         if not isinstance(check_parameters_every_n_steps, int) or check_parameters_every_n_steps < 0:
             raise ConfigError(
                 "check_parameters_every_n_steps must be a non-negative integer (0 turns the check off), "
@@ -251,16 +300,9 @@ class ByteScaleStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = _as_timedelta(timeout)
         self._start_method = start_method
-        self.planner = planner
-        self.capacity = capacity
-        self.cp_size = cp_size
-        self.offload = offload
+        self.planner_config: PlannerConfig = planner_config  # what the data module plans with
+        self.offload = offload if hasattr(offload, "micro_batch_context") else planner_config.offload
         self.offloader_options = dict(offloader_options or {})
-        self.slack = float(slack)
-        self.seed = None if seed is None else int(seed)
-        self.cost_model = _resolve_cost_model(cost_model)
-        self.comm_aware = comm_aware
-        self.ranks_per_node = ranks_per_node
         self.zero = resolve_zero_level(zero, zero1)
         self.zero1 = self.zero >= 1  # optimizer state is sharded (ZeRO-1 and ZeRO-2)
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
@@ -662,21 +704,18 @@ class ByteScaleStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ options
     def planner_options(self) -> dict[str, Any]:
-        """The planning options a DataModule needs to build this strategy's plans."""
-        offload = self.offload
-        if hasattr(offload, "micro_batch_context"):  # an ActivationOffloader: the planner only needs "on"
-            offload = True
-        return {
-            "planner": self.planner,
-            "capacity": self.capacity,
-            "cp_size": self.cp_size,
-            "offload": False if offload is None else offload,
-            "slack": self.slack,
-            "cost_model": self.cost_model,
-            "comm_aware": self.comm_aware,
-            "ranks_per_node": self.ranks_per_node,
-            "seed": self.seed,
-        }
+        """:attr:`planner_config` as flat ``make_plan`` options (a view; the config is the truth)."""
+        return self.planner_config.as_options()
+
+    # The planner options as read-only attributes (``strategy.capacity``): views of ``planner_config``.
+    planner = property(lambda self: self.planner_config.planner)
+    capacity = property(lambda self: self.planner_config.capacity)
+    cp_size = property(lambda self: self.planner_config.cp_size)
+    slack = property(lambda self: self.planner_config.slack)
+    seed = property(lambda self: self.planner_config.seed)
+    cost_model = property(lambda self: self.planner_config.cost_model)
+    comm_aware = property(lambda self: self.planner_config.comm_aware)
+    ranks_per_node = property(lambda self: self.planner_config.ranks_per_node)
 
     # ------------------------------------------------------------------ the step
     def _named_params(self) -> list[tuple[str, Tensor]]:
@@ -1062,37 +1101,6 @@ def _refuse_unknown_options(unknown: dict[str, Any]) -> None:
     )
 
 
-def _validate_options(
-    planner: str,
-    capacity: int,
-    cp_size: int | None,
-    slack: float,
-    comm_aware: bool,
-    ranks_per_node: int | None,
-) -> None:
-    names = _planner_names()
-    if planner not in names:
-        close = difflib.get_close_matches(str(planner), names, n=1)
-        raise ConfigError(
-            f"planner must be one of {list(names)} (register more with lightning_bytescale.planner.register_planner), "
-            f"got {planner!r}" + (f"; did you mean {close[0]!r}?" if close else "")
-        )
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2:
-        raise ConfigError(
-            f"capacity must be at least 2 tokens (a ring member holds two zigzag chunks), got {capacity!r}"
-        )
-    if cp_size is not None and (isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1):
-        raise ConfigError(f"cp_size must be a positive integer or None, got {cp_size!r}")
-    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or slack < 0:
-        raise ConfigError(f"slack must be a number >= 0, got {slack!r}")
-    if not isinstance(comm_aware, bool):
-        raise ConfigError(f"comm_aware must be True or False, got {comm_aware!r}")
-    if ranks_per_node is not None and (
-        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
-    ):
-        raise ConfigError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}")
-
-
 def _sequence_telemetry(batch: StepBatch) -> tuple[Tensor, int]:
     """Per-sequence length and ring size, written by each sequence's first holder (summed over ranks)."""
     num_seqs = max(
@@ -1154,35 +1162,6 @@ def _find_blocks(module: Module | None) -> list[Module] | None:
             if isinstance(blocks, torch.nn.ModuleList) and len(blocks) > 0:
                 return list(blocks)
     return None
-
-
-def _resolve_cost_model(cost_model: Any) -> Any:
-    """``cost_model`` as the planner takes it: a path is read here (a profiler file or a plain dict)."""
-    if cost_model is None or isinstance(cost_model, dict):
-        return cost_model
-    if isinstance(cost_model, (str, os.PathLike)):
-        from lightning_bytescale.cli.profile import load_cost_model
-
-        path = Path(cost_model)
-        if not path.is_file():
-            raise ConfigError(
-                f"cost_model file {str(path)!r} does not exist; write one with `bytescale-profile -o {path}` "
-                "or pass cost_model=None for the planner's default"
-            )
-        try:
-            return load_cost_model(path)
-        except (ValueError, KeyError, TypeError) as err:
-            raise ConfigError(
-                f"cost_model file {str(path)!r} is not a cost-model file ({err}); pass the JSON written by "
-                "bytescale-profile or CostModel.to_json_dict()"
-            ) from err
-    from lightning_bytescale.planner.cost_model import CostModel
-
-    if isinstance(cost_model, CostModel):
-        return cost_model
-    raise ConfigError(
-        f"cost_model must be None, a CostModel, its dict or a file path, got {type(cost_model).__name__}"
-    )
 
 
 def _track_step_calls(optimizer: Optimizer) -> None:

@@ -38,9 +38,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -361,6 +364,39 @@ class CostModel:
 
 
 PAPER_PCIE_BANDWIDTH = 25e9
+
+#: The ``format`` tag of a ``bytescale-profile`` file (:mod:`lightning_bytescale.cli.profile`).
+PROFILE_FORMAT = "bytescale-profile/1"
+
+
+def cost_model_from_json(data: object) -> CostModel:
+    """The :class:`CostModel` in a profiler file's JSON (``{"format": ..., "cost_model": {...}}``),
+    in any object with a ``cost_model`` entry, or in a plain cost-model dict."""
+    if isinstance(data, dict) and "cost_model" in data:
+        return CostModel.from_json_dict(data["cost_model"])
+    return CostModel.from_json_dict(data)  # type: ignore[arg-type]
+
+
+def load_cost_model(path: str | os.PathLike) -> CostModel:
+    """Read a cost model from a ``bytescale-profile`` JSON file or a file holding a plain dict.
+
+    Raises :class:`PlanError` naming the file and what is wrong with it: it does not exist, it
+    is not JSON, or it holds no usable cost model.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(
+            f"cost_model file {str(p)!r} does not exist; write one with `bytescale-profile -o {p}` "
+            "or pass cost_model=None for the planner's default"
+        )
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+        return cost_model_from_json(data)
+    except (OSError, ValueError, TypeError) as err:
+        raise PlanError(
+            f"cost_model file {str(p)!r} is not a usable cost model ({err}); pass the JSON written by "
+            "bytescale-profile or CostModel.to_json_dict(), or cost_model=None for the planner's default"
+        ) from err
 
 
 @functools.lru_cache(maxsize=1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_bytescale.errors import ByteScaleError
+from lightning_bytescale.errors import ByteScaleError, ConfigError
 
 
 class PlanError(ByteScaleError, ValueError):
@@ -17,4 +17,13 @@ class PlanValidationError(PlanError):
     """A plan breaks one of the invariants :meth:`Plan.validate` checks.
 
     The message names the rank and micro-batch (or sequence) at fault.
+    """
+
+
+class PlannerConfigError(PlanError, ConfigError):
+    """A planner option is unknown or has a value no planner can use (``PlannerConfig``).
+
+    Both a :class:`PlanError` (what ``make_plan`` raised for bad options before) and a
+    :class:`~lightning_bytescale.errors.ConfigError` (what the strategy raises); the message
+    names the option, its value and the fix (the closest valid name for a typo).
     """

@@ -83,13 +83,12 @@ from __future__ import annotations
 
 import gc
 import heapq
-import importlib
-import math
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from lightning_bytescale.planner.balance import plan_balance
-from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig, member_slots
+from lightning_bytescale.planner.config import PlannerConfig
+from lightning_bytescale.planner.cost_model import CostModel, member_slots
 from lightning_bytescale.planner.errors import PlanError
 from lightning_bytescale.planner.items import (
     Item,
@@ -103,45 +102,15 @@ from lightning_bytescale.planner.items import (
 )
 from lightning_bytescale.planner.packing import best_fit_decreasing
 from lightning_bytescale.planner.plan import MicroBatch, Plan
+from lightning_bytescale.planner.registry import (  # noqa: F401  (re-exported: the registry's old home)
+    _REGISTRY,
+    available_planners,
+    get_planner,
+    register_planner,
+)
 from lightning_bytescale.planner.ring_sizes import apply_picks, ring_choice_times
 
 PlannerFn = Callable[..., Plan]
-
-_REGISTRY: dict[str, PlannerFn | str] = {
-    "megatron_dcp": "lightning_bytescale.planner.peers:plan_megatron_dcp",
-    "verl_kk": "lightning_bytescale.planner.peers:plan_verl_kk",
-    "lpt": "lightning_bytescale.planner.peers:plan_lpt",
-}
-
-
-def register_planner(name: str, fn: PlannerFn | None = None):
-    """Register ``fn(lengths, *, world_size, capacity, **options) -> Plan`` under ``name``.
-
-    Usable as a decorator (``@register_planner("mine")``).  The function receives every
-    :func:`make_plan` option by keyword and should accept ``**kwargs`` for those it ignores.
-    """
-
-    def deco(f: PlannerFn) -> PlannerFn:
-        _REGISTRY[name] = f
-        return f
-
-    return deco if fn is None else deco(fn)
-
-
-def available_planners() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get_planner(name: str) -> PlannerFn:
-    fn = _REGISTRY.get(name)
-    if fn is None:
-        raise PlanError(f"unknown planner {name!r}; choose from {available_planners()}")
-    if isinstance(fn, str):
-        mod, attr = fn.split(":")
-        fn = getattr(importlib.import_module(mod), attr)
-        _REGISTRY[name] = fn
-    return fn
-
 
 # ====================================================================== common checks
 
@@ -323,11 +292,6 @@ def _naive_pays(ctx: PlanContext, items: list[Item], cm: bool, slack: float) -> 
     apply_picks(items, multi, picks, cost_of)
 
 
-register_planner("static", plan_static)
-register_planner("naive", plan_naive)
-register_planner("balance", plan_balance)
-
-
 # ====================================================================== the one interface
 
 
@@ -335,68 +299,48 @@ def make_plan(
     lengths: Sequence[int],
     *,
     world_size: int,
-    capacity: int,
-    planner: str = "balance",
-    cost_model: CostModel | dict | None = None,
-    cp_size: int | None = None,
-    seed: int = 0,
-    offload: OffloadConfig | dict | bool | None = None,
-    slack: float = 0.05,
-    num_buckets: int = 8,
-    pipeline_degree: int = 1,
-    ranks_per_node: int | None = None,
-    comm_aware: bool = True,
-    **extra,
+    config: PlannerConfig | None = None,
+    **options: Any,
 ) -> Plan:
     """Plan one global batch: for every rank, its ordered micro-batches.
 
     ``lengths``: token counts of the batch's sequences (``seq`` ids index this list).
-    ``capacity``: tokens a rank holds in one micro-batch (>= 2).  ``cost_model`` defaults to
-    :meth:`CostModel.paper_preset`; ``ranks_per_node`` overrides the cost model's topology.
-    ``cp_size`` is the static planner's CP degree (default: the smallest that fits).  Other
-    planners (``available_planners()``) receive every option by keyword, plus ``extra``.
-    Every micro-batch carries ``est_time`` (and ``exposed_time``) from the cost model.
+    ``config``: the planning options (:class:`PlannerConfig`; default: its defaults);
+    ``options``: keyword options on top of it, the same names as ``PlannerConfig``'s fields
+    (``planner``, ``capacity``, ``cost_model``, ``seed``, ...) plus the chosen planner's own
+    ones (``pp_reading``, ``offload_policy``, ...).  An unknown name raises
+    :class:`~lightning_bytescale.planner.errors.PlannerConfigError` naming the closest valid one.
+    Every planner receives every option by keyword.  Every micro-batch carries ``est_time``
+    (and ``exposed_time``) from the cost model.
     """
     world_size = _check_int("world_size", world_size, 1)
-    capacity = _check_int("capacity", capacity, 2)
-    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
-        raise PlanError(f"seed must be an integer, got {seed!r}")
-    seed = int(seed)
+    if config is None:
+        cfg = PlannerConfig.from_options(**options)
+    elif not isinstance(config, PlannerConfig):
+        raise PlanError(f"config must be a PlannerConfig or None, got {type(config).__name__}")
+    else:
+        cfg = config.replace(**options) if options else config
     lens = check_lengths(lengths)
-    if cost_model is None:
-        cost = CostModel.paper_preset()
-    elif isinstance(cost_model, dict):
-        cost = CostModel.from_json_dict(cost_model)
-    elif isinstance(cost_model, CostModel):
-        cost = cost_model
-    else:
-        raise PlanError(f"cost_model must be a CostModel, its dict or None, got {type(cost_model).__name__}")
-    if ranks_per_node is None:
-        ranks_per_node = cost.ranks_per_node
-    else:
-        ranks_per_node = _check_int("ranks_per_node", ranks_per_node, 1)
-    pipeline_degree = _check_int("pipeline_degree", pipeline_degree, 1)
-    num_buckets = _check_int("num_buckets", num_buckets, 1)
-    if not (isinstance(slack, (int, float)) and math.isfinite(slack) and slack >= 0):
-        raise PlanError(f"slack must be a finite number >= 0, got {slack!r}")
-    fn = get_planner(planner)
+    cost = cfg.cost_model if cfg.cost_model is not None else CostModel.paper_preset()
+    ranks_per_node = cfg.ranks_per_node if cfg.ranks_per_node is not None else cost.ranks_per_node
+    fn = get_planner(cfg.planner)
     gc_was_enabled = gc.isenabled()
     gc.disable()  # planning builds many small acyclic objects; collection passes only cost time
     try:
         plan = fn(
             lens,
             world_size=world_size,
-            capacity=capacity,
+            capacity=cfg.capacity,
             cost_model=cost,
-            cp_size=cp_size,
-            seed=seed,
-            offload=offload,
-            slack=float(slack),
-            num_buckets=num_buckets,
-            pipeline_degree=pipeline_degree,
+            cp_size=cfg.cp_size,
+            seed=0 if cfg.seed is None else cfg.seed,
+            offload=cfg.offload,
+            slack=cfg.slack,
+            num_buckets=cfg.num_buckets,
+            pipeline_degree=cfg.pipeline_degree,
             ranks_per_node=ranks_per_node,
-            comm_aware=bool(comm_aware),
-            **extra,
+            comm_aware=cfg.comm_aware,
+            **cfg.planner_kwargs(),
         )
         _fill_costs(plan, cost, ranks_per_node)
     finally:

@@ -20,12 +20,6 @@ from omegaconf import MISSING
 # targets (``enum_to_str``).
 
 
-class Planner(str, Enum):
-    static = "static"
-    naive = "naive"
-    balance = "balance"
-
-
 class StartMethod(str, Enum):
     popen = "popen"
     spawn = "spawn"
@@ -79,26 +73,41 @@ class CheckpointFormat(str, Enum):
 
 
 @dataclass
-class StrategyConfig:
-    """`lightning_bytescale.lightning.strategy.ByteScaleStrategy` options."""
+class PlannerSchema:
+    """The planner's options: exactly the fields of `lightning_bytescale.planner.config.PlannerConfig`
+    (a test keeps the two lists equal), which checks them when the strategy is built.
 
-    _target_: str = "lightning_bytescale.lightning.strategy.ByteScaleStrategy"
-    planner: Planner = Planner.balance
+    ``planner`` is a plain string, not an Enum, so that a planner added with
+    ``register_planner`` works from the recipes; `compose_pretrain` checks it against the registry.
+    """
+
+    planner: str = "balance"  # static | naive | balance | megatron_dcp | verl_kk | lpt | a registered one
     capacity: int = 2048  # token capacity C per rank and micro-batch
     cp_size: int | None = None  # ring size of the static planner (None: as needed)
     offload: bool = False  # let long sequences offload activations to need fewer ranks
     slack: float = 0.05  # balance scheduler slack (delta)
+    cost_model: str | None = None  # a bytescale-profile JSON file (None: the planner's default)
+    comm_aware: bool = True  # plan with ring communication in the cost model (False: compute only)
+    ranks_per_node: int | None = None  # topology for ring placement (None: from the cost model)
+    seed: int = "${seed}"  # type: ignore[assignment]  # planning seed, the same on every rank
+    num_buckets: int = 8  # the balance scheduler's buckets of about equal work
+    pipeline_degree: int = 1  # must be 1 for training (the strategy runs no pipeline stages)
+    options: dict[str, Any] = field(default_factory=dict)  # the planner's own, e.g. {pp_reading: round_robin}
+
+
+@dataclass
+class StrategyConfig(PlannerSchema):
+    """`lightning_bytescale.lightning.strategy.ByteScaleStrategy` options: the planner's
+    (`PlannerSchema`, docs/planner.md) and the strategy's own."""
+
+    _target_: str = "lightning_bytescale.lightning.strategy.ByteScaleStrategy"
     zero: int = 0  # ZeRO level: 0 none, 1 optimizer state sharded, 2 optimizer state and gradients sharded
     zero1: bool | None = None  # the older spelling of zero=1 (True); leave None and set zero
     timeout: float = 300.0  # seconds before a collective or P2P wait fails
     # sharded: each rank writes its part of a checkpoint folder (loading reshards onto any world size);
     # consolidated: rank 0 gathers everything into one file; auto: sharded exactly when zero >= 1
     checkpoint_format: CheckpointFormat = CheckpointFormat.auto
-    seed: int = "${seed}"  # type: ignore[assignment]  # planning seed, the same on every rank
     check_finite: bool = True  # stop on a non-finite loss/gradient, naming the micro-batch
-    comm_aware: bool = True  # plan with ring communication in the cost model (False: compute only)
-    ranks_per_node: int | None = None  # topology for ring placement (None: from the cost model)
-    cost_model: str | None = None  # a bytescale-profile JSON file (None: the planner's default)
     start_method: StartMethod = StartMethod.popen  # multirun forces spawn
 
 
