@@ -6,6 +6,11 @@ fix.  The classes also derive from the built-in exception a caller would expect
 (``ValueError`` for bad configuration, ``RuntimeError`` for a failed step,
 ``FloatingPointError`` for non-finite values), so generic handlers keep working.
 
+Conditions of one floor's own input have their class beside that floor
+(``planner.errors``, ``data.errors``, ``engine.micro_batch``, ``packed_attention``, ``offload``,
+``sim``), all under this base; ``docs/troubleshooting.md`` lists the whole tree and
+``tests/test_error_tree.py`` keeps it one tree with one class per condition.
+
 This module is pure Python: every floor of the package may import it.
 """
 
@@ -61,7 +66,8 @@ class PeerFailureError(StepError):
     """Another rank died or stopped answering during a collective or a ring transfer."""
 
 
-# Names of the first landing, kept so existing ``except`` clauses keep working.
+# Backwards-compatible second names of the same classes (documented in docs/troubleshooting.md),
+# kept so existing ``except`` clauses keep working.
 DivergentPlanError = PlanDivergenceError
 ByteScaleConfigError = ConfigError
 
