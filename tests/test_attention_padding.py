@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,7 @@ from test_attention import make_inputs, max_err, reference_with_grads, shard_ind
 from lightning_bytescale.packed_attention import loopback_ring_attention
 from lightning_bytescale.packed_attention.loopback import Mailboxes, ring_layouts
 from lightning_bytescale.packed_attention.ring import ring_setup
-from lightning_bytescale.packed_attention.ring_plan import chunk_tokens
+from lightning_bytescale.packed_attention.ring_plan import _rows, chunk_tokens
 from lightning_bytescale.packed_attention.segments import Rows
 from lightning_bytescale.planner import zigzag
 
@@ -136,3 +137,19 @@ def test_one_long_sequence_shares_plans_and_reads_views():
         for r in range(n):
             plan = setup.block(r)
             assert plan is not None and plan.q_rows.index is None and plan.k_rows.index is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5)), min_size=1, max_size=8))
+def test_vectorised_rows_equal_rows_of(runs):
+    """The block plans' vectorised row builder gives the rows :meth:`Rows.of` gives (gaps or none)."""
+    lo, hi, at = [], [], 0
+    for gap, length in runs:
+        at += gap
+        lo.append(at)
+        hi.append(at + length)
+        at += length
+    want = Rows.of(list(zip(lo, hi)))
+    got = _rows(np.array(lo, dtype=np.int64), np.array(hi, dtype=np.int64))
+    assert _slots(got, at) == _slots(want, at)
+    assert (got.index is None) == (want.index is None)

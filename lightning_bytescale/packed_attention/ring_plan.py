@@ -199,7 +199,7 @@ def _block_plans(
     def rows(lo: np.ndarray, hi: np.ndarray) -> Rows:
         key = b"rows" + lo.tobytes() + b"|" + hi.tobytes()
         if key not in shared:
-            shared[key] = Rows.of(list(zip(lo.tolist(), hi.tolist())))
+            shared[key] = _rows(lo, hi)
         return shared[key]
 
     def plan(sel: np.ndarray, q_lo: np.ndarray, q_hi: np.ndarray, k_hi: np.ndarray) -> BlockPlan | None:
@@ -211,8 +211,8 @@ def _block_plans(
             shared[key] = BlockPlan(
                 rows(q_lo, q_hi),
                 rows(k_lo, k_hi),
-                Segments.of((q_hi - q_lo).tolist()),
-                Segments.of((k_hi - k_lo).tolist()),
+                Segments(tuple((q_hi - q_lo).tolist())),
+                Segments(tuple((k_hi - k_lo).tolist())),
                 causal=False,
             )
         return shared[key]
@@ -222,10 +222,19 @@ def _block_plans(
     for r in range(n):
         f_r, g_r = f[:, r], g[:, r]
         if r == i:
-            whole, both = Rows(0, num_slots), Segments.of(c2.tolist())
+            whole, both = Rows(0, num_slots), Segments(tuple(c2.tolist()))
             blocks.append(BlockPlan(whole, whole, both, both, causal=True))
         elif r < i:  # every slot of i (padding rows too) against r's first chunk
             blocks.append(plan((f_i + g_i > 0) & (f_r > 0), a, a + c2, a + f_r))
         else:  # i's second chunk against all of r's real tokens
             blocks.append(plan((g_i > 0) & (f_r + g_r > 0), a + f_i, a + f_i + g_i, a + f_r + g_r))
     return tuple(blocks)
+
+
+def _rows(lo: np.ndarray, hi: np.ndarray) -> Rows:
+    """:meth:`Rows.of` for ``zip(lo, hi)`` (non-empty ranges), vectorised: a range when they form one run."""
+    if lo.size == 1 or bool((lo[1:] == hi[:-1]).all()):
+        return Rows(int(lo[0]), int(hi[-1]))
+    lens = hi - lo
+    offsets = np.cumsum(lens) - lens
+    return Rows(index=torch.from_numpy(np.repeat(lo - offsets, lens) + np.arange(int(lens.sum()))))

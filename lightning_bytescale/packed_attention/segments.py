@@ -42,7 +42,7 @@ class Segments:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if any(int(n) < 0 for n in self.lens):
+        if self.lens and min(self.lens) < 0:
             raise ValueError(f"sequence lengths must be >= 0, got {self.lens}")
 
     @classmethod
