@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,6 @@ from typing import Any
 
 _PROC = Path("/proc")
 PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 _libc: Any = None
 
 
@@ -113,31 +111,6 @@ def descendants(pid: int | None = None) -> list[int]:
     return found
 
 
-def is_descendant(pid: int, root: int | None = None) -> bool:
-    """Whether ``pid`` descends from ``root`` (default: this process), by walking up its parents."""
-    ancestor = os.getpid() if root is None else root
-    seen = set()
-    while pid > 1 and pid not in seen:
-        seen.add(pid)
-        row = _read_stat(pid)
-        if row is None:
-            return False
-        if row.ppid == ancestor:
-            return True
-        pid = row.ppid
-    return False
-
-
-def command_line(pid: int, limit: int = 160) -> str:
-    """``pid``'s command line (arguments joined by spaces), cut to ``limit`` characters."""
-    try:
-        raw = (_PROC / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return "?"
-    text = raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace") or "?"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def signal_all(pids: Iterable[int], sig: int = signal.SIGKILL) -> list[int]:
     """Send ``sig`` to each of ``pids``; returns those that still existed."""
     hit = []
@@ -163,17 +136,6 @@ def kill_descendants(pid: int | None = None, sig: int = signal.SIGKILL, rounds: 
             break
         signalled += signal_all(batch, sig)
     return signalled
-
-
-def wait_gone(pids: Iterable[int], timeout_s: float, poll_s: float = 0.02) -> list[int]:
-    """Wait up to ``timeout_s`` for ``pids`` to exit; returns those still alive then."""
-    pending = list(pids)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pending = [p for p in pending if is_alive(p)]
-        if not pending or time.monotonic() >= deadline:
-            return pending
-        time.sleep(poll_s)
 
 
 def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> bool:
@@ -210,15 +172,6 @@ class DieWithParent:
 
     def __call__(self) -> None:
         die_with_parent(self.sig, self.parent)
-
-
-def become_subreaper() -> bool:
-    """Make this process adopt its orphaned descendants instead of init (Linux 3.4+).
-
-    Then a grandchild whose parent exits stays a descendant of this process, so
-    :func:`descendants` still finds it.  Returns whether the kernel agreed.
-    """
-    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def ignore_sigterm_except_from(sender: int) -> threading.Thread:

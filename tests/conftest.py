@@ -16,6 +16,7 @@ Tests marked ``gpu`` are skipped where CUDA is not available.
 import os
 
 import pytest
+from _proc import become_subreaper, command_line, is_descendant, wait_gone
 
 from lightning_bytescale import proc as process_tree
 
@@ -51,11 +52,11 @@ SESSION_HELPERS = (
     "compile_worker",
 )
 LEFTOVER_GRACE_S = 5.0
-process_tree.become_subreaper()
+become_subreaper()
 
 
 def _session_helper(pid: int) -> bool:
-    command = process_tree.command_line(pid, limit=400)
+    command = command_line(pid, limit=400)
     return any(name in command for name in SESSION_HELPERS)
 
 
@@ -66,12 +67,12 @@ def _no_leftover_processes(request):
     new = [
         p
         for p in sorted(process_tree.pids() - before)
-        if process_tree.is_alive(p) and process_tree.is_descendant(p) and not _session_helper(p)
+        if process_tree.is_alive(p) and is_descendant(p) and not _session_helper(p)
     ]
-    left = process_tree.wait_gone(new, LEFTOVER_GRACE_S) if new else []
+    left = wait_gone(new, LEFTOVER_GRACE_S) if new else []
     if not left:
         return
-    described = "; ".join(f"pid {p}: {process_tree.command_line(p)}" for p in left)
+    described = "; ".join(f"pid {p}: {command_line(p)}" for p in left)
     for pid in left:
         process_tree.signal_all([*process_tree.descendants(pid), pid])
     pytest.fail(

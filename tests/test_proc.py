@@ -18,6 +18,7 @@ import time
 
 import pytest
 from _lifecycle import finish, started
+from _proc import become_subreaper, command_line, wait_gone
 
 from lightning_bytescale import proc
 from lightning_bytescale.proc import LoaderWorkerInit
@@ -37,10 +38,10 @@ def test_descendants_are_found_and_killed_and_waited_for():
         children = proc.descendants(shell.pid)
         assert len(children) == 2 and all(proc.info(c).ppid == shell.pid for c in children)
         assert shell.pid in proc.descendants() and set(children) <= set(proc.descendants())
-        assert proc.command_line(children[0]) == "sleep 60"
+        assert command_line(children[0]) == "sleep 60"
         killed = proc.kill_descendants(shell.pid)
         assert sorted(killed) == sorted(children)
-        assert proc.wait_gone(children, 5) == []
+        assert wait_gone(children, 5) == []
         assert proc.is_alive(shell.pid) or shell.poll() is not None  # the root itself is not killed
     finally:
         shell.kill()
@@ -62,7 +63,7 @@ def test_a_process_name_with_spaces_and_parentheses_does_not_confuse_the_parser(
 
 
 def test_a_child_whose_parent_died_before_the_request_exits_at_once():
-    assert proc.become_subreaper()  # the orphan is re-parented to this process: we can read its status
+    assert become_subreaper()  # the orphan is re-parented to this process: we can read its status
     code = textwrap.dedent(
         """
         import os, sys, time
@@ -152,4 +153,4 @@ def test_a_worker_dies_with_its_rank(tmp_path):
         (worker,) = json.loads(rank.stdout.readline())["workers"]
         os.kill(rank.pid, signal.SIGKILL)
         rank.wait()
-        assert proc.wait_gone([worker], 5) == [], "the loader worker outlived its rank"
+        assert wait_gone([worker], 5) == [], "the loader worker outlived its rank"
