@@ -1,4 +1,4 @@
-"""``python -m lightning_bytescale.data``: list, verify and prune the token stores of a cache.
+"""``bytescale-data`` (or ``python -m lightning_bytescale.data``): list, verify and prune the token stores of a cache.
 
 * ``list``: every store with its size, documents, tokens, content hash and last use;
 * ``verify STORE...``: check every block of ``tokens.bin`` against its checksum (exit 1 on damage);
@@ -74,9 +74,7 @@ def _prune(cache: Path, unused_days: float | None, dry_run: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_bytescale.data", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="bytescale-data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("list", "prune"):
         p = sub.add_parser(name)
