@@ -1,29 +1,58 @@
 """Tokens/s of ByteScaleStrategy on 4 CPU ranks: planners on long-tail data, and HDP vs plain DDP.
 
-Run: ``python benchmarks/strategy_throughput.py`` (about 75 s on 2 cores); writes
-``benchmarks/results/strategy.json``.
+Run: ``python benchmarks/strategy_throughput.py`` (about 6 minutes on 2 cores with the default
+7 rounds); writes ``benchmarks/results/strategy.json``.
 
 * Long-tail data (the ``byted`` length mix scaled from 2M to the context length 4 x C): the
   same global batches for ``balance``, ``naive`` and ``static`` (cp_size 4).
-* All-short data (64..512 tokens): ``bytescale`` (balance) against Lightning's plain ``ddp``
-  with the same model and the same global batches; DDP ranks get equal-token shares, packed
-  into one local micro-batch each.
+* All-short data (64..512 tokens, every sequence fits one rank): ``bytescale`` (planner
+  ``balance``) against Lightning's plain ``ddp``.
+
+The all-short comparison is made fair on every count a DDP user controls:
+
+* the same model (same seed), the same optimizer (AdamW, lr 1e-4), the same global batches
+  (the same sequences each step) and the same loss (token sum over the global token count;
+  DDP averages gradients over ranks, so its loss is scaled by the world size);
+* the same device-memory limit: no micro-batch holds more than C tokens.  HDP obeys it by
+  construction.  Each DDP rank gets an equal-token share of the global batch (longest first,
+  to the least-loaded rank), packs it best-fit into micro-batches of at most C tokens, and
+  accumulates over them with one backward per micro-batch under ``no_sync`` except the last,
+  whose backward runs DDP's bucketed all-reduce overlapped with it (``manual_backward`` in a
+  LightningModule with manual optimization: what a DDP user must do when a share does not fit
+  in one micro-batch; Lightning's ``accumulate_grad_batches`` cannot, since the number of
+  micro-batches differs between ranks and steps).  A single backward over a whole share would
+  hold the activations of all its packs at once, over the limit;
+* both run their defaults otherwise: DDP with 25 MB buckets; ByteScaleStrategy with its
+  checks on (plan digest, finiteness, loss-normalisation probe, watchdog, preemption) and the
+  loss logged every step;
+* after every run rank 0's parameters are kept, and the JSON reports how far the ``bytescale``
+  and ``ddp`` parameters of the same round are apart after the same steps
+  (``max_param_diff_vs_ddp``): the two train the same model.
+
+What differs is what is compared: HDP balances ranks by the planner's cost model (attention is
+quadratic in a sequence's length) and may give ranks different numbers of micro-batches; DDP
+balances tokens.
 
 Throughput is global tokens per second of wall time inside the training step (micro-batches,
-gradient all-reduce and optimizer step; data loading is outside), after two warm-up steps; the per-rank measured busy
-time, its imbalance and the planned imbalance come from ``strategy.step_stats``.  The machine
-is shared, so every configuration runs ``--rounds`` times, interleaved with the others, and
-the fastest measured step counts (``tokens_per_s``; the mean is kept as ``tokens_per_s_mean``
-and every step's wall time is in the JSON).  ``static`` runs one round only: it is several
-times slower, and a second round would not change the comparison.
+gradient sync and optimizer step; data loading and planning run in the loader's worker and
+are outside), after ``--warmup`` steps.  The machine is shared, so every configuration runs
+``--rounds`` times, interleaved (round i runs every configuration once before round i + 1),
+and the headline ``tokens_per_s`` is the **median over rounds** of each round's measured
+tokens / measured wall time; ``tokens_per_s_all_rounds`` has every round, ``step_wall_s``
+every measured step of every round, ``load_avg`` the 1-minute load average before each run.
+``static`` runs ``--static-rounds`` rounds only: it is several times slower, and more rounds
+would not change the comparison.  The per-rank measured busy time, its imbalance and the
+planned imbalance come from ``strategy.step_stats``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -149,21 +178,34 @@ class DataModule(pl.LightningDataModule):
 
 
 class LM(pl.LightningModule):
-    def __init__(self) -> None:
+    """Llama ``small``; ``ddp=True``: manual optimization, one backward per packed micro-batch."""
+
+    def __init__(self, ddp: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = LlamaModel(LlamaConfig.preset("small"))
+        self.ddp = ddp
+        self.automatic_optimization = not ddp
 
     def training_step(self, mb, batch_idx):
-        if isinstance(self.trainer.strategy, ByteScaleStrategy):
+        if not self.ddp:  # ByteScaleStrategy: one call per micro-batch, the strategy does the rest
             return token_loss(self.model(mb.input_ids, mb.position_ids), mb.labels, mb.num_global_tokens)
-        loss = torch.zeros(())
-        for part in mb:  # plain DDP: this rank's packed micro-batches, one backward
-            with attention_context(part.layout):
-                logits = self.model(part.input_ids, part.position_ids)
-            loss = loss + token_loss(logits, part.labels, part.num_global_tokens)
-        # DDP averages gradients over ranks: scale to the same global token mean
-        return loss * self.trainer.world_size
+        opt = self.optimizers()
+        ddp_model = self.trainer.strategy.model  # the DistributedDataParallel wrapper
+        world = self.trainer.world_size
+        total = torch.zeros(())
+        for i, part in enumerate(mb):  # this rank's packs of <= C tokens; only the last one syncs
+            last = i == len(mb) - 1
+            with contextlib.nullcontext() if last else ddp_model.no_sync():
+                with attention_context(part.layout):
+                    logits = self.model(part.input_ids, part.position_ids)
+                # DDP averages gradients over ranks: scale to the same global token mean
+                loss = token_loss(logits, part.labels, part.num_global_tokens) * world
+                self.manual_backward(loss)
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -185,6 +227,8 @@ class Timer(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         if trainer.global_rank == 0:
             self.out.write_text(json.dumps(self.rows))
+            params = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+            torch.save(params, self.out.with_suffix(".params.pt"))
 
 
 def run(kind: str, data: str, planner: str, steps: int, tmp: Path, warmup: int = 2) -> dict:
@@ -206,21 +250,42 @@ def run(kind: str, data: str, planner: str, steps: int, tmp: Path, warmup: int =
         use_distributed_sampler=False,
         callbacks=[Timer(out)],
     )
-    trainer.fit(LM(), datamodule=DataModule(kind, data, planner, steps))
+    load = os.getloadavg()[0]
+    trainer.fit(LM(ddp=kind == "ddp"), datamodule=DataModule(kind, data, planner, steps))
     rows = json.loads(out.read_text())[warmup:]
     wall = sum(r["wall_s"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
-    fastest = min(rows, key=lambda r: r["wall_s"] / r["tokens"])
     result = {
         "steps_measured": len(rows),
-        "tokens_per_s": fastest["tokens"] / fastest["wall_s"],
-        "tokens_per_s_mean": tokens / wall,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
         "step_wall_s": [r["wall_s"] for r in rows],
+        "load_avg": load,
+        "params": torch.load(out.with_suffix(".params.pt")),
     }
     if kind != "ddp":
         s = [r["stats"] for r in rows]
+        result["stats"] = s
+    return result
+
+
+def summarise(kind: str, runs: list[dict]) -> dict:
+    """Median over rounds (headline), every round, every step, and the HDP telemetry means."""
+    per_round = [r["tokens_per_s"] for r in runs]
+    out = {
+        "rounds": len(runs),
+        "steps_measured": sum(r["steps_measured"] for r in runs),
+        "tokens_per_s": statistics.median(per_round),
+        "tokens_per_s_mean": sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs),
+        "tokens_per_s_all_rounds": per_round,
+        "step_wall_s": [r["step_wall_s"] for r in runs],
+        "load_avg": [r["load_avg"] for r in runs],
+    }
+    if kind != "ddp":
+        s = [x for r in runs for x in r["stats"]]
         mean = lambda key: sum(x[key] for x in s) / len(s)  # noqa: E731
-        result.update(
+        out.update(
             max_over_mean_measured=mean("max_over_mean_measured"),
             max_over_mean_planned=mean("max_over_mean_planned"),
             bubble_fraction=mean("bubble_fraction"),
@@ -228,15 +293,21 @@ def run(kind: str, data: str, planner: str, steps: int, tmp: Path, warmup: int =
             micro_batches_per_rank=[sum(x["num_micro_batches"][r] for x in s) / len(s) for r in range(WORLD)],
             mean_cp_degree=sum(sum(x["cp_degrees"]) / max(len(x["cp_degrees"]), 1) for x in s) / len(s),
             plan_ms=mean("plan_ms"),
+            allreduce_ms=1e3 * mean("allreduce_s"),
+            busy_ms_max_rank=1e3 * sum(max(x["busy_s"]) for x in s) / len(s),
         )
-    return result
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="steps per run, including --warmup")
+    parser.add_argument("--steps", type=int, default=8, help="steps per run, including --warmup")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of every run left out")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; the best counts")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved repetitions; the median counts")
+    parser.add_argument("--static-rounds", type=int, default=2, help="rounds that also run `static`")
+    parser.add_argument(
+        "--only", choices=("all", "all_short"), default="all", help="all_short: the HDP vs DDP pair alone"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "strategy.json"))
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -247,12 +318,19 @@ def main() -> None:
             "world": WORLD,
             "capacity": CAPACITY,
             "tokens_per_step": TOKENS_PER_STEP,
-            "model": "llama small (dim 128, 4 layers, vocab 512), float32",
+            "model": "llama small (dim 128, 4 layers, vocab 512), float32, AdamW lr 1e-4",
             "long_tail_data": f"byted length mix scaled to context {WORLD * CAPACITY}",
             "short_data": "uniform 64..512 tokens",
+            "ddp_baseline": (
+                "Lightning DDPStrategy (gloo, 25 MB buckets); each rank an equal-token share, packed "
+                f"best-fit into micro-batches of <= {CAPACITY} tokens, one backward each under no_sync "
+                "except the last (manual optimization), same model, batches, loss and optimizer"
+            ),
             "steps_per_run": args.steps,
             "warmup_steps": args.warmup,
             "rounds": args.rounds,
+            "static_rounds": min(args.static_rounds, args.rounds),
+            "headline": "tokens_per_s is the median over rounds of each round's tokens / wall time",
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, gloo",
         },
         "long_tail": {},
@@ -265,23 +343,44 @@ def main() -> None:
         ("all_short", "bytescale", "bytescale", "short", "balance"),
         ("all_short", "ddp", "ddp", "short", "balance"),
     ]
+    if args.only == "all_short":
+        configs = [c for c in configs if c[0] == "all_short"]
     rounds: dict[tuple[str, str], list[dict]] = {(c[0], c[1]): [] for c in configs}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.rounds):
             for group, name, kind, data, planner in configs:
-                if name == "static" and i > 0:
-                    continue  # 5-10x slower than the others: one round is enough to place it
+                if name == "static" and i >= args.static_rounds:
+                    continue  # 5-10x slower than the others: a few rounds place it
                 res = run(kind, data, planner, args.steps, Path(d), args.warmup)
                 rounds[(group, name)].append(res)
-                print(group, name, f"{res['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+                print(
+                    f"round {i} {group} {name}: {res['tokens_per_s']:.0f} tokens/s (load {res['load_avg']:.1f})",
+                    file=sys.stderr,
+                    flush=True,
+                )
     for (group, name), runs in rounds.items():
-        best = max(runs, key=lambda r: r["tokens_per_s"])
-        results[group][name] = dict(best, tokens_per_s_all_rounds=[r["tokens_per_s"] for r in runs])
+        if not runs:
+            continue
+        results[group][name] = summarise("ddp" if name == "ddp" else "bytescale", runs)
     lt, sh = results["long_tail"], results["all_short"]
+    short = rounds[("all_short", "bytescale")], rounds[("all_short", "ddp")]
+    per_round = [h["tokens_per_s"] / d["tokens_per_s"] for h, d in zip(*short)]
+    sh["bytescale_over_ddp_per_round"] = per_round
+    sh["max_param_diff_vs_ddp"] = max(float((h["params"] - d["params"]).abs().max()) for h, d in zip(*short))
+    initial = torch.cat([p.detach().reshape(-1) for p in LM().parameters()])
+    sh["max_param_change"] = max(float((h["params"] - initial).abs().max()) for h in short[0])
+    nan = {"tokens_per_s": float("nan")}
     results["ratios"] = {
-        "balance_over_static": lt["balance"]["tokens_per_s"] / lt["static"]["tokens_per_s"],
-        "balance_over_naive": lt["balance"]["tokens_per_s"] / lt["naive"]["tokens_per_s"],
+        "balance_over_static": lt.get("balance", nan)["tokens_per_s"] / lt.get("static", nan)["tokens_per_s"],
+        "balance_over_naive": lt.get("balance", nan)["tokens_per_s"] / lt.get("naive", nan)["tokens_per_s"],
         "bytescale_over_ddp_short": sh["bytescale"]["tokens_per_s"] / sh["ddp"]["tokens_per_s"],
+        "bytescale_over_ddp_short_median_of_rounds": statistics.median(per_round),
+    }
+    results["machine_load"] = {
+        "load_avg_1_5_15_before": list(load_before),
+        "load_avg_1_5_15_after": list(os.getloadavg()),
+        "note": "2 cores shared with other jobs; load_avg per run is in each configuration's entry",
     }
     results["wall_s"] = time.perf_counter() - start
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
