@@ -186,21 +186,6 @@ def expected_anchors(name: str) -> dict[str, float]:
     }
 
 
-def measured_anchors(lengths: np.ndarray) -> dict[str, float]:
-    """The same shares measured on a sample of lengths (2M reference)."""
-    x = np.asarray(lengths, dtype=np.float64)
-    tot = x.sum()
-    return {
-        "samples_le_4k": float(np.mean(x <= 4 * K)),
-        "samples_ge_128k": float(np.mean(x >= 128 * K)),
-        "tokens_ge_128k": float(x[x >= 128 * K].sum() / tot),
-        "tokens_gt_256k": float(x[x >= 256 * K].sum() / tot),
-        "samples_at_2m": float(np.mean(x >= REFERENCE_CONTEXT)),
-        "tokens_at_2m": float(x[x >= REFERENCE_CONTEXT].sum() / tot),
-        "mean_length": float(x.mean()),
-    }
-
-
 def apply_context(lengths: np.ndarray, context_length: int, mode: str = "split") -> np.ndarray:
     """Fit reference-context documents to ``context_length`` (``split`` or ``scale``)."""
     if context_length < 1:
