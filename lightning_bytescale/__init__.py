@@ -45,6 +45,7 @@ _LAZY: dict[str, str] = {
     "attention": "lightning_bytescale.packed_attention.api",
     "attention_context": "lightning_bytescale.packed_attention.context",
     "token_loss": "lightning_bytescale.engine.loss",
+    "PlannerConfig": "lightning_bytescale.planner.config",
     "make_plan": "lightning_bytescale.planner.planners",
     "register_planner": "lightning_bytescale.planner.planners",
     "PlanError": "lightning_bytescale.planner.errors",
@@ -58,6 +59,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time ``__getattr__`` imp
     from lightning_bytescale.lightning.strategy import ByteScaleStrategy
     from lightning_bytescale.packed_attention.api import attention
     from lightning_bytescale.packed_attention.context import attention_context
+    from lightning_bytescale.planner.config import PlannerConfig
     from lightning_bytescale.planner.errors import PlanError
     from lightning_bytescale.planner.planners import make_plan, register_planner
 
@@ -74,6 +76,7 @@ __all__ = [
     "PlanDivergenceError",
     "PlanError",
     "PlanWorldSizeError",
+    "PlannerConfig",
     "StepError",
     "__version__",
     "attention",

@@ -84,7 +84,7 @@ def first_sentence(doc: str | None) -> str:
 
 def kind_of(obj: Any) -> str:
     if isinstance(obj, types.ModuleType):
-        return "module (callable)" if callable(obj) else "module"
+        return "module"
     if inspect.isclass(obj):
         if issubclass(obj, BaseException):
             return "exception"
@@ -104,15 +104,14 @@ def signature_of(name: str, obj: Any) -> str:
     if kind == "constant":
         text = repr(obj)
         return f"{name} = {text if len(text) <= 80 else type(obj).__name__ + ' (...)'}"
-    target = type(obj).__call__ if kind == "module (callable)" else obj
+    if kind == "module":
+        return name
     if inspect.isclass(obj) and issubclass(obj, enum.Enum):
         return f"{name}: {', '.join(m.name for m in obj)}"
     try:
-        sig = inspect.signature(target)
+        sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return name
-    if kind == "module (callable)":
-        sig = sig.replace(parameters=list(sig.parameters.values())[1:])  # drop the module's self
     if inspect.isclass(obj):
         sig = sig.replace(return_annotation=inspect.Signature.empty)
     sig = sig.replace(
