@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess  # the training run starts 2 ranks (gloo on 127.0.0.1)
-
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "lightning_bytescale"
 SCRIPTS = ("bytescale-plan", "bytescale-sim", "bytescale-profile", "bytescale-data", "bytescale-train")
@@ -157,6 +155,7 @@ def test_every_console_script_starts(installed, script):
         assert "experiment: " in proc.stdout and "cpu_smoke" in proc.stdout, proc.stdout
 
 
+@pytest.mark.multiprocess  # 2 ranks (gloo on 127.0.0.1), started by the installed script's popen launcher
 def test_bytescale_train_runs_from_an_unrelated_folder(installed):
     run_dir = installed["tmp"] / "run"
     proc = _run(
@@ -175,3 +174,8 @@ def test_bytescale_train_runs_from_an_unrelated_folder(installed):
     steps = {row["step"] for row in csv.DictReader(metrics.open()) if row.get("train/loss")}
     assert len(steps) == 2, steps
     assert not (installed["work"] / "outputs").exists()  # hydra.run.dir was honoured
+    from omegaconf import OmegaConf
+
+    sources = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.config_sources
+    main = [(s.schema, s.path) for s in sources if s.provider == "main"]
+    assert main == [("pkg", "lightning_bytescale.recipes.conf")], main  # the packaged YAML
