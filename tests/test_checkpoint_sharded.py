@@ -6,8 +6,10 @@ resumed from the folder (with ``ckpt_path="hpc"`` on 2 ranks, with the path on 3
 1) must end with the parameters and logged losses of that uninterrupted run, with ZeRO on and
 off when saving and when loading (so ZeRO state is re-partitioned, gathered and split).  The
 folder exported to one file must equal the consolidated save, and loads into a plain
-single-process model and optimizer that continue to the same parameters.  In-process unit
-tests cover the folder layout and the errors.
+single-process model and optimizer that continue to the same parameters.  A preemption stop
+(the flag a SIGTERM sets) saves a sharded folder that resumes on 3 ranks to the independent
+single-process reference; ``bytescale-train`` resumes from its sharded ``last.ckpt``.
+In-process unit tests cover the folder layout and the errors.
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ from lightning_bytescale.lightning.checkpoint import (  # noqa: E402
     save_sharded,
     sharded_optimizer_state,
 )
-from lightning_bytescale.lightning.preemption import checkpoint_path  # noqa: E402
+from lightning_bytescale.lightning.preemption import (  # noqa: E402
+    EXIT_PREEMPTED,
+    PreemptionCallback,
+    checkpoint_path,
+)
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from lightning_bytescale.planner import make_plan  # noqa: E402
 
@@ -91,7 +97,17 @@ class SaveBoth(pl.Callback):
         strategy.checkpoint_format = chosen
 
 
-def fit(out: Path, world: int, *, zero: bool, steps: int, resume=None, root: Path | None = None, save=False):
+def fit(
+    out: Path,
+    world: int,
+    *,
+    zero: bool,
+    steps: int,
+    resume=None,
+    root: Path | None = None,
+    save: bool = False,
+    callbacks: list[pl.Callback] = (),
+):
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MASTER_PORT", None)
     trainer = pl.Trainer(
@@ -109,7 +125,7 @@ def fit(out: Path, world: int, *, zero: bool, steps: int, resume=None, root: Pat
         enable_model_summary=False,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
-        callbacks=[ts.Recorder(out), *([SaveBoth()] if save else [])],
+        callbacks=[ts.Recorder(out), *([SaveBoth()] if save else []), *callbacks],
         default_root_dir=root or out,
     )
     trainer.fit(ts.TinyLM(), datamodule=StepDataModule(), ckpt_path=resume)
@@ -219,6 +235,39 @@ def test_resume_from_a_sharded_checkpoint_equals_the_uninterrupted_run(tmp_path,
         _assert_same(ckpt, torch.load(full / "consolidated.ckpt", weights_only=False))
         err = _max_diff(_continue_plainly(ckpt), expected)
         assert err <= 1e-10, f"the exported checkpoint continued in one process differs by {err:.3e}"
+    finally:
+        if not had_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Preempt(pl.Callback):
+    """Rank 1 is asked to stop during step SAVE_AT - 1, as a SIGTERM would; the stop saves after that step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == SAVE_AT - 1 and trainer.global_rank == 1:
+            callback = next(c for c in trainer.callbacks if isinstance(c, PreemptionCallback))
+            callback.handler.request("SIGTERM")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_preemption_stop_saves_a_sharded_folder_that_resumes_on_another_world(tmp_path):
+    had_group = dist.is_available() and dist.is_initialized()
+    run = tmp_path / "preempted"
+    try:
+        with pytest.raises(Exception, match=f"exit code {EXIT_PREEMPTED}"):
+            fit(run, 2, zero=True, steps=SAVE_AT + MORE, callbacks=[Preempt()])
+        folder = run / "hpc_ckpt_1.ckpt"
+        assert is_sharded_checkpoint(folder), sorted(p.name for p in run.iterdir())
+        assert torch.load(folder / META_FILE, weights_only=False)["global_step"] == SAVE_AT
+        out = tmp_path / "resumed"
+        fit(out, 3, zero=True, steps=SAVE_AT + MORE, resume="hpc", root=run)
+        expected, losses = ts.reference(SAVE_AT + MORE)
+        for r in range(3):
+            rows = ts.read_rows(out, r)
+            assert [row["step"] for row in rows] == list(range(SAVE_AT, SAVE_AT + MORE)), rows
+            assert [row["logged"] for row in rows] == pytest.approx(losses[SAVE_AT:], abs=1e-12)
+        ts.assert_params_equal(out, 3, expected)
     finally:
         if not had_group and dist.is_initialized():
             dist.destroy_process_group()
