@@ -51,6 +51,7 @@ from lightning_bytescale.engine.step_checks import (
     start_plan_agreement,
 )
 from lightning_bytescale.errors import (
+    ConfigError,
     LossNormalizationError,
     NonFiniteError,
     ParameterDivergenceError,
@@ -204,7 +205,7 @@ def run_micro_batch(
         loss = forward(model, mb)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(
+            raise ConfigError(
                 f"forward must return a scalar loss tensor (token_loss(logits, mb.labels, "
                 f"mb.num_global_tokens)), got {shape}"
             )
@@ -401,7 +402,7 @@ def _limb_bits(dtype: torch.dtype, world: int) -> int:
     mantissa = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}.get(dtype, 24)
     bits = mantissa - max(1, world - 1).bit_length()
     if bits < 1:
-        raise ValueError(
+        raise ConfigError(
             f"counts cannot be summed exactly in {dtype} over {world} ranks; pass reduce_dtype=torch.float32"
         )
     return min(COUNT_BITS, bits)
@@ -412,7 +413,7 @@ def _encode_counts(counts: torch.Tensor, bits: int) -> torch.Tensor:
     if c.numel() and (
         bool((c < 0).any()) or bool((c != c.round()).any()) or float(c.max()) >= 2.0**COUNT_BITS
     ):
-        raise ValueError(f"counts must be integers in [0, 2**{COUNT_BITS}), got {c.tolist()[:8]}")
+        raise ConfigError(f"counts must be integers in [0, 2**{COUNT_BITS}), got {c.tolist()[:8]}")
     ints = c.to(torch.int64)
     limbs = [(ints >> (bits * i)) & ((1 << bits) - 1) for i in range(-(-COUNT_BITS // bits))]
     return torch.stack(limbs, dim=1).reshape(-1).to(torch.float64)  # [n * num_limbs], limb-minor

@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_bytescale.errors import ConfigError
+
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
@@ -111,7 +113,7 @@ class BucketedGradSync:
         owners: Mapping[int, int] | None = None,
     ) -> None:
         if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+            raise ConfigError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.bucket_bytes = int(bucket_bytes)
