@@ -398,8 +398,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
         seed = self.planner_config.seed
         return int(seed) if seed is not None else int(self.seed)
 
-    def pool_tokens(self, want: int | None = None) -> int | None:
-        """The longest sequence (at most ``want``) the planner can place (None: no capacity).
+    def pool_tokens(self, want: int | None = None) -> int:
+        """The longest sequence (at most ``want``) the planner can place.
 
         ``want`` defaults to ``world_size * capacity``.  Lengths above one rank's capacity are
         checked with the planner itself, so ``static``'s CP degree and offload are taken into
