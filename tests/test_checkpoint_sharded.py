@@ -327,6 +327,29 @@ def test_a_folder_round_trips_and_exports_what_the_optimizer_itself_saves(tmp_pa
     assert is_sharded_checkpoint(folder)
 
 
+def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    model, opt = _trained()
+    folder = tmp_path / "last.ckpt"
+    _save(model, opt, folder)
+    newer, newer_opt = _trained(seed=1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", disk_full)  # DCP's small items and rank 0's meta.pt
+        with pytest.raises(BaseException, match="No space left"):  # DCP: a BaseException
+            _save(newer, newer_opt, folder)
+    fresh = Small(seed=2)
+    load_sharded(folder, fresh)
+    _assert_same(dict(fresh.state_dict()), dict(model.state_dict()))  # the earlier checkpoint, whole
+    assert len(list(tmp_path.iterdir())) == 2  # and the half-written one beside it
+    _save(newer, newer_opt, folder)  # the next save clears it away
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    load_sharded(folder, fresh)
+    _assert_same(dict(fresh.state_dict()), dict(newer.state_dict()))
+
+
 def test_mismatches_and_bad_paths_are_named(tmp_path):
     model, opt = _trained()
     folder = tmp_path / "ckpt"

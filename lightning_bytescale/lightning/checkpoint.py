@@ -6,8 +6,8 @@ save.  A *sharded* checkpoint is a folder instead:
 
 * the model's ``state_dict`` (replicated: every rank offers it, DCP's de-duplication has each
   tensor written once, the writes spread over the ranks);
-* each optimizer's state **keyed by parameter name** (``optimizer_<i>/<name>/<state>``), each
-  entry offered only by the rank that holds it (its ``ZeroRedundancyOptimizer`` partition; every
+* each optimizer's state **keyed by parameter name** (``optimizer_<i>``, then the parameter's
+  name, then the state's, e.g. ``exp_avg``), each entry offered only by the rank that holds it (its ``ZeroRedundancyOptimizer`` partition; every
   rank when the state is not sharded, de-duplicated like the model);
 * ``meta.pt``, written by rank 0: everything else Lightning puts in a checkpoint (loops and the
   data position, callbacks, LR schedulers, hyper-parameters, precision state) and each
@@ -19,16 +19,17 @@ ZeRO setting of the run that saved.  :func:`export_consolidated` turns a folder 
 file a consolidated save writes (``state_dict``, ``optimizer_states`` in PyTorch's indexed
 layout, the rest), for sharing a model or loading it anywhere without a process group.
 
-The folder keeps Lightning's name for the metadata file (``meta.pt``), so Lightning's own
-helpers recognise it as a sharded checkpoint.
+The metadata file keeps the name Lightning's FSDP and ModelParallel strategies give theirs
+(``meta.pt``).  Loading needs no process group: every rank reads what it needs on its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import shutil
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,31 +134,43 @@ def _check_local(path: str | Path) -> Path:
     return Path(text)
 
 
+def _partial(path: Path) -> Path:
+    """The sibling folder a save writes before it replaces ``path``; the same name on every rank.
+
+    Its name holds neither the checkpoint's name nor ``.ckpt``, so Lightning's ``hpc`` and
+    ``last`` look-ups never take a save that was killed half-way for a checkpoint.
+    """
+    digest = hashlib.sha1(path.name.encode()).hexdigest()[:12]
+    return path.parent / f".partial-checkpoint-{digest}"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
 def save_sharded(
     checkpoint: dict[str, Any],
     path: str | Path,
     *,
     rank: int,
-    barrier: Any = None,
+    barrier: Callable[[], None] | None = None,
 ) -> Path:
     """Write ``checkpoint`` (Lightning's dict; optimizer states from :func:`sharded_optimizer_state`) as a folder.
 
-    A collective: every rank calls it with its own ``checkpoint`` and the same ``path``.  An
-    existing checkpoint at ``path`` (a file or a sharded folder) is replaced; any other existing
-    folder is refused.
+    A collective: every rank calls it with its own ``checkpoint``, the same ``path`` and a
+    ``barrier`` over all ranks.  The ranks write into a sibling folder, which rank 0 then
+    renames to ``path``: an existing checkpoint there (a file or a sharded folder) stays whole
+    until the new one is complete.  Any other non-empty folder at ``path`` is refused.
     """
     path = _check_local(path)
-    if rank == 0:
-        if path.is_file() or is_sharded_checkpoint(path):
-            (path.unlink if path.is_file() else lambda: shutil.rmtree(path))()
-        elif path.is_dir() and any(path.iterdir()):
-            raise CheckpointError(
-                f"cannot write a sharded checkpoint to {str(path)!r}: it is a folder that is not a checkpoint; "
-                "choose another path or remove the folder"
-            )
-        path.mkdir(parents=True, exist_ok=True)
-    if barrier is not None:
-        barrier()
+    if path.is_dir() and not is_sharded_checkpoint(path) and any(path.iterdir()):
+        raise CheckpointError(  # every rank sees the same folder, so all ranks stop here together
+            f"cannot write a sharded checkpoint to {str(path)!r}: it is a folder that is not a checkpoint; "
+            "choose another path or remove the folder"
+        )
     meta = dict(checkpoint)
     tensors: dict[str, Any] = {MODEL_KEY: meta.pop(MODEL_KEY, {})}
     states = meta.pop("optimizer_states", None)
@@ -177,10 +190,20 @@ def save_sharded(
         "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
         "optimizers": layouts if states is not None else None,
     }
-    with _local_io():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path))
+    partial = _partial(path)
+    if barrier is not None:
+        barrier()  # every rank has looked at ``path`` before rank 0 changes anything
     if rank == 0:
-        torch.save(meta, path / META_FILE)
+        _remove(partial)  # what a save that was killed left behind
+        partial.mkdir(parents=True)
+    if barrier is not None:
+        barrier()
+    with _local_io():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial))  # returns once every rank wrote
+    if rank == 0:
+        torch.save(meta, partial / META_FILE)
+        _remove(path)
+        partial.rename(path)
     if barrier is not None:
         barrier()
     return path
