@@ -154,6 +154,18 @@ _DDP_ONLY = {
 }
 
 
+def _planner_view(name: str) -> property:
+    """A strategy attribute that reads ``planner_config.<name>`` and, when set, replaces the config."""
+
+    def get(self: ByteScaleStrategy) -> Any:
+        return getattr(self.planner_config, name)
+
+    def set_(self: ByteScaleStrategy, value: Any) -> None:
+        self.planner_config = self.planner_config.replace(**{name: value})
+
+    return property(get, set_, doc=f"``planner_config.{name}`` (setting it validates a new config).")
+
+
 class ByteScaleStrategy(ParallelStrategy):
     """Hybrid Data Parallelism (ByteScale) over all ranks of one global process group.
 
@@ -707,15 +719,17 @@ class ByteScaleStrategy(ParallelStrategy):
         """:attr:`planner_config` as flat ``make_plan`` options (a view; the config is the truth)."""
         return self.planner_config.as_options()
 
-    # The planner options as read-only attributes (``strategy.capacity``): views of ``planner_config``.
-    planner = property(lambda self: self.planner_config.planner)
-    capacity = property(lambda self: self.planner_config.capacity)
-    cp_size = property(lambda self: self.planner_config.cp_size)
-    slack = property(lambda self: self.planner_config.slack)
-    seed = property(lambda self: self.planner_config.seed)
-    cost_model = property(lambda self: self.planner_config.cost_model)
-    comm_aware = property(lambda self: self.planner_config.comm_aware)
-    ranks_per_node = property(lambda self: self.planner_config.ranks_per_node)
+    # The planner options as attributes (``strategy.capacity``): views of ``planner_config``.  Setting
+    # one (``trainer.strategy.capacity = 512`` after ``Trainer(strategy="bytescale")``) replaces the
+    # config with a validated copy, so the config stays the one truth.
+    planner = _planner_view("planner")
+    capacity = _planner_view("capacity")
+    cp_size = _planner_view("cp_size")
+    slack = _planner_view("slack")
+    seed = _planner_view("seed")
+    cost_model = _planner_view("cost_model")
+    comm_aware = _planner_view("comm_aware")
+    ranks_per_node = _planner_view("ranks_per_node")
 
     # ------------------------------------------------------------------ the step
     def _named_params(self) -> list[tuple[str, Tensor]]:
