@@ -1,8 +1,8 @@
 """Checkpoints under ZeRO: sharded (every rank writes its part) against consolidated (rank 0 writes all).
 
 Run: ``python benchmarks/checkpoint_sharded.py``; writes ``benchmarks/results/checkpoint_sharded.json``
-and prints a table.  On 2 busy cores it takes several minutes, nearly all of them in the
-consolidated save (the sharded half takes well under a minute).
+and prints a table.  On 2 busy cores it takes a few minutes, most of them in the
+consolidated save.
 
 Four gloo ranks on loopback each hold the project's Llama ``125m`` preset in float32 (100.1M
 parameters) and Adam wrapped in ``ZeroRedundancyOptimizer``, after one step (so each rank holds
