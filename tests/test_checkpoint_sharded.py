@@ -114,7 +114,12 @@ def fit(
         accelerator="cpu",
         devices=world,
         strategy=ByteScaleStrategy(
-            capacity=CAPACITY, zero1=zero, start_method="fork", timeout=60, checkpoint_format="sharded"
+            capacity=CAPACITY,
+            zero=int(zero),
+            start_method="fork",
+            timeout=60,
+            # "auto" saves sharded exactly when optimizer state is sharded: ask for it otherwise
+            checkpoint_format="auto" if zero else "sharded",
         ),
         precision="64-true",
         max_steps=steps,
