@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import wrapt
 
+from lightning_bytescale._lazy import lazy_getattr, public_dir
 from lightning_bytescale.errors import (
     ByteScaleError,
     ConfigError,
@@ -87,17 +88,8 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_bytescale' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})
+__getattr__ = lazy_getattr(globals(), _LAZY, cache=True)  # later lookups skip it
+__dir__ = public_dir(globals())
 
 
 _LIGHTNING = "lightning.pytorch"

@@ -12,9 +12,6 @@ transformers is an optional dependency: ``pip install "lightning-bytescale[hf]"`
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 try:
     import transformers  # noqa: F401
 except ImportError as err:  # pragma: no cover - depends on the environment
@@ -23,6 +20,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "(or pip install 'transformers>=5,<6')"
     ) from err
 
+from lightning_bytescale._lazy import lazy_getattr
 from lightning_bytescale.hf.attention import (
     ATTN_IMPLEMENTATION,
     bytescale_attention,
@@ -43,10 +41,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_bytescale.hf' has no attribute {name!r}")
+__getattr__ = lazy_getattr(globals(), _LAZY)
 
 
 __all__ = [

@@ -6,8 +6,7 @@ The YAML config groups ship inside the package (``lightning_bytescale/recipes/co
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_bytescale._lazy import lazy_getattr, public_dir
 
 # Public name -> its module, imported on first access (PEP 562), so importing one module of
 # this package does not import the others.
@@ -19,13 +18,5 @@ _LAZY: dict[str, str] = {
 
 __all__ = sorted(_LAZY, key=str.lower)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})
+__getattr__ = lazy_getattr(globals(), _LAZY)
+__dir__ = public_dir(globals())
