@@ -26,37 +26,20 @@ model equal what was saved.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
-import platform
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import free_port, init_gloo, machine, reset_peak, run_ranks, status_kib, write_rank
 
 WORLD = 4
 PRESET = "125m"
 MODES = ("sharded", "consolidated")
-
-
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    """Reset the peak resident set to the current one; returns it (KiB)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _kib("VmRSS")
 
 
 @torch.no_grad()
@@ -79,10 +62,7 @@ def _worker(rank: int, port: int, mode: str, folder: str, out: str) -> None:
     from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=600),
-    )  # fmt: skip
+    init_gloo(rank, WORLD, port, timeout_s=600)
     torch.manual_seed(0)
     model = LlamaModel(LlamaConfig.preset(PRESET))
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
@@ -97,7 +77,7 @@ def _worker(rank: int, port: int, mode: str, folder: str, out: str) -> None:
     path = Path(folder) / ("sharded.ckpt" if mode == "sharded" else "consolidated.ckpt")
 
     dist.barrier()
-    base = _reset_peak()
+    base = reset_peak()
     start = time.perf_counter()
     if mode == "sharded":
         checkpoint = {
@@ -114,7 +94,7 @@ def _worker(rank: int, port: int, mode: str, folder: str, out: str) -> None:
             io.save_checkpoint(checkpoint, path)  # Lightning's Strategy.save_checkpoint: rank 0 only
         dist.barrier()
     save_s = time.perf_counter() - start
-    save_peak = _kib("VmHWM") - base
+    save_peak = status_kib("VmHWM") - base
     del checkpoint
     zero._all_state_dicts = []  # what the consolidation left on rank 0
     gc.collect()
@@ -126,7 +106,7 @@ def _worker(rank: int, port: int, mode: str, folder: str, out: str) -> None:
             for v in state.values():
                 v.zero_()
     dist.barrier()
-    base = _reset_peak()
+    base = reset_peak()
     start = time.perf_counter()
     if mode == "sharded":
         loaded = load_sharded(path, model, [zero])
@@ -137,7 +117,7 @@ def _worker(rank: int, port: int, mode: str, folder: str, out: str) -> None:
     del loaded
     dist.barrier()
     load_s = time.perf_counter() - start
-    load_peak = _kib("VmHWM") - base
+    load_peak = status_kib("VmHWM") - base
 
     result = {
         "rank": rank,
@@ -155,14 +135,8 @@ def _worker(rank: int, port: int, mode: str, folder: str, out: str) -> None:
         "params": sum(p.numel() for p in model.parameters()),
         "restored": _fingerprint(model, zero) == saved,
     }
-    Path(out, f"{mode}_{rank}.json").write_text(json.dumps(result))
+    write_rank(out, mode, rank, result)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _size(path: Path) -> int:
@@ -188,24 +162,13 @@ def main() -> None:
         "against consolidated on rank 0",
         "model": f"LlamaModel preset {PRESET!r}, float32, Adam in ZeroRedundancyOptimizer",
         "world_size": WORLD,
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "load_avg": os.getloadavg(),
-        },
+        "machine": machine(),
     }
     try:
         for mode in MODES:
             folder = work / mode
             folder.mkdir()
-            mp.start_processes(
-                _worker,
-                args=(_free_port(), mode, str(folder), str(parts)),
-                nprocs=WORLD,
-                start_method="spawn",
-            )
-            ranks = [json.loads((parts / f"{mode}_{r}.json").read_text()) for r in range(WORLD)]
+            ranks = run_ranks(_worker, (free_port(), mode, str(folder), str(parts)), WORLD, parts, mode)
             written = next(folder.iterdir())
             result[mode] = {
                 "save_s": max(r["save_s"] for r in ranks),

@@ -22,16 +22,12 @@ CPU memory is what this machine has; the same accounting holds for device memory
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import free_port, init_gloo, machine, reset_peak, run_ranks, status_kib, write_rank
 from torch import nn
 
 # (layers, width): 6 x 4096^2 (each parameter larger than a bucket: buckets of their own) and
@@ -41,26 +37,12 @@ BATCH = 8
 BUCKET_BYTES = 25 * 2**20
 
 
-def _peak_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def _worker(rank: int, port: int, mode: str, out: str, layers: int, width: int) -> None:
     from lightning_bytescale.engine.executor import allreduce_gradients
     from lightning_bytescale.engine.grad_sync import BucketedGradSync
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
+    init_gloo(rank, 2, port, timeout_s=120)
     group = dist.new_group([0, 1])
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
@@ -72,8 +54,8 @@ def _worker(rank: int, port: int, mode: str, out: str, layers: int, width: int) 
     if sync is not None:
         sync.prepare()  # the gradients are allocated here, as the buckets
     dist.barrier()
-    _reset_peak()
-    base = _peak_kib()
+    reset_peak()
+    base = status_kib("VmHWM")
     if sync is not None:
         sync.arm()
     model(x).square().mean().backward()
@@ -81,7 +63,7 @@ def _worker(rank: int, port: int, mode: str, out: str, layers: int, width: int) 
         allreduce_gradients(params, group=group)
     elif sync is not None:
         sync.finish()
-    peak = _peak_kib()
+    peak = status_kib("VmHWM")
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
     prealloc = 0
     if sync is not None:
@@ -98,14 +80,8 @@ def _worker(rank: int, port: int, mode: str, out: str, layers: int, width: int) 
         "buckets": len(sync.buckets) if sync is not None else 0,
         "launched_in_backward": sync.launched_in_backward if sync is not None else 0,
     }
-    Path(out, f"{mode}_{rank}.json").write_text(json.dumps(result))
+    write_rank(out, mode, rank, result)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -118,19 +94,12 @@ def main() -> None:
     result: dict = {
         "what": "peak resident memory of backward + gradient sync above the same backward without a sync",
         "bucket_mib": bucket_mib,
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "load_avg": os.getloadavg(),
-        },  # fmt: skip
+        "machine": machine(),
     }
     for name, (layers, width) in MODELS.items():
         runs = {}
         for mode in ("none", "flat", "bucketed"):
-            args_ = (_free_port(), mode, str(tmp), layers, width)
-            mp.start_processes(_worker, args=args_, nprocs=2, start_method="spawn")
-            runs[mode] = [json.loads((tmp / f"{mode}_{r}.json").read_text()) for r in range(2)]
+            runs[mode] = run_ranks(_worker, (free_port(), mode, str(tmp), layers, width), 2, tmp, mode)
         base = max(r["peak_above_start_mib"] for r in runs["none"])
         summary = {
             mode: {

@@ -26,11 +26,9 @@ visible).  Results go to ``benchmarks/results/ring_attention.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -38,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from _common import free_port, init_gloo
 
 from lightning_bytescale.packed_attention import (
     AttentionLayout,
@@ -132,13 +131,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, iters: int, out_dir: st
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_gloo(rank, world, port, timeout_s=120)
     ring = tuple(range(world))
     layout = _ring_layout(cfg["seq_lens"], ring, rank)
     q, k, v, dout = _inputs(int(layout.cu_seqlens[-1]), cfg["heads"], cfg["kv_heads"], cfg["dim"], seed=rank)
@@ -165,16 +158,10 @@ def _worker(rank: int, world: int, port: int, cfg: dict, iters: int, out_dir: st
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ring(cfg: dict, world: int, iters: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _worker, args=(world, _free_port(), cfg, iters, tmp), nprocs=world, join=True, start_method="fork"
+            _worker, args=(world, free_port(), cfg, iters, tmp), nprocs=world, join=True, start_method="fork"
         )
         reports = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
     out: dict = {"ranks": world}

@@ -22,17 +22,14 @@ CPU memory is what this machine has; the same accounting holds for device memory
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import socket
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import free_port, init_gloo, machine, reset_peak, run_ranks, status_kib, write_rank
 from torch import nn
 
 WORLD = 4
@@ -43,17 +40,6 @@ BUCKET_BYTES = 25 * 2**20
 MIB = 2**20
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def _worker(rank: int, port: int, level: int, out: str) -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -61,10 +47,7 @@ def _worker(rank: int, port: int, level: int, out: str) -> None:
     from lightning_bytescale.engine.zero import clip_grad_norm_, owner_ranks
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=300),
-    )  # fmt: skip
+    init_gloo(rank, WORLD, port, timeout_s=300)
     grad_group = dist.new_group(list(range(WORLD)))
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
@@ -86,15 +69,15 @@ def _worker(rank: int, port: int, level: int, out: str) -> None:
         t0 = time.perf_counter()
         sync.finish()
         sync_s = time.perf_counter() - t0
-        rss_after_sync = _status_kib("VmRSS")
-        _reset_peak()
+        rss_after_sync = status_kib("VmRSS")
+        reset_peak()
         if level == 2:
             clip_grad_norm_(params, 1.0)
         else:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
         opt.step()
-        peak = _status_kib("VmHWM")
+        peak = status_kib("VmHWM")
         local = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
         state = sum(
             v.numel() * v.element_size()
@@ -112,15 +95,9 @@ def _worker(rank: int, port: int, level: int, out: str) -> None:
             "buckets": len(sync.buckets),
         }
     row["parameters_mib"] = sum(p.numel() * p.element_size() for p in params) / MIB
-    Path(out, f"zero{level}_{rank}.json").write_text(json.dumps(row))
+    write_rank(out, f"zero{level}", rank, row)
     sync.close()
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -136,18 +113,12 @@ def main() -> None:
         "optimizer": "AdamW",
         "bucket_mib": BUCKET_BYTES / MIB,
         "malloc_mmap_threshold_mib": 1,
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "load_avg": os.getloadavg(),
-        },  # fmt: skip
+        "machine": machine(),
         "levels": {},
     }
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MIB)  # read by each spawned rank's C library at start
     for level in (0, 1, 2):
-        mp.start_processes(_worker, args=(_free_port(), level, str(tmp)), nprocs=WORLD, start_method="spawn")
-        ranks = [json.loads((tmp / f"zero{level}_{r}.json").read_text()) for r in range(WORLD)]
+        ranks = run_ranks(_worker, (free_port(), level, str(tmp)), WORLD, tmp, f"zero{level}")
         summary = {
             key: max(r[key] for r in ranks)
             for key in (
