@@ -70,3 +70,17 @@ def run_ranks(
     """Spawn ``worker(rank, *args)`` on ``world_size`` fresh processes; their :func:`write_rank` results by rank."""
     mp.start_processes(worker, args=args, nprocs=world_size, start_method="spawn")
     return [json.loads(Path(parts, f"{stem}_{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def parts_folder(out: str | Path) -> Path:
+    """The folder beside the result file ``out`` (``<out>.parts``) where the ranks write theirs."""
+    parts = Path(out).with_suffix(".parts")
+    parts.mkdir(parents=True, exist_ok=True)
+    return parts
+
+
+def remove_parts(parts: Path) -> None:
+    """Remove a :func:`parts_folder` and the ranks' results in it."""
+    for f in parts.iterdir():
+        f.unlink()
+    parts.rmdir()

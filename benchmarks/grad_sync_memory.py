@@ -27,7 +27,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import free_port, init_gloo, machine, reset_peak, run_ranks, status_kib, write_rank
+from _common import (
+    free_port,
+    init_gloo,
+    machine,
+    parts_folder,
+    remove_parts,
+    reset_peak,
+    run_ranks,
+    status_kib,
+    write_rank,
+)
 from torch import nn
 
 # (layers, width): 6 x 4096^2 (each parameter larger than a bucket: buckets of their own) and
@@ -88,8 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "grad_sync_memory.json"))
     args = parser.parse_args()
-    tmp = Path(args.out).with_suffix(".parts")
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = parts_folder(args.out)
     bucket_mib = BUCKET_BYTES / 2**20
     result: dict = {
         "what": "peak resident memory of backward + gradient sync above the same backward without a sync",
@@ -120,9 +129,7 @@ def main() -> None:
         for mode in ("flat", "bucketed"):
             extra = summary[mode]["extra_above_backward_mib"]
             print(f"{name:17s} {mode:9s} extra above the backward: {extra:8.1f} MiB")
-    for f in tmp.iterdir():
-        f.unlink()
-    tmp.rmdir()
+    remove_parts(tmp)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"one bucket {bucket_mib:.0f} MiB; wrote {args.out}")
 

@@ -29,7 +29,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import free_port, init_gloo, machine, reset_peak, run_ranks, status_kib, write_rank
+from _common import (
+    free_port,
+    init_gloo,
+    machine,
+    parts_folder,
+    remove_parts,
+    reset_peak,
+    run_ranks,
+    status_kib,
+    write_rank,
+)
 from torch import nn
 
 WORLD = 4
@@ -104,8 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero_memory.json"))
     args = parser.parse_args()
-    tmp = Path(args.out).with_suffix(".parts")
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = parts_folder(args.out)
     result: dict = {
         "what": "memory per rank after the gradient sync and through the optimizer step, per ZeRO level",
         "world_size": WORLD,
@@ -135,9 +144,7 @@ def main() -> None:
             f"{summary['rss_after_sync_mib']:7.1f} MiB, peak through the step "
             f"{summary['peak_rss_clip_and_step_mib']:7.1f} MiB (max over ranks)"
         )
-    for f in tmp.iterdir():
-        f.unlink()
-    tmp.rmdir()
+    remove_parts(tmp)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 
