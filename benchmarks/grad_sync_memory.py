@@ -25,19 +25,9 @@ import argparse
 import json
 from pathlib import Path
 
+import _common as common
 import torch
 import torch.distributed as dist
-from _common import (
-    free_port,
-    init_gloo,
-    machine,
-    parts_folder,
-    remove_parts,
-    reset_peak,
-    run_ranks,
-    status_kib,
-    write_rank,
-)
 from torch import nn
 
 # (layers, width): 6 x 4096^2 (each parameter larger than a bucket: buckets of their own) and
@@ -52,7 +42,7 @@ def _worker(rank: int, port: int, mode: str, out: str, layers: int, width: int) 
     from lightning_bytescale.engine.grad_sync import BucketedGradSync
 
     torch.set_num_threads(1)
-    init_gloo(rank, 2, port, timeout_s=120)
+    common.init_gloo(rank, 2, port, timeout_s=120)
     group = dist.new_group([0, 1])
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
@@ -64,8 +54,8 @@ def _worker(rank: int, port: int, mode: str, out: str, layers: int, width: int) 
     if sync is not None:
         sync.prepare()  # the gradients are allocated here, as the buckets
     dist.barrier()
-    reset_peak()
-    base = status_kib("VmHWM")
+    common.reset_peak()
+    base = common.status_kib("VmHWM")
     if sync is not None:
         sync.arm()
     model(x).square().mean().backward()
@@ -73,7 +63,7 @@ def _worker(rank: int, port: int, mode: str, out: str, layers: int, width: int) 
         allreduce_gradients(params, group=group)
     elif sync is not None:
         sync.finish()
-    peak = status_kib("VmHWM")
+    peak = common.status_kib("VmHWM")
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
     prealloc = 0
     if sync is not None:
@@ -90,7 +80,7 @@ def _worker(rank: int, port: int, mode: str, out: str, layers: int, width: int) 
         "buckets": len(sync.buckets) if sync is not None else 0,
         "launched_in_backward": sync.launched_in_backward if sync is not None else 0,
     }
-    write_rank(out, mode, rank, result)
+    common.write_rank(out, mode, rank, result)
     dist.destroy_process_group()
 
 
@@ -98,17 +88,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "grad_sync_memory.json"))
     args = parser.parse_args()
-    tmp = parts_folder(args.out)
+    tmp = common.parts_folder(args.out)
     bucket_mib = BUCKET_BYTES / 2**20
     result: dict = {
         "what": "peak resident memory of backward + gradient sync above the same backward without a sync",
         "bucket_mib": bucket_mib,
-        "machine": machine(),
+        "machine": common.machine(),
     }
     for name, (layers, width) in MODELS.items():
         runs = {}
         for mode in ("none", "flat", "bucketed"):
-            runs[mode] = run_ranks(_worker, (free_port(), mode, str(tmp), layers, width), 2, tmp, mode)
+            runs[mode] = common.run_ranks(
+                _worker, (common.free_port(), mode, str(tmp), layers, width), 2, tmp, mode
+            )
         base = max(r["peak_above_start_mib"] for r in runs["none"])
         summary = {
             mode: {
@@ -129,7 +121,7 @@ def main() -> None:
         for mode in ("flat", "bucketed"):
             extra = summary[mode]["extra_above_backward_mib"]
             print(f"{name:17s} {mode:9s} extra above the backward: {extra:8.1f} MiB")
-    remove_parts(tmp)
+    common.remove_parts(tmp)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"one bucket {bucket_mib:.0f} MiB; wrote {args.out}")
 

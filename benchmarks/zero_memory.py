@@ -27,19 +27,9 @@ import os
 import time
 from pathlib import Path
 
+import _common as common
 import torch
 import torch.distributed as dist
-from _common import (
-    free_port,
-    init_gloo,
-    machine,
-    parts_folder,
-    remove_parts,
-    reset_peak,
-    run_ranks,
-    status_kib,
-    write_rank,
-)
 from torch import nn
 
 WORLD = 4
@@ -57,7 +47,7 @@ def _worker(rank: int, port: int, level: int, out: str) -> None:
     from lightning_bytescale.engine.zero import clip_grad_norm_, owner_ranks
 
     torch.set_num_threads(1)
-    init_gloo(rank, WORLD, port, timeout_s=300)
+    common.init_gloo(rank, WORLD, port, timeout_s=300)
     grad_group = dist.new_group(list(range(WORLD)))
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
@@ -79,15 +69,15 @@ def _worker(rank: int, port: int, level: int, out: str) -> None:
         t0 = time.perf_counter()
         sync.finish()
         sync_s = time.perf_counter() - t0
-        rss_after_sync = status_kib("VmRSS")
-        reset_peak()
+        rss_after_sync = common.status_kib("VmRSS")
+        common.reset_peak()
         if level == 2:
             clip_grad_norm_(params, 1.0)
         else:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
         opt.step()
-        peak = status_kib("VmHWM")
+        peak = common.status_kib("VmHWM")
         local = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
         state = sum(
             v.numel() * v.element_size()
@@ -105,7 +95,7 @@ def _worker(rank: int, port: int, level: int, out: str) -> None:
             "buckets": len(sync.buckets),
         }
     row["parameters_mib"] = sum(p.numel() * p.element_size() for p in params) / MIB
-    write_rank(out, f"zero{level}", rank, row)
+    common.write_rank(out, f"zero{level}", rank, row)
     sync.close()
     dist.destroy_process_group()
 
@@ -114,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero_memory.json"))
     args = parser.parse_args()
-    tmp = parts_folder(args.out)
+    tmp = common.parts_folder(args.out)
     result: dict = {
         "what": "memory per rank after the gradient sync and through the optimizer step, per ZeRO level",
         "world_size": WORLD,
@@ -122,12 +112,12 @@ def main() -> None:
         "optimizer": "AdamW",
         "bucket_mib": BUCKET_BYTES / MIB,
         "malloc_mmap_threshold_mib": 1,
-        "machine": machine(),
+        "machine": common.machine(),
         "levels": {},
     }
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MIB)  # read by each spawned rank's C library at start
     for level in (0, 1, 2):
-        ranks = run_ranks(_worker, (free_port(), level, str(tmp)), WORLD, tmp, f"zero{level}")
+        ranks = common.run_ranks(_worker, (common.free_port(), level, str(tmp)), WORLD, tmp, f"zero{level}")
         summary = {
             key: max(r[key] for r in ranks)
             for key in (
@@ -144,7 +134,7 @@ def main() -> None:
             f"{summary['rss_after_sync_mib']:7.1f} MiB, peak through the step "
             f"{summary['peak_rss_clip_and_step_mib']:7.1f} MiB (max over ranks)"
         )
-    remove_parts(tmp)
+    common.remove_parts(tmp)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 
