@@ -4,7 +4,7 @@
 have no public hook: initialising the process group the way Lightning's own strategies do,
 materialising a meta-device model, moving optimizer state, the launchers, calling hooks by
 name, and keeping a probe forward's ``self.log`` calls out of the logged metrics.  They are
-imported or touched only here, and ``tests/test_lightning_compat.py`` checks each of them, so
+imported or touched only here, and ``tests/lightning/test_lightning_compat.py`` checks each of them, so
 a Lightning release that renames one fails that test loudly instead of breaking a run.
 """
 

@@ -16,7 +16,7 @@ rank 0's interpreter exits on its own, it waits ``exit_grace_s`` for the other r
 preempted or finished run), then ends the rest.
 
 Lightning's private launcher names (``_SubprocessScriptLauncher`` and the names its ``launch``
-uses) are used here and nowhere else; ``tests/test_launcher.py`` fails when they change.
+uses) are used here and nowhere else; ``tests/lightning/test_launcher.py`` fails when they change.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from test_strategy_launch import SCRIPT as TWO_NODE_SCRIPT
 
 pytestmark = pytest.mark.multiprocess
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 STEPS = int(re.search(r"max_steps=(\d+)", TWO_NODE_SCRIPT).group(1))  # what the script trains
 # The two-node script of test_strategy_launch (float64, writes done_<rank>.json with
 # rank, world, node and the logged loss), plus what the environment and the strategy made of it.

@@ -1,11 +1,11 @@
 """Kill a run mid-epoch (SIGKILL, in the middle of a step) and resume it from its last checkpoint.
 
-``tests/test_strategy.py`` resumes runs that *stopped* cleanly at ``max_steps``; here the run
+``tests/lightning/test_strategy.py`` resumes runs that *stopped* cleanly at ``max_steps``; here the run
 dies: every process of a 3-rank run (its own session, Lightning's fork launcher) is SIGKILLed
 during the forward pass of step 3 of an 8-step epoch, after the checkpoint of step 2.  Step 2
 was trained but never saved, so the resumed runs must redo it.  Resumed on the same world (2)
 and on a smaller one (2; the batches' longest sequence needs 2 ranks), the logged steps and final parameters must equal the independent
-single-process float64 reference of ``tests/test_strategy.py`` (``reference``), which never
+single-process float64 reference of ``tests/lightning/test_strategy.py`` (``reference``), which never
 stopped.
 """
 
@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 from _proc import group_alive
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 
 import test_strategy as ts  # noqa: E402  (the strategy's own fixtures and reference)
@@ -36,7 +36,7 @@ TOTAL_STEPS = 5
 SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests!r} + "/lightning"]
     import torch
     torch.set_num_threads(1)
     import test_strategy as t

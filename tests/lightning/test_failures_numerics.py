@@ -1,7 +1,7 @@
 """A non-finite loss or gradient stops training with the micro-batch and sequence ids involved.
 
 Lightning level: ``ByteScaleStrategy(check_finite=True)`` under a real one-process Trainer
-(the 3-rank engine-level version is in ``tests/test_failures_dist.py``).  The strategy flags
+(the 3-rank engine-level version is in ``tests/lightning/test_failures_dist.py``).  The strategy flags
 each micro-batch right after its backward, so the report names the micro-batch that made the
 gradient non-finite, not only the rank, and the optimizer step is not taken.
 """

@@ -135,7 +135,7 @@ def _documented_commands() -> list[list[str]]:
     import re
     import shlex
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = []
     for doc in ("README.md", "docs/hf.md", "docs/recipes.md"):
         text = (root / doc).read_text().replace("\\\n", " ")

@@ -43,7 +43,7 @@ from lightning_bytescale.errors import ParameterDivergenceError
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 
 pytestmark = pytest.mark.multiprocess
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def reference_from(initial: dict[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
@@ -87,7 +87,7 @@ SCRIPT = """
 import os, sys
 import torch
 import lightning.pytorch as pl
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {tests!r} + "/lightning"]
 from test_strategy import CAPACITY, CLIP, Recorder, StepDataModule, TinyLM
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 

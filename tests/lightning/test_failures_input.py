@@ -36,7 +36,7 @@ from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _tokens(lengths):

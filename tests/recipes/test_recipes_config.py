@@ -21,7 +21,7 @@ from lightning_bytescale.recipes.config import (
     find_conf_dir,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "lightning_bytescale" / "recipes" / "conf"
 GPU_TRAINERS = {"gpu"}
 

@@ -49,7 +49,7 @@ from lightning_bytescale.planner.cost_model import CostModel
 
 pytestmark = pytest.mark.timeout(120)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOK = ByteTokenizer()
 
 

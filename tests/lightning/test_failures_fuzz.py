@@ -1,7 +1,7 @@
 """Fuzzing: random batches and options through ``make_plan`` -> ``build_step`` on every rank.
 
-``tests/test_planner.py`` fuzzes the planners (validation, determinism, sharding) and
-``tests/test_engine_packing.py`` fuzzes the packer on small worlds with default options.  Here
+``tests/planner/test_planner.py`` fuzzes the planners (validation, determinism, sharding) and
+``tests/engine/test_engine_packing.py`` fuzzes the packer on small worlds with default options.  Here
 hypothesis drives the whole path with the options users turn (offload, pipeline degree, ranks
 per node, slack, buckets, comm-awareness, 1-token sequences, up to 12 ranks) and checks the
 promise end to end: either a clear ``PlanError``/``EmptyBatchError`` that is justified, or

@@ -32,12 +32,12 @@ from lightning_bytescale import ByteScaleStrategy
 
 pytestmark = pytest.mark.multiprocess
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
     """
     import json, os, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests!r} + "/lightning"]
     import torch
     torch.set_num_threads(1)
     import lightning.pytorch as pl

@@ -19,7 +19,7 @@ In every one of these scenarios the survivors must raise a clear error
 (:class:`lightning_bytescale.errors.PeerFailureError`, from ``_failure_helpers.peer_failure_guard``)
 within the process-group timeout (:data:`TIMEOUT_S`), and no process may outlive the launcher.  The Lightning-level versions of
 the dead/stuck peer (the same message appended by ``ByteScaleStrategy.on_exception``) are in
-``tests/test_strategy_launch.py``.
+``tests/lightning/test_strategy_launch.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pytest
 from _failure_helpers import peer_failure_guard
 from _proc import group_alive
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 WORLD = 3
 TIMEOUT_S = 5.0  # process-group timeout of the dead/stuck peer scenarios
 CHECKS_TIMEOUT_S = 30.0  # the checks scenario waits only on slow (loaded) peers, never on dead ones
@@ -301,7 +301,7 @@ def runs(tmp_path_factory) -> dict:
         k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MASTER_", "RANK", "LOCAL_RANK"))
     }
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    code = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_failures_dist as t; t.launcher({str(out)!r})"
+    code = f"import sys; sys.path[:0] = [{str(TESTS)!r}, {str(TESTS / 'lightning')!r}]; import test_failures_dist as t; t.launcher({str(out)!r})"
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         env=env,

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 
 import test_strategy as ts  # noqa: E402  (TinyLM, Recorder, causal_sdpa, the global batches)

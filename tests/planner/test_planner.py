@@ -27,7 +27,7 @@ from lightning_bytescale.planner import distributions as dist
 from lightning_bytescale.planner.plan import MicroBatch, Piece
 
 PLANNERS = ("static", "naive", "balance", "lpt")
-PLANNER_DIR = pathlib.Path(__file__).resolve().parents[1] / "lightning_bytescale" / "planner"
+PLANNER_DIR = pathlib.Path(__file__).resolve().parents[2] / "lightning_bytescale" / "planner"
 
 
 def _world_and_lengths(draw):

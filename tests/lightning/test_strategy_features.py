@@ -145,7 +145,7 @@ def test_documented_example_module_trains(tmp_path):
     """The complete example in docs/strategy.md runs as written (smaller sizes)."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "strategy.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "strategy.md").read_text()
     block = [b for b in text.split("```python")[1:] if "class PackedLM" in b][0].split("```")[0]
     namespace: dict = {}
     exec(compile(block.split('if __name__ == "__main__":')[0], "docs/strategy.md", "exec"), namespace)
