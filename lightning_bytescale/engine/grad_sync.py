@@ -4,7 +4,10 @@ A rank's gradients are final once the backward of its *last* micro-batch has acc
 :class:`BucketedGradSync` watches that backward (``register_post_accumulate_grad_hook``): as
 soon as every parameter of the next bucket has its final gradient, it starts an asynchronous
 all-reduce (sum) of that bucket, so communication overlaps the rest of the backward, as DDP's
-reducer does.  Buckets hold about ``bucket_bytes`` (DDP's 25 MB by default) and are launched
+reducer does.  Buckets hold about ``bucket_bytes`` (DDP's 25 MB by default), except the first
+in backward order, which holds at most ``first_bucket_bytes`` (DDP's 1 MiB): a model smaller than
+one bucket would otherwise be one bucket, launched only when the whole backward is over, while
+the small first bucket of the last layers' gradients is summed during the rest of it.  They are launched
 strictly in bucket order on every rank -- collectives must be issued in the same order
 everywhere, and ranks' backwards differ -- so a bucket with a parameter that got no gradient in
 the last backward (used only by earlier micro-batches, or not at all) waits for
@@ -50,6 +53,7 @@ from torch import nn
 from lightning_bytescale.errors import ConfigError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed's first DDP bucket
 
 
 class _Bucket:
@@ -111,12 +115,16 @@ class BucketedGradSync:
         group: Any = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         owners: Mapping[int, int] | None = None,
+        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
     ) -> None:
         if bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if first_bucket_bytes <= 0:
+            raise ConfigError(f"first_bucket_bytes must be positive, got {first_bucket_bytes}")
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.bucket_bytes = int(bucket_bytes)
+        self.first_bucket_bytes = min(int(first_bucket_bytes), self.bucket_bytes)
         self.owners = dict(owners) if owners is not None else None
         initialised = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if initialised else 0  # global rank: owners are global ranks
@@ -137,6 +145,9 @@ class BucketedGradSync:
         Buckets are ordered by the backward position of their last parameter, i.e. by when they
         become final.  Without ``owners`` one bucket is filled at a time; with them, one per
         owner (and dtype and device) is open at a time, so each bucket can be reduced to one rank.
+        Until the first bucket is closed, open buckets take at most ``first_bucket_bytes`` (a
+        parameter larger than that still goes into an empty bucket alone), so the first bucket in
+        backward order is small; with ``owners`` each owner's first bucket may be small too.
         """
         done: list[tuple[int, _Bucket]] = []  # (backward position of its last parameter, bucket)
         open_: dict[tuple[Any, ...], tuple[list[nn.Parameter], int, int]] = {}  # key -> params, bytes, last
@@ -157,7 +168,8 @@ class BucketedGradSync:
                     close(key)
                 done.append((position, _Bucket([p], solo=True, owner=owner)))
                 continue
-            if key in open_ and open_[key][1] + nbytes > self.bucket_bytes:
+            cap = self.bucket_bytes if done else self.first_bucket_bytes
+            if key in open_ and open_[key][1] + nbytes > cap:
                 close(key)
             members, size, _ = open_.get(key, ([], 0, position))
             members.append(p)
@@ -290,4 +302,4 @@ class BucketedGradSync:
         self._hooks = []
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "BucketedGradSync"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "BucketedGradSync"]

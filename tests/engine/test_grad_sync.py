@@ -29,6 +29,25 @@ def test_buckets_hold_small_parameters_together_and_large_ones_alone():
     sync.close()
 
 
+def test_the_first_bucket_is_small_and_launched_while_the_last_backward_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).double()  # 2 MiB, one default bucket
+    sync = BucketedGradSync(list(model.parameters()))  # 25 MiB buckets, DDP's 1 MiB first bucket
+    first = sync.buckets[0]
+    assert first.buffer is not None and first.buffer.numel() * first.buffer.element_size() <= 2**20
+    assert len(sync.buckets) == 2 and not any(b.solo for b in sync.buckets)
+    sync.prepare()
+    sync.arm()
+    hidden = model[0](torch.randn(3, 256, dtype=torch.float64))
+    launched: list[int] = []  # buckets launched when the backward reaches layer 0 (still to run)
+    hidden.register_hook(lambda grad: launched.append(sync.launched_in_backward))
+    model[1:](hidden).sum().backward()
+    assert launched == [1]
+    assert sync.launched_in_backward == 2
+    sync.finish()
+    sync.close()
+
+
 def test_gradients_are_bucket_views_and_accumulate_in_place_over_micro_batches():
     model, ref = _model(), _model()
     sync = BucketedGradSync(list(model.parameters()), bucket_bytes=2**20)
