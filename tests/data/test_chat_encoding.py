@@ -9,10 +9,10 @@ the assistant's words and its ``<|im_end|>`` trained.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from _chat_helpers import CONTENT_WORDS, CONVERSATION, VOCAB, by_hand, word_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,24 +27,6 @@ from lightning_bytescale.data.tokenizer import HFTokenizer, JsonTokenizer, load_
 from lightning_bytescale.engine.micro_batch import IGNORE_INDEX, build_step  # noqa: E402
 from lightning_bytescale.planner import make_plan  # noqa: E402
 
-SPECIAL = ["<unk>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
-WORDS = [
-    "user",
-    "assistant",
-    "system",
-    "hi",
-    "hello",
-    "there",
-    "bye",
-    "ok",
-    "what",
-    "is",
-    "two",
-    "four",
-    "?",
-    ".",
-]
-VOCAB = {w: i for i, w in enumerate([*SPECIAL, *WORDS])}
 V = VOCAB  # short name for the hand-written expectations
 
 # ChatML with the assistant's content and end token in {% generation %} blocks
@@ -62,32 +44,11 @@ CHATML_REWRITING = (
 )
 
 
-def word_tokenizer(path: Path, bos: bool = True) -> Path:
-    """A word-level ``tokenizers`` JSON file (with a BOS post-processor) at ``path``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(SPECIAL)
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", V["<s>"])]
-        )
-    tok.save(str(path))
-    return path
-
-
 @pytest.fixture
 def tok(tmp_path) -> JsonTokenizer:
     return JsonTokenizer(word_tokenizer(tmp_path / "tokenizer.json"))
 
 
-CONVERSATION = [
-    {"role": "user", "content": "hi there"},
-    {"role": "assistant", "content": "hello"},
-    {"role": "user", "content": "bye"},
-    {"role": "assistant", "content": "ok bye"},
-]
 IDS = [
     V["<|im_start|>"], V["user"], V["hi"], V["there"], V["<|im_end|>"],
     V["<|im_start|>"], V["assistant"], V["hello"], V["<|im_end|>"],
@@ -238,26 +199,12 @@ def test_bad_records_name_the_file_line_and_problem(tmp_path, record, needle):
 
 
 # ------------------------------------------------------------------------------ random chats
-CONTENT_WORDS = ["hi", "hello", "there", "bye", "ok", "what", "is", "two", "four", "?", "."]
 message = st.fixed_dictionaries(
     {
         "role": st.sampled_from(["system", "user", "assistant"]),
         "content": st.lists(st.sampled_from(CONTENT_WORDS), max_size=6).map(" ".join),
     }
 )
-
-
-def by_hand(messages: list[dict], loss_on: str) -> tuple[list[int], list[int]]:
-    """ChatML ids and the mask written without the template: the assistant's words and end token."""
-    ids, mask = [], []
-    last = len(messages) - 1
-    for k, m in enumerate(messages):
-        words = [V[w] for w in m["content"].split()]
-        ids += [V["<|im_start|>"], V[m["role"]], *words, V["<|im_end|>"]]
-        trained = m["role"] == "assistant" and (loss_on == "assistant" or k == last)
-        mask += [0, 0, *([int(trained)] * (len(words) + 1))]
-    mask[:1] = [0]
-    return ids, mask
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

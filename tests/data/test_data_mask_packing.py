@@ -118,7 +118,7 @@ def test_counts_that_disagree_with_the_masks_are_refused():
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from test_chat_encoding import CONTENT_WORDS, by_hand, word_tokenizer  # noqa: E402
+from _chat_helpers import CONTENT_WORDS, by_hand, word_tokenizer  # noqa: E402
 
 from lightning_bytescale.data import DataError  # noqa: E402
 from lightning_bytescale.lightning.datamodule import ByteScaleDataModule  # noqa: E402

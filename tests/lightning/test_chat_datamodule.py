@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from test_chat_encoding import CONVERSATION, VOCAB, by_hand, word_tokenizer  # noqa: E402
+from _chat_helpers import CONVERSATION, VOCAB, by_hand, word_tokenizer  # noqa: E402
 
 from lightning_bytescale.data import DataError, OutOfVocabularyError  # noqa: E402
 from lightning_bytescale.data.synthetic_chat import SAMPLES_DIR  # noqa: E402
