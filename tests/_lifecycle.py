@@ -20,7 +20,10 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-_INHERITED = ("PYTEST_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "RANK", "PL_")
+# what pytest and launchers (Lightning, torchrun, SLURM) leave in the environment
+_INHERITED = (
+    "PYTEST_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "RANK", "PL_", "SLURM_", "TORCHELASTIC"
+)  # fmt: skip
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -4,7 +4,8 @@ Every multi-process test that runs a function in each rank goes through :func:`r
 it starts ``world`` processes with :func:`torch.multiprocessing.start_processes` (``fork``
 when this process is safe to fork: one thread and no process group; else ``spawn``), waits
 for them with a deadline, kills whatever is still alive when the deadline passes or a rank
-fails, and re-raises the first rank's error.  Ranks find each other through
+fails, and re-raises the first rank's error; with ``check=False`` (a rank is meant to die or
+hang) it raises nothing and returns each rank's exit code instead.  Ranks find each other through
 ``MASTER_ADDR=127.0.0.1`` and the port :func:`free_port` picked.
 """
 
@@ -14,7 +15,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -56,23 +58,75 @@ def init_gloo(rank: int, world: int, port: int, *, timeout_s: float = 60.0) -> N
     )
 
 
+@dataclass(frozen=True)
+class RankExits:
+    """How ``run_ranks(..., check=False)`` ended: each rank's exit code and who was still running."""
+
+    exitcodes: list[int | None]  # per rank; ``-SIGKILL`` for a rank killed when the wait ended
+    alive: list[int]  # ranks still running when the wait ended (killed then)
+    seconds: float  # from the start of the ranks to the end of the wait
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world: int,
     *args: Any,
     timeout_s: float = 200.0,
     method: str | None = None,
-) -> None:
-    """Run ``fn(rank, *args)`` in ``world`` processes; raise if one fails or the deadline passes."""
+    check: bool = True,
+    wait_for: Iterable[int] | None = None,
+) -> RankExits:
+    """Run ``fn(rank, *args)`` in ``world`` processes and wait for them until ``timeout_s`` passes.
+
+    ``check=True``: raise the first failed rank's error, or :class:`TimeoutError` at the deadline.
+    ``check=False`` (tests where a rank is meant to die or hang): raise nothing, wait for the
+    ranks in ``wait_for`` (default: all) until the deadline, and report the exit codes and the
+    ranks still running then.  Either way no rank outlives the call.
+    """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method=method or start_method())
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks of {fn.__name__} did not finish within {timeout_s:.0f} s")
+        if check:
+            while not ctx.join(timeout=2):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{world} ranks of {fn.__name__} did not finish within {timeout_s:.0f} s"
+                    )
+        else:
+            for rank in range(world) if wait_for is None else wait_for:
+                ctx.processes[rank].join(max(0.1, deadline - time.monotonic()))
+        seconds = time.monotonic() - start
+        alive = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+    return RankExits([p.exitcode for p in ctx.processes], alive, seconds)
+
+
+class DistCalls:
+    """Counts this rank's calls of the named ``torch.distributed`` functions (wrapped on ``dist``).
+
+    Use it inside a rank: the wrappers stay for the process's life.  Only code that looks the
+    functions up on ``dist`` when it calls them is counted; leave ``isend``/``irecv`` unwrapped
+    (``P2POp`` checks their identity).
+    """
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.calls = dict.fromkeys(names, 0)
+        for name in self.calls:
+            original = getattr(dist, name)
+
+            def wrapped(
+                *args: Any, __name: str = name, __orig: Callable[..., Any] = original, **kwargs: Any
+            ) -> Any:
+                self.calls[__name] += 1
+                return __orig(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.calls)

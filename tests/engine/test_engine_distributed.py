@@ -14,19 +14,15 @@ spawned); the tests below read their per-rank JSON reports.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
-import os
-import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _ranks import DistCalls, free_port, init_gloo, run_ranks
 
 from lightning_bytescale.planner import zigzag
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
@@ -111,38 +107,22 @@ def _model(reference: bool):
     return LlamaModel(cfg, attention_fn=causal_attention if reference else None).double()
 
 
-class Counters:
-    """Wraps torch.distributed entry points to count calls (P2POp's isend/irecv stay unwrapped:
-    P2POp checks their identity)."""
-
-    NAMES = (
-        "all_reduce",
-        "all_gather",
-        "broadcast",
-        "barrier",
-        "reduce_scatter",
-        "all_reduce_coalesced",
-        "batch_isend_irecv",
-        "send",
-        "recv",
-        "new_group",
-        "new_subgroups",
-        "new_subgroups_by_enumeration",
-    )
-
-    def __init__(self) -> None:
-        self.calls = dict.fromkeys(self.NAMES, 0)
-        for name in self.NAMES:
-            original = getattr(dist, name)
-
-            def wrapped(*args, __name=name, __orig=original, **kwargs):
-                self.calls[__name] += 1
-                return __orig(*args, **kwargs)
-
-            setattr(dist, name, wrapped)
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(self.calls)
+# the torch.distributed entry points a rank's DistCalls counts (P2POp's isend/irecv stay unwrapped:
+# P2POp checks their identity)
+COUNTED = (
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    "reduce_scatter",
+    "all_reduce_coalesced",
+    "batch_isend_irecv",
+    "send",
+    "recv",
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+)
 
 
 def _diff(after: dict, before: dict) -> dict:
@@ -196,7 +176,7 @@ def _run_case(model, plan, rank, tokens, group, counters, ref_grads, ref_loss, f
     }
 
 
-def _train_steps(rank: int, counters: Counters, steps: int = 3) -> dict:
+def _train_steps(rank: int, counters: DistCalls, steps: int = 3) -> dict:
     """Three AdamW steps on fresh global batches (balance plans, 4 ranks) against one process."""
     from lightning_bytescale.engine import build_step, run_step
     from lightning_bytescale.engine.reference import reference_loss
@@ -228,19 +208,13 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     from lightning_bytescale.engine.reference import reference_loss
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(rank, WORLD, port)
     # Set-up: every group this run will ever use, on every rank, in the same order.
     groups = {w: dist.new_group(list(range(w))) for w in range(2, WORLD)}
     groups[WORLD] = None
     grad_group = dist.new_group(list(range(WORLD)))  # the bucketed gradient sync's own group
     pg_setup = len(dist.distributed_c10d._world.pg_map)
-    counters = Counters()
+    counters = DistCalls(COUNTED)
 
     tokens = _tokens()
     ref = _model(reference=True)
@@ -335,38 +309,10 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     dist.destroy_process_group()
 
 
-def _start_method() -> str:
-    """``fork`` (no re-import of torch and Lightning in each child: ~4x less CPU) when this
-    process is safe to fork -- one thread, no process group -- else ``spawn``."""
-    forced = os.environ.get("BYTESCALE_TEST_START_METHOD")
-    if forced:
-        return forced
-    safe = threading.active_count() == 1 and not (dist.is_available() and dist.is_initialized())
-    return "fork" if safe and "fork" in mp.get_all_start_methods() else "spawn"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("engine_dist")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(outdir)), nprocs=WORLD, join=False, start_method=_start_method()
-    )
-    deadline = time.monotonic() + 200
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the 4-rank engine test did not finish within 200 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_worker, WORLD, free_port(), str(outdir), timeout_s=200)
     return [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -19,18 +19,13 @@ launches bucket all-reduces), and at the latest after the loop.  One start of 4 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
-import os
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import DistCalls, free_port, init_gloo, run_ranks
 
 from lightning_bytescale.planner import zigzag
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
@@ -69,26 +64,6 @@ def _model(reference: bool):
     torch.manual_seed(0)
     cfg = LlamaConfig.preset("tiny", tie_embeddings=True)
     return LlamaModel(cfg, attention_fn=causal_attention if reference else None).double()
-
-
-class Calls:
-    """Counts the collectives and P2P batches this rank issues through ``torch.distributed``."""
-
-    NAMES = ("all_reduce", "all_gather", "batch_isend_irecv", "send", "recv")
-
-    def __init__(self) -> None:
-        self.calls = dict.fromkeys(self.NAMES, 0)
-        for name in self.NAMES:
-            original = getattr(dist, name)
-
-            def wrapped(*args, __name=name, __orig=original, **kwargs):
-                self.calls[__name] += 1
-                return __orig(*args, **kwargs)
-
-            setattr(dist, name, wrapped)
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(self.calls)
 
 
 def _case(model, step, calls, grad_sync, ref_grads=None, ref_loss=None) -> dict:
@@ -140,13 +115,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     from lightning_bytescale.engine.reference import reference_loss
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(rank, WORLD, port)
     grad_group = dist.new_group(list(range(WORLD)))
     g = torch.Generator().manual_seed(5)
     tokens = [torch.randint(0, 64, (s,), generator=g) for s in LENGTHS]
@@ -155,7 +124,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     loss.backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
     model = _model(reference=False)
-    calls = Calls()
+    calls = DistCalls(("all_reduce", "all_gather", "batch_isend_irecv", "send", "recv"))  # collectives, P2P
     sync = BucketedGradSync(list(model.parameters()), group=grad_group, bucket_bytes=4096)
     get = tokens.__getitem__
     report = {
@@ -183,36 +152,10 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     dist.destroy_process_group()
 
 
-def _start_method() -> str:
-    forced = os.environ.get("BYTESCALE_TEST_START_METHOD")
-    if forced:
-        return forced
-    safe = threading.active_count() == 1 and not (dist.is_available() and dist.is_initialized())
-    return "fork" if safe and "fork" in mp.get_all_start_methods() else "spawn"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("plan_check")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(outdir)), nprocs=WORLD, join=False, start_method=_start_method()
-    )
-    deadline = time.monotonic() + 200
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the 4-rank plan-check test did not finish within 200 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_worker, WORLD, free_port(), str(outdir), timeout_s=200)
     return [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -24,11 +24,9 @@ the dead/stuck peer (the same message appended by ``ByteScaleStrategy.on_excepti
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,9 +34,11 @@ from pathlib import Path
 
 import pytest
 from _failure_helpers import peer_failure_guard
+from _lifecycle import TESTS, clean_env
 from _proc import group_alive
+from _ranks import free_port, init_gloo, run_ranks
 
-TESTS = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
 WORLD = 3
 TIMEOUT_S = 5.0  # process-group timeout of the dead/stuck peer scenarios
 CHECKS_TIMEOUT_S = 30.0  # the checks scenario waits only on slow (loaded) peers, never on dead ones
@@ -51,12 +51,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
 # =============================================================================== rank side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tokens(lengths):
     import torch
 
@@ -216,21 +210,14 @@ def _dead_peer(scenario: str, rank: int, report: dict) -> None:
         run_step(model, step)
 
 
-def _rank_main(scenario: str, rank: int, port: int, out: str) -> None:
+def _rank_main(rank: int, scenario: str, port: int, out: str) -> None:
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     report: dict = {"rank": rank, "out": out}
     code = 0
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=CHECKS_TIMEOUT_S if scenario == "checks" else TIMEOUT_S),
-        )
+        init_gloo(rank, WORLD, port, timeout_s=CHECKS_TIMEOUT_S if scenario == "checks" else TIMEOUT_S)
         if scenario == "checks":
             _checks(rank, report)
         else:
@@ -254,8 +241,6 @@ def _rank_main(scenario: str, rank: int, port: int, out: str) -> None:
 
 def launcher(out: str) -> None:
     """Run every scenario; forked ranks, joined with a deadline, stragglers killed and reported."""
-    import multiprocessing
-
     # imported once, before forking, so the ranks start at once
     import torch  # noqa: F401
 
@@ -267,29 +252,21 @@ def launcher(out: str) -> None:
     import lightning_bytescale.planner  # noqa: F401
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    ctx = multiprocessing.get_context("fork")
     summary = {}
     for scenario in SCENARIOS:
-        port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(scenario, r, port, out)) for r in range(WORLD)]
-        start = time.monotonic()
-        for p in procs:
-            p.start()
-        deadline = start + 30 + 3 * (CHECKS_TIMEOUT_S if scenario == "checks" else TIMEOUT_S)
-        for p in procs[:-1]:
-            p.join(max(0.0, deadline - time.monotonic()))
-        # a stuck last rank is expected to be alive still: do not wait for it
-        procs[-1].join(1.0 if scenario.startswith("stuck") else max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        summary[scenario] = {
-            "exitcodes": [p.exitcode for p in procs],
-            "hung": hung,
-            "seconds": time.monotonic() - start,
-        }
+        exits = run_ranks(
+            _rank_main,
+            WORLD,
+            scenario,
+            free_port(),
+            out,
+            method="fork",
+            timeout_s=30 + 3 * (CHECKS_TIMEOUT_S if scenario == "checks" else TIMEOUT_S),
+            check=False,
+            # a stuck last rank is expected to be alive still: do not wait for it
+            wait_for=range(WORLD - 1) if scenario.startswith("stuck") else None,
+        )
+        summary[scenario] = {"exitcodes": exits.exitcodes, "hung": exits.alive, "seconds": exits.seconds}
     Path(out, "summary.json").write_text(json.dumps(summary))
 
 
@@ -297,14 +274,11 @@ def launcher(out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("failures_dist")
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MASTER_", "RANK", "LOCAL_RANK"))
-    }
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    code = f"import sys; sys.path[:0] = [{str(TESTS)!r}, {str(TESTS / 'lightning')!r}]; import test_failures_dist as t; t.launcher({str(out)!r})"
+    # tests/ for the _ helpers, this folder for this module; forked ranks run its functions
+    code = f"import sys; sys.path[:0] = [{str(TESTS)!r}, {str(HERE)!r}]; import test_failures_dist as t; t.launcher({str(out)!r})"
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
-        env=env,
+        env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -8,11 +8,10 @@ gradient non-finite, not only the rank, and the optimizer step is not taken.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
+from _ranks import free_port
 
 from lightning_bytescale.engine.micro_batch import build_step
 from lightning_bytescale.engine.step_checks import RankReport, describe_non_finite
@@ -43,12 +42,6 @@ def test_reports_round_trip_through_the_step_buffer_and_name_every_bad_rank():
     )
     assert "rank 0" not in msg
     assert "gradient_clip_val" in msg  # a fix is named
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _steps():
@@ -92,7 +85,7 @@ def test_strategy_names_the_micro_batch_and_sequences(tmp_path, monkeypatch, kin
     module = Poisoned()
     before = {k: v.detach().clone() for k, v in module.state_dict().items()}
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     had_group = dist.is_available() and dist.is_initialized()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=ByteScaleStrategy(capacity=CAPACITY, timeout=30),

@@ -5,7 +5,7 @@ dies: every process of a 3-rank run (its own session, Lightning's fork launcher)
 during the forward pass of step 3 of an 8-step epoch, after the checkpoint of step 2.  Step 2
 was trained but never saved, so the resumed runs must redo it.  Resumed on the same world (2)
 and on a smaller one (2; the batches' longest sequence needs 2 ranks), the logged steps and final parameters must equal the independent
-single-process float64 reference of ``tests/lightning/test_strategy.py`` (``reference``), which never
+single-process float64 reference of ``tests/_strategy_helpers.py`` (``reference``), which never
 stopped.
 """
 
@@ -18,14 +18,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _strategy_helpers as ts  # the strategy tests' fixtures and reference
 import pytest
 import torch.distributed as dist
+from _lifecycle import TESTS, clean_env  # TESTS: on sys.path in the script, for _strategy_helpers
 from _proc import group_alive
-
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
-
-import test_strategy as ts  # noqa: E402  (the strategy's own fixtures and reference)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -36,10 +33,10 @@ TOTAL_STEPS = 5
 SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
-    sys.path[:0] = [{tests!r}, {tests!r} + "/lightning"]
+    sys.path.insert(0, {tests!r})
     import torch
     torch.set_num_threads(1)
-    import test_strategy as t
+    import _strategy_helpers as t
 
     class Killed(t.TinyLM):
         def training_step(self, mb, batch_idx):
@@ -57,15 +54,9 @@ SCRIPT = textwrap.dedent(
 def _killed_run(out: Path) -> Path:
     script = out / "killed.py"
     script.write_text(SCRIPT.format(tests=str(TESTS), kill=KILL_STEP, total=TOTAL_STEPS, every=CKPT_EVERY))
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PYTEST_", "MASTER_", "LOCAL_RANK", "NODE_RANK"))
-    }
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     proc = subprocess.Popen(
         [sys.executable, str(script), str(out / "killed")],
-        env=env,
+        env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -14,9 +14,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from _strategy_helpers import CAPACITY, StepDataModule, TinyLM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_strategy import CAPACITY, StepDataModule, TinyLM
 
 from lightning_bytescale import ByteScaleStrategy, token_loss
 from lightning_bytescale.engine import build_step, run_micro_batches
@@ -187,14 +187,14 @@ def test_a_per_micro_batch_mean_stops_every_rank_at_the_first_step(tmp_path, wor
 
 
 def test_a_per_micro_batch_mean_stops_one_process(tmp_path, monkeypatch):
-    import test_strategy
+    import _strategy_helpers
 
     from lightning_bytescale.planner import make_plan
 
     def one_rank_plan(lengths, world, planner, seed):
         return make_plan(tuple(lengths), world_size=world, seed=seed, planner=planner, capacity=64)
 
-    monkeypatch.setattr(test_strategy, "make_plan", one_rank_plan)
+    monkeypatch.setattr(_strategy_helpers, "make_plan", one_rank_plan)
     had_group = torch.distributed.is_initialized()
     try:
         with pytest.raises(LossNormalizationError, match="did not change|stayed the same"):

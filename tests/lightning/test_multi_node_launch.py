@@ -11,10 +11,8 @@ variables srun sets for each task (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,12 +20,13 @@ import time
 from pathlib import Path
 
 import pytest
-from test_strategy import reference
+from _lifecycle import TESTS, clean_env  # clean_env: no launcher variables of this run
+from _ranks import free_port
+from _strategy_helpers import reference
 from test_strategy_launch import SCRIPT as TWO_NODE_SCRIPT
 
 pytestmark = pytest.mark.multiprocess
 
-TESTS = Path(__file__).resolve().parents[1]
 STEPS = int(re.search(r"max_steps=(\d+)", TWO_NODE_SCRIPT).group(1))  # what the script trains
 # The two-node script of test_strategy_launch (float64, writes done_<rank>.json with
 # rank, world, node and the logged loss), plus what the environment and the strategy made of it.
@@ -38,28 +37,6 @@ SCRIPT = TWO_NODE_SCRIPT + textwrap.dedent(
                    "environment": type(trainer.strategy.cluster_environment).__name__}}, fh)
     """
 )
-LAUNCH_VARIABLES = (
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "RANK",
-    "WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_",
-    "SLURM_",
-    "TORCHELASTIC",
-)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", *LAUNCH_VARIABLES))}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **extra)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(procs: list[subprocess.Popen], timeout: float) -> None:
@@ -108,7 +85,9 @@ def test_torchrun_one_node_two_processes(tmp_path):
         "2",
         "1",
     ]
-    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     _run([proc], timeout=240)
     done = _results(tmp_path, 2)
     assert [(d["rank"], d["local"], d["node"], d["world"]) for d in done] == [(0, 0, 0, 2), (1, 1, 0, 2)]
@@ -120,13 +99,13 @@ def test_torchrun_one_node_two_processes(tmp_path):
 def test_srun_two_nodes_one_task_each(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=str(TESTS)))
-    port = _free_port()
+    port = free_port()
     job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_NNODES": "2",
            "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(tmp_path), "1", "2"],
-            env=_env(**job, SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node)),
+            env=clean_env(**job, SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node)),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -146,10 +125,10 @@ def test_devices_that_disagree_with_the_environment_are_refused_before_anything_
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=str(TESTS)))
     elastic = {"LOCAL_RANK": "0", "RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # fmt: skip
+               "TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
     done = subprocess.run(
         [sys.executable, str(script), str(tmp_path), "1", "1"],
-        env=_env(**elastic),
+        env=clean_env(**elastic),
         capture_output=True,
         text=True,
         timeout=120,

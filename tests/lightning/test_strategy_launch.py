@@ -12,10 +12,8 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,22 +24,22 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_strategy import CAPACITY, StepDataModule, TinyLM
+from _lifecycle import TESTS, clean_env  # TESTS: on sys.path in the script, for _strategy_helpers
+from _ranks import free_port, run_ranks
+from _strategy_helpers import CAPACITY, CLIP, Recorder, StepDataModule, TinyLM, read_rows, reference
 
 from lightning_bytescale import ByteScaleStrategy
 
 pytestmark = pytest.mark.multiprocess
 
-TESTS = Path(__file__).resolve().parents[1]
-
 SCRIPT = textwrap.dedent(
     """
     import json, os, sys
-    sys.path[:0] = [{tests!r}, {tests!r} + "/lightning"]
+    sys.path.insert(0, {tests!r})
     import torch
     torch.set_num_threads(1)
     import lightning.pytorch as pl
-    import test_strategy as t
+    import _strategy_helpers as t
     from lightning_bytescale import ByteScaleStrategy
 
     out, devices, nodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -65,16 +63,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "LOCAL_RANK", "NODE_RANK"))}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", **extra)
-    return env
+    return clean_env(MASTER_ADDR="127.0.0.1", **extra)
 
 
 def _script(tmp_path: Path) -> Path:
@@ -98,7 +88,7 @@ def _finish(procs: list[subprocess.Popen], deadline: float) -> list[tuple[int | 
 
 
 def test_two_nodes_on_loopback(tmp_path):
-    script, port = _script(tmp_path), str(_free_port())
+    script, port = _script(tmp_path), str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(tmp_path), "1", "2"],
@@ -115,7 +105,7 @@ def test_two_nodes_on_loopback(tmp_path):
     done = [json.loads((tmp_path / f"done_{r}.json").read_text()) for r in range(2)]
     assert [(d["rank"], d["node"], d["world"]) for d in done] == [(0, 0, 2), (1, 1, 2)]
     assert len({d["loss"] for d in done}) == 1  # every rank logs the same global loss
-    _, losses = __import__("test_strategy").reference(3)
+    _, losses = reference(3)
     assert done[0]["loss"] == pytest.approx(losses[-1], abs=1e-12)
 
 
@@ -144,7 +134,7 @@ class _FailingLM(TinyLM):
                 time.sleep(3600)
 
 
-def _rank_main(scenario: str, rank: int, world: int, port: str, timeout: float, out: Path) -> None:
+def _rank_main(rank: int, scenario: str, world: int, port: str, timeout: float, out: Path) -> None:
     """One rank, started like torchrun does (LOCAL_RANK set, so Lightning launches nothing)."""
     err = open(out / f"stderr_{rank}.txt", "w")  # noqa: SIM115 - kept open until os._exit
     os.dup2(err.fileno(), 2)
@@ -181,31 +171,29 @@ def _rank_main(scenario: str, rank: int, world: int, port: str, timeout: float, 
 )
 def test_dead_or_stuck_peer_gives_clear_error_within_timeout(tmp_path, scenario, timeout):
     """In step 1 one rank of 3 dies (SIGKILL) or hangs; the others must fail fast and clearly."""
-    world, port = 3, str(_free_port())
-    ctx = multiprocessing.get_context("fork")
-    procs = [
-        ctx.Process(target=_rank_main, args=(scenario, r, world, port, timeout, tmp_path))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    start = time.monotonic()
-    stuck = procs[-1] if scenario.startswith("stuck") else None
-    for p in procs:
-        if p is not stuck:
-            p.join(timeout=max(0.1, start + 60 + timeout - time.monotonic()))
-    elapsed = time.monotonic() - start
-    alive = [r for r, p in enumerate(procs) if p.is_alive() and p is not stuck]
-    for p in procs:  # no process may outlive the test
-        if p.is_alive():
-            p.kill()
-            p.join()
+    world = 3
+    stuck = world - 1 if scenario.startswith("stuck") else None
+    exits = run_ranks(  # no process outlives it: the stuck rank is killed at the end of the wait
+        _rank_main,
+        world,
+        scenario,
+        world,
+        str(free_port()),
+        timeout,
+        tmp_path,
+        method="fork",
+        timeout_s=60 + timeout,
+        check=False,
+        wait_for=[r for r in range(world) if r != stuck],
+    )
+    elapsed = exits.seconds
+    alive = [r for r in exits.alive if r != stuck]
     assert not alive, f"ranks {alive} still running {elapsed:.0f} s after start (hang)"
     # a killed peer is noticed at once (connection closed); a stuck one after the timeout
     assert elapsed < (timeout if stuck is None else timeout + 30), elapsed
     if stuck is None:
-        killed = [r for r, p in enumerate(procs) if p.exitcode == -signal.SIGKILL]
-        assert len(killed) == 1, [p.exitcode for p in procs]
+        killed = [r for r, code in enumerate(exits.exitcodes) if code == -signal.SIGKILL]
+        assert len(killed) == 1, exits.exitcodes
     else:
         killed = [world - 1]
     phases = []
@@ -213,7 +201,7 @@ def test_dead_or_stuck_peer_gives_clear_error_within_timeout(tmp_path, scenario,
         if r in killed:
             continue
         err = (tmp_path / f"stderr_{r}.txt").read_text()
-        assert procs[r].exitcode == 1, f"rank {r} exited with {procs[r].exitcode}: {err[-2000:]}"
+        assert exits.exitcodes[r] == 1, f"rank {r} exited with {exits.exitcodes[r]}: {err[-2000:]}"
         assert f"[ByteScale] rank {r}: another rank died or stopped answering during" in err, err[-3000:]
         assert f"process-group timeout {timeout} s" in err and "resume from the last checkpoint" in err
         ring = "stopped answering during micro-batch" in err
@@ -227,8 +215,6 @@ def test_dead_or_stuck_peer_gives_clear_error_within_timeout(tmp_path, scenario,
 
 def test_spawn_launcher(tmp_path):
     """``bytescale_spawn``: fresh interpreters receive the pickled trainer, module and data."""
-    from test_strategy import CLIP, Recorder, read_rows, reference
-
     os.environ.pop("MASTER_PORT", None)
     trainer = pl.Trainer(
         accelerator="cpu",

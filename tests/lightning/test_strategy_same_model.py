@@ -24,45 +24,25 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
-from test_strategy import (
+from _strategy_helpers import (
     CAPACITY,
     CLIP,
-    LR,
     Recorder,
     StepDataModule,
     TinyLM,
     causal_sdpa,
     global_batch,
     read_rows,
+    reference,
 )
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 
 from lightning_bytescale import ByteScaleStrategy
 from lightning_bytescale.errors import ParameterDivergenceError
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 
 pytestmark = pytest.mark.multiprocess
-TESTS = Path(__file__).resolve().parents[1]
-
-
-def reference_from(initial: dict[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
-    """One process, whole sequences, float64, from the given initial weights (AdamW + scheduler + clip)."""
-    model = LlamaModel(LlamaConfig.preset("tiny"), attention_fn=causal_sdpa).double()
-    model.load_state_dict({k.removeprefix("model."): v.double() for k, v in initial.items()})
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-    for k in range(steps):
-        seqs = global_batch(k)
-        n = sum(len(s) - 1 for s in seqs)
-        opt.zero_grad()
-        for s in seqs:
-            logits = model(s, torch.arange(len(s)))
-            (F.cross_entropy(logits[:-1], s[1:], reduction="sum") / n).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        sched.step()
-    return {f"model.{k}": v for k, v in model.state_dict().items()}
+TESTS = Path(__file__).resolve().parents[1]  # on sys.path in the script: _strategy_helpers
 
 
 def assert_trained_one_model(out: Path, world: int, steps: int) -> None:
@@ -77,7 +57,7 @@ def assert_trained_one_model(out: Path, world: int, steps: int) -> None:
     for r in range(1, world):
         for k, v in final[0].items():
             assert torch.equal(v, final[r][k]), f"rank {r} parameter {k} differs from rank 0's"
-    expected = reference_from(initial[0], steps)
+    expected, _ = reference(steps, initial=initial[0])
     for k, v in expected.items():
         err = (final[0][k] - v).abs().max().item()
         assert err <= 1e-10, f"parameter {k} differs from the single-process run by {err:.3e}"
@@ -87,8 +67,8 @@ SCRIPT = """
 import os, sys
 import torch
 import lightning.pytorch as pl
-sys.path[:0] = [{tests!r}, {tests!r} + "/lightning"]
-from test_strategy import CAPACITY, CLIP, Recorder, StepDataModule, TinyLM
+sys.path.insert(0, {tests!r})
+from _strategy_helpers import CAPACITY, CLIP, Recorder, StepDataModule, TinyLM
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 
 
@@ -216,14 +196,14 @@ def test_is_a_parallel_strategy_not_ddp_and_runs_on_one_cpu_device(tmp_path, mon
         return original(model, mb, **kwargs)
 
     monkeypatch.setattr(executor, "run_micro_batch", counting)
-    import test_strategy
+    import _strategy_helpers
 
     from lightning_bytescale.planner import make_plan
 
     def one_rank_plan(lengths, world, planner, seed):  # capacity 64: one rank holds every sequence
         return make_plan(tuple(lengths), world_size=world, seed=seed, planner=planner, capacity=64)
 
-    monkeypatch.setattr(test_strategy, "make_plan", one_rank_plan)
+    monkeypatch.setattr(_strategy_helpers, "make_plan", one_rank_plan)
     had_group = torch.distributed.is_initialized()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=ByteScaleStrategy(capacity=64, timeout=30),

@@ -13,30 +13,22 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import socket
-import threading
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from test_strategy import (
+from _ranks import DistCalls, free_port, init_gloo, run_ranks
+from _strategy_helpers import (
     CAPACITY,
-    INIT_SEED,
-    LR,
     Recorder,
     StepDataModule,
     TinyLM,
-    causal_sdpa,
-    global_batch,
     read_rows,
+    reference,
 )
 
 from lightning_bytescale import ByteScaleStrategy
@@ -184,21 +176,6 @@ def _engine_reference(algorithm: str) -> tuple[list[torch.Tensor], list[float], 
     return [p.detach().clone() for p in model.parameters()], norms, clipped
 
 
-class _Count:
-    """Counts calls of ``dist.reduce`` and ``dist.all_reduce`` (the gradient sync looks them up on ``dist``)."""
-
-    def __init__(self) -> None:
-        self.calls = {"reduce": 0, "all_reduce": 0}
-        for name in self.calls:
-            original = getattr(dist, name)
-
-            def wrapped(*args, __name=name, __orig=original, **kwargs):
-                self.calls[__name] += 1
-                return __orig(*args, **kwargs)
-
-            setattr(dist, name, wrapped)
-
-
 def _engine_case(rank, w, zero, sync_kind, algorithm, group, grad_group, counter, expected) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -252,17 +229,11 @@ def _engine_case(rank, w, zero, sync_kind, algorithm, group, grad_group, counter
 
 def _engine_worker(rank: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(rank, WORLD, port)
     # every group on every rank, in the same order: steps of a 2-rank world run on ranks 0 and 1
     groups = {2: dist.new_group([0, 1]), 3: None}
     grad_groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2])}
-    counter = _Count()
+    counter = DistCalls(("reduce", "all_reduce"))  # the gradient sync looks them up on dist
     references = {algorithm: _engine_reference(algorithm) for algorithm in ("norm", "value")}
     report: dict = {
         "reference_norms": references["norm"][1],
@@ -280,37 +251,10 @@ def _engine_worker(rank: int, port: int, outdir: str) -> None:
     dist.destroy_process_group()
 
 
-def _start_method() -> str:
-    """``fork`` when this process is safe to fork (one thread, no process group), else ``spawn``."""
-    safe = threading.active_count() == 1 and not (dist.is_available() and dist.is_initialized())
-    return "fork" if safe and "fork" in mp.get_all_start_methods() else "spawn"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def engine_reports(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("zero_engine")
-    ctx = mp.start_processes(
-        _engine_worker,
-        args=(_free_port(), str(outdir)),
-        nprocs=WORLD,
-        join=False,
-        start_method=_start_method(),
-    )
-    deadline = time.monotonic() + 200
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the 3-rank ZeRO test did not finish within 200 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_engine_worker, WORLD, free_port(), str(outdir), timeout_s=200)
     return [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -427,30 +371,16 @@ def _fit(
 
 
 def _trainer_reference(steps: int, algorithm: str) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process, whole sequences, float64, TinyLM's optimizer and schedule, torch's clipping."""
-    torch.manual_seed(INIT_SEED)
-    model = LlamaModel(LlamaConfig.preset("tiny"), attention_fn=causal_sdpa).double()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-    losses = []
-    for k in range(steps):
-        seqs = global_batch(k)
-        n = sum(len(s) - 1 for s in seqs)
-        opt.zero_grad()
-        total = 0.0
-        for s in seqs:
-            loss = F.cross_entropy(model(s, torch.arange(len(s)))[:-1], s[1:], reduction="sum") / n
-            loss.backward()
-            total += float(loss.detach())
-        if algorithm == "norm":
-            assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)) > CLIP_NORM
-        else:
-            assert any((p.grad.abs() > CLIP_VALUE).any() for p in model.parameters())
-            torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
-        opt.step()
-        sched.step()
-        losses.append(total)
-    return {f"model.{k}": v for k, v in model.state_dict().items()}, losses
+    """The single-process reference with torch's clipping, which must act in every step."""
+
+    def by_norm(params: list[torch.nn.Parameter]) -> None:
+        assert float(torch.nn.utils.clip_grad_norm_(params, CLIP_NORM)) > CLIP_NORM
+
+    def by_value(params: list[torch.nn.Parameter]) -> None:
+        assert any((p.grad.abs() > CLIP_VALUE).any() for p in params)
+        torch.nn.utils.clip_grad_value_(params, CLIP_VALUE)
+
+    return reference(steps, clip_grads=by_norm if algorithm == "norm" else by_value)
 
 
 def _assert_matches(out: Path, world: int, steps: list[int], expected, losses) -> None:

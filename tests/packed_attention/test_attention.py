@@ -6,16 +6,14 @@ over the full, unsharded, concatenated sequences with a block-diagonal causal ma
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import queue
-import socket
 import threading
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _ranks import free_port, init_gloo, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -316,13 +314,7 @@ def _worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(rank, world, port)
     # set-up: a group created before the measurements; the "subgroup" phase sends on it, with
     # peers still named by global ranks (its group ranks 0, 1 differ from global ranks 1, 3)
     subgroup = dist.new_group([1, 3])
@@ -396,18 +388,10 @@ def _worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 def test_ring_attention_matches_full_attention_on_gloo(tmp_path):
     world = 4
-    mp.start_processes(
-        _worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True, start_method="fork"
-    )
+    run_ranks(_worker, world, world, free_port(), str(tmp_path), method="fork")
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     worst = worst_f32 = 0.0
     for rank, report in enumerate(reports):
