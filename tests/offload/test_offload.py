@@ -25,12 +25,7 @@ RATIOS = (0.0, 0.25, 0.5, 1.0)
 LAYERS = 6  # keep_last=2 leaves 4 offloadable layers: r = 0.25, 0.5, 1.0 offload 1, 2, 4 of them
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(layers: int = LAYERS) -> LlamaModel:
