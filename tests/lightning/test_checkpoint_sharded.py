@@ -16,27 +16,23 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
+import _strategy_helpers as ts  # TinyLM, Recorder, causal_sdpa, the global batches
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _recipe_helpers import run_train
 from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
-
-import test_strategy as ts  # noqa: E402  (TinyLM, Recorder, causal_sdpa, the global batches)
-
-from lightning_bytescale import ByteScaleStrategy  # noqa: E402
-from lightning_bytescale.engine.micro_batch import build_step  # noqa: E402
-from lightning_bytescale.errors import CheckpointError, ConfigError  # noqa: E402
-from lightning_bytescale.lightning.checkpoint import (  # noqa: E402
+from lightning_bytescale import ByteScaleStrategy
+from lightning_bytescale.engine.micro_batch import build_step
+from lightning_bytescale.errors import CheckpointError, ConfigError
+from lightning_bytescale.lightning.checkpoint import (
     META_FILE,
     export_consolidated,
     is_sharded_checkpoint,
@@ -45,13 +41,13 @@ from lightning_bytescale.lightning.checkpoint import (  # noqa: E402
     save_sharded,
     sharded_optimizer_state,
 )
-from lightning_bytescale.lightning.preemption import (  # noqa: E402
+from lightning_bytescale.lightning.preemption import (
     EXIT_PREEMPTED,
     PreemptionCallback,
     checkpoint_path,
 )
-from lightning_bytescale.models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from lightning_bytescale.planner import make_plan  # noqa: E402
+from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
+from lightning_bytescale.planner import make_plan
 
 CAPACITY = 48  # the longest sequence of ts.global_batch fits one rank, so 1 rank can resume
 SAVE_AT, MORE = 2, 2  # save after step SAVE_AT, then MORE steps
@@ -403,8 +399,6 @@ def test_the_option_is_validated_and_auto_follows_zero():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_recipe_resumes_from_its_sharded_last_checkpoint(tmp_path):
-    from test_recipes_run import _run
-
     run = tmp_path / "run"
     common = [
         "experiment=cpu_smoke",
@@ -415,9 +409,9 @@ def test_the_recipe_resumes_from_its_sharded_last_checkpoint(tmp_path):
         f"run_dir={run}",
         f"hydra.run.dir={run}",
     ]
-    first = _run([*common, "trainer.max_steps=2"], tmp_path)
+    first = run_train([*common, "trainer.max_steps=2"], tmp_path)
     assert "cpu_smoke: 2 steps" in first.stdout
     last = run / "checkpoints" / "last.ckpt"
     assert is_sharded_checkpoint(last), sorted(p.name for p in (run / "checkpoints").iterdir())
-    second = _run([*common, "trainer.max_steps=4", f"ckpt_path={last}"], tmp_path)
+    second = run_train([*common, "trainer.max_steps=4", f"ckpt_path={last}"], tmp_path)
     assert "cpu_smoke: 2 steps (resumed; step 4 now)" in second.stdout, second.stdout[-2000:]

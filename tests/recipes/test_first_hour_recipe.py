@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from test_recipes_run import _command
+from _recipe_helpers import train_command
 
 from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
 
@@ -21,7 +21,7 @@ def _fail(args: list[str], tmp: Path, before_launch: bool = True) -> subprocess.
         NETRC=str(tmp / "no-netrc"),
     )  # fmt: skip
     proc = subprocess.run(
-        [*_command(), f"hydra.run.dir={tmp / 'run'}", *args],
+        [*train_command(), f"hydra.run.dir={tmp / 'run'}", *args],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp,
     )  # fmt: skip
     assert proc.returncode == 2, (

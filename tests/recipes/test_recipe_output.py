@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from test_recipes_run import _run
+from _recipe_helpers import run_train
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_recipe_prints_each_lightning_line_once_and_no_dependency_deprecations(tmp_path):
-    proc = _run(
+    proc = run_train(
         ["experiment=cpu_smoke", "trainer.devices=1", "logger=csv", f"hydra.run.dir={tmp_path / 'run'}"],
         tmp_path,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_recipes_run import _run
+from _recipe_helpers import run_train
 
 from lightning_bytescale.lightning.run_timer import RunTimer
 
@@ -33,7 +33,7 @@ def test_resume_after_the_time_limit_continues_and_counts_this_runs_steps(tmp_pa
         f"run_dir={run}",
         f"hydra.run.dir={run}",
     ]
-    first = _run([*common, "trainer.max_steps=2"], tmp_path)
+    first = run_train([*common, "trainer.max_steps=2"], tmp_path)
     assert "cpu_smoke: 2 steps" in first.stdout
     last = run / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, weights_only=False)
@@ -42,5 +42,5 @@ def test_resume_after_the_time_limit_continues_and_counts_this_runs_steps(tmp_pa
     for state in timers:  # as if the first run had used up its 10 minutes
         state["time_elapsed"] = {k: 1e6 for k in state["time_elapsed"]}
     torch.save(ckpt, last)
-    second = _run([*common, "trainer.max_steps=4", f"ckpt_path={last}"], tmp_path)
+    second = run_train([*common, "trainer.max_steps=4", f"ckpt_path={last}"], tmp_path)
     assert "cpu_smoke: 2 steps (resumed; step 4 now)" in second.stdout, second.stdout[-2000:]

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _recipe_helpers import run_train
 
 from lightning_bytescale.lightning.telemetry import PLAN_COLUMNS
 from lightning_bytescale.lightning.wandb_offline import find_run_files, read_run
@@ -39,42 +36,9 @@ STEP_KEYS = [
 CHART_KEYS = ["charts/seq_len_hist", "charts/cp_degree_hist", "charts/rank_busy_s_table", "charts/plan"]
 
 
-def _command() -> list[str]:
-    exe = Path(sys.executable).with_name("bytescale-train")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_bytescale.cli.train"]
-
-
-def _run(args: list[str], tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    launcher_vars = (
-        "LOCAL_RANK",
-        "NODE_RANK",
-        "GROUP_RANK",
-        "RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY" and k not in launcher_vars}
-    env.update(
-        OMP_NUM_THREADS="1",
-        WANDB_MODE="offline",
-        WANDB_SILENT="true",
-        HYDRA_FULL_ERROR="1",
-        BYTESCALE_DATA_CACHE=str(tmp / "cache"),
-        NETRC=str(tmp / "no-netrc"),
-    )
-    proc = subprocess.run(
-        [*_command(), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp
-    )
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}"
-    )
-    return proc
-
-
 def test_recipe_with_overrides_on_two_processes_writes_an_offline_wandb_run(tmp_path):
     out = tmp_path / "run"
-    proc = _run(
+    proc = run_train(
         [
             "experiment=cpu_smoke",
             "strategy.planner=static",
@@ -114,7 +78,7 @@ def test_recipe_with_overrides_on_two_processes_writes_an_offline_wandb_run(tmp_
 @pytest.mark.slow
 def test_planner_sweep_with_the_spawn_launcher(tmp_path):
     sweep = tmp_path / "sweep"
-    _run(
+    run_train(
         [
             "-m",
             "experiment=cpu_smoke",

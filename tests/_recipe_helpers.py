@@ -1,0 +1,46 @@
+"""Run ``bytescale-train`` as users start it: a subprocess with a clean, offline environment.
+
+Shared by the recipe tests and the sharded-checkpoint test (``tests/`` is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def train_command() -> list[str]:
+    """The installed ``bytescale-train`` next to this Python, else its module."""
+    exe = Path(sys.executable).with_name("bytescale-train")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_bytescale.cli.train"]
+
+
+def run_train(args: list[str], tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``bytescale-train *args`` in ``tmp`` without launcher variables or W&B credentials; must exit 0."""
+    launcher_vars = (
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "GROUP_RANK",
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY" and k not in launcher_vars}
+    env.update(
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        HYDRA_FULL_ERROR="1",
+        BYTESCALE_DATA_CACHE=str(tmp / "cache"),
+        NETRC=str(tmp / "no-netrc"),
+    )
+    proc = subprocess.run(
+        [*train_command(), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}"
+    )
+    return proc
