@@ -1,12 +1,19 @@
 """Tokens/s of ByteScaleStrategy on 4 CPU ranks: planners on long-tail data, and HDP vs plain DDP.
 
-Run: ``python benchmarks/strategy_throughput.py`` (about 25 minutes with the default 7 rounds on
-2 cores shared with other jobs); writes ``benchmarks/results/strategy.json``.
+Run: ``python benchmarks/strategy_throughput.py`` (about 2-3 minutes a round on 2 cores shared
+with other jobs; the committed file: ``--rounds 11 --max-minutes 20``, which stopped after 10
+rounds in 21 minutes); writes ``benchmarks/results/strategy.json``.
 
 * Long-tail data (the ``byted`` length mix scaled from 2M to the context length 4 x C): the
   same global batches for ``balance``, ``naive`` and ``static`` (cp_size 4).
-* All-short data (64..512 tokens, every sequence fits one rank): ``bytescale`` (planner
-  ``balance``) against Lightning's plain ``ddp``.
+* All-short data, every sequence fits one rank's micro-batch: ``bytescale`` (planner
+  ``balance``) against Lightning's plain ``ddp``, in two settings.  ``all_short``: lengths
+  uniform in 64..512, C = 512, 4096 tokens a step, the planner's default cost model (on this
+  data the plans match DDP's token shares, so the pair measures the step machinery).
+  ``all_short_2k``: lengths uniform in 64..2048, C = 2048, 16384 tokens a step, and the
+  planner given the cost model fitted on this CPU (``benchmarks/results/strategy_comm_aware.json``,
+  where attention is quadratic and dominates from about 120 tokens), so HDP balances the ranks
+  by that cost while DDP balances tokens (``--check-costs`` prints both per-rank costs).
 
 The all-short comparison is made fair on every count a DDP user controls:
 
@@ -85,14 +92,58 @@ def long_tail_lengths(step: int) -> list[int]:
     return [max(2, s) for s in lengths]
 
 
-def short_lengths(step: int) -> list[int]:
+# all-short settings: (shortest, longest, capacity C, tokens per step, cost model for HDP)
+SHORT = {
+    "all_short": (64, 512, CAPACITY, TOKENS_PER_STEP, None),
+    "all_short_2k": (64, 2048, 2048, 16384, "fitted"),
+}
+FITTED = Path(__file__).parent / "results" / "strategy_comm_aware.json"
+
+
+def fitted_cost_model() -> dict:
+    """The cost model the profiler fitted on this CPU (the comm-aware benchmark's file)."""
+    return json.loads(FITTED.read_text())["cost_model"]
+
+
+def short_lengths(step: int, setting: str = "all_short") -> list[int]:
+    lo, hi, _, total, _ = SHORT[setting]
     g = torch.Generator().manual_seed(10_000 + step)
     out, have = [], 0
-    while have < TOKENS_PER_STEP:
-        s = min(int(torch.randint(64, 513, (1,), generator=g)), TOKENS_PER_STEP - have)
+    while have < total:
+        s = min(int(torch.randint(lo, hi + 1, (1,), generator=g)), total - have)
         s = max(s, 2)
         out.append(s)
         have += s
+    return out
+
+
+def capacity_of(data: str) -> int:
+    return SHORT[data][2] if data in SHORT else CAPACITY
+
+
+def cost_model_of(data: str) -> dict | None:
+    return fitted_cost_model() if data in SHORT and SHORT[data][4] == "fitted" else None
+
+
+def ddp_shares(lengths: list[int], world: int, capacity: int) -> list[list[list[int]]]:
+    """Every rank's packs: equal-token shares (longest first, to the least-loaded rank), best fit
+    into packs of <= ``capacity`` tokens."""
+    loads = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for j in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        loads[r] += lengths[j]
+        shares[r].append(j)
+    out = []
+    for mine in shares:
+        packs: list[list[int]] = []
+        for j in mine:
+            fits = [p for p in packs if sum(lengths[i] for i in p) + lengths[j] <= capacity]
+            if fits:
+                max(fits, key=lambda p: sum(lengths[i] for i in p)).append(j)
+            else:
+                packs.append([j])
+        out.append(packs)
     return out
 
 
@@ -109,12 +160,19 @@ class HDPData(Dataset):
         return self.steps
 
     def __getitem__(self, k: int):
-        lengths = long_tail_lengths(k) if self.data == "long_tail" else short_lengths(k)
+        lengths = long_tail_lengths(k) if self.data == "long_tail" else short_lengths(k, self.data)
         seqs = tokens_of(lengths, k)
-        opts = {"cp_size": self.world} if self.planner == "static" else {}
+        opts: dict = {"cp_size": self.world} if self.planner == "static" else {}
+        cost = cost_model_of(self.data)
+        if cost is not None:
+            opts["cost_model"] = cost
         t0 = time.perf_counter()
         plan = make_plan(
-            tuple(lengths), world_size=self.world, capacity=CAPACITY, planner=self.planner, **opts
+            tuple(lengths),
+            world_size=self.world,
+            capacity=capacity_of(self.data),
+            planner=self.planner,
+            **opts,
         )
         plan_ms = (time.perf_counter() - t0) * 1e3
         batch = build_step(plan, self.rank, lambda j: seqs[j], step=k)
@@ -126,30 +184,17 @@ class DDPData(Dataset):
     """Plain data parallelism: rank r gets an equal-token share of the same global batch,
     packed best-fit into local micro-batches of at most C tokens (the granularity HDP uses)."""
 
-    def __init__(self, world: int, rank: int, steps: int) -> None:
-        self.world, self.rank, self.steps = world, rank, steps
+    def __init__(self, data: str, world: int, rank: int, steps: int) -> None:
+        self.data, self.world, self.rank, self.steps = data, world, rank, steps
 
     def __len__(self) -> int:
         return self.steps
 
     def __getitem__(self, k: int) -> list[PackedMicroBatch]:
-        lengths = short_lengths(k)
+        lengths = short_lengths(k, self.data)
         seqs = tokens_of(lengths, k)
         n = sum(s - 1 for s in lengths)
-        loads = [0] * self.world
-        mine = []
-        for j in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
-            r = min(range(self.world), key=lambda r: (loads[r], r))
-            loads[r] += lengths[j]
-            if r == self.rank:
-                mine.append(j)
-        packs: list[list[int]] = []
-        for j in mine:  # best fit into packs of <= CAPACITY tokens
-            fits = [p for p in packs if sum(lengths[i] for i in p) + lengths[j] <= CAPACITY]
-            if fits:
-                max(fits, key=lambda p: sum(lengths[i] for i in p)).append(j)
-            else:
-                packs.append([j])
+        packs = ddp_shares(lengths, self.world, capacity_of(self.data))[self.rank]
         return [_pack(p, lengths, seqs, n) for p in packs]
 
 
@@ -170,7 +215,7 @@ class DataModule(pl.LightningDataModule):
     def train_dataloader(self):
         t = self.trainer
         if self.kind == "ddp":
-            ds: Dataset = DDPData(t.world_size, t.global_rank, self.steps)
+            ds: Dataset = DDPData(self.data, t.world_size, t.global_rank, self.steps)
         else:
             ds = HDPData(self.data, self.planner, t.world_size, t.global_rank, self.steps)
         return torch.utils.data.DataLoader(
@@ -213,8 +258,8 @@ class LM(pl.LightningModule):
 
 
 class Timer(pl.Callback):
-    def __init__(self, out: Path) -> None:
-        self.out, self.rows, self.t0 = out, [], 0.0
+    def __init__(self, out: Path, data: str) -> None:
+        self.out, self.data, self.rows, self.t0 = out, data, [], 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.t0 = time.perf_counter()
@@ -222,7 +267,7 @@ class Timer(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         wall = time.perf_counter() - self.t0
         stats = dict(getattr(trainer.strategy, "step_stats", {}) or {})
-        tokens = stats.get("tokens") or sum(short_lengths(batch_idx))
+        tokens = stats.get("tokens") or sum(short_lengths(batch_idx, self.data))
         self.rows.append({"wall_s": wall, "tokens": tokens, "stats": stats})
 
     def on_train_end(self, trainer, pl_module):
@@ -238,7 +283,13 @@ def run(kind: str, data: str, planner: str, steps: int, tmp: Path, warmup: int =
     if kind == "ddp":
         strategy: object = pl.strategies.DDPStrategy(start_method="fork", process_group_backend="gloo")
     else:
-        strategy = ByteScaleStrategy(planner=planner, capacity=CAPACITY, start_method="fork", timeout=300)
+        strategy = ByteScaleStrategy(
+            planner=planner,
+            capacity=capacity_of(data),
+            cost_model=cost_model_of(data),
+            start_method="fork",
+            timeout=300,
+        )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=WORLD,
@@ -249,7 +300,7 @@ def run(kind: str, data: str, planner: str, steps: int, tmp: Path, warmup: int =
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[Timer(out)],
+        callbacks=[Timer(out, data)],
     )
     load = os.getloadavg()[0]
     trainer.fit(LM(ddp=kind == "ddp"), datamodule=DataModule(kind, data, planner, steps))
@@ -300,6 +351,42 @@ def summarise(kind: str, runs: list[dict]) -> dict:
     return out
 
 
+def cost_check(setting: str, steps: range) -> dict:
+    """Per-rank cost of every step under the cost model fitted on this CPU: DDP's token shares
+    against the ``balance`` plan (max over mean, and max over ranks in seconds)."""
+    from lightning_bytescale.planner.cost_model import cost_model_from_json
+
+    fit = cost_model_from_json(fitted_cost_model())
+    _, _, capacity, _, use = SHORT[setting]
+    ddp_imb, ddp_max, hdp_imb, hdp_max = [], [], [], []
+    for k in steps:
+        lengths = short_lengths(k, setting)
+        per_rank = [
+            sum(fit.local_time([lengths[i] for i in p]) for p in packs)
+            for packs in ddp_shares(lengths, WORLD, capacity)
+        ]
+        ddp_imb.append(max(per_rank) / statistics.mean(per_rank))
+        ddp_max.append(max(per_rank))
+        opts = {"cost_model": fitted_cost_model()} if use == "fitted" else {}
+        plan = make_plan(tuple(lengths), world_size=WORLD, capacity=capacity, planner="balance", **opts)
+        # the plan's own rank times are under its cost model; recompute under the fitted one
+        times = [0.0] * WORLD
+        for r in range(WORLD):
+            for mb in plan.ranks[r]:
+                assert mb.is_local, "every all-short sequence fits one rank"
+                times[r] += fit.local_time([lengths[piece.seq] for piece in mb.pieces])
+        hdp_imb.append(max(times) / statistics.mean(times))
+        hdp_max.append(max(times))
+    return {
+        "steps": [steps.start, steps.stop - 1],
+        "ddp_max_over_mean": ddp_imb,
+        "bytescale_max_over_mean": hdp_imb,
+        "ddp_max_rank_s": ddp_max,
+        "bytescale_max_rank_s": hdp_max,
+        "predicted_bytescale_over_ddp": sum(ddp_max) / sum(hdp_max),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="steps per run, including --warmup")
@@ -312,7 +399,22 @@ def main() -> None:
         "--only", choices=("all", "all_short"), default="all", help="all_short: the HDP vs DDP pair alone"
     )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "strategy.json"))
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="start no new round after this many minutes (the file records the rounds run)",
+    )
+    parser.add_argument(
+        "--check-costs",
+        action="store_true",
+        help="print the per-rank cost check of the all-short settings and exit",
+    )
     args = parser.parse_args()
+    if args.check_costs:
+        for setting in SHORT:
+            print(setting, json.dumps(cost_check(setting, range(args.warmup, args.steps))))
+        return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -325,10 +427,24 @@ def main() -> None:
             "model": "llama small (dim 128, 4 layers, vocab 512), float32, AdamW lr 1e-4",
             "long_tail_data": f"byted length mix scaled to context {WORLD * CAPACITY}",
             "short_data": "uniform 64..512 tokens",
+            "short_settings": {
+                name: {
+                    "lengths": f"uniform {lo}..{hi}",
+                    "capacity": cap,
+                    "tokens_per_step": tokens,
+                    "bytescale_cost_model": (
+                        "fitted on this CPU (strategy_comm_aware.json)"
+                        if use
+                        else "planner default (paper preset)"
+                    ),
+                }
+                for name, (lo, hi, cap, tokens, use) in SHORT.items()
+            },
             "ddp_baseline": (
                 "Lightning DDPStrategy (gloo, 25 MB buckets); each rank an equal-token share, packed "
-                f"best-fit into micro-batches of <= {CAPACITY} tokens, one backward each under no_sync "
-                "except the last (manual optimization), same model, batches, loss and optimizer"
+                f"best-fit into micro-batches of <= {CAPACITY} tokens (all_short_2k: <= 2048), one "
+                "backward each under no_sync except the last (manual optimization), same model, "
+                "batches, loss and optimizer"
             ),
             "steps_per_run": args.steps,
             "warmup_steps": args.warmup,
@@ -339,19 +455,23 @@ def main() -> None:
         },
         "long_tail": {},
         "all_short": {},
+        "all_short_2k": {},
     }
     configs = [
         ("long_tail", "balance", "bytescale", "long_tail", "balance"),
         ("long_tail", "naive", "bytescale", "long_tail", "naive"),
         ("long_tail", "static", "bytescale", "long_tail", "static"),
-        ("all_short", "bytescale", "bytescale", "short", "balance"),
-        ("all_short", "ddp", "ddp", "short", "balance"),
+        ("all_short", "bytescale", "bytescale", "all_short", "balance"),
+        ("all_short", "ddp", "ddp", "all_short", "balance"),
+        ("all_short_2k", "bytescale", "bytescale", "all_short_2k", "balance"),
+        ("all_short_2k", "ddp", "ddp", "all_short_2k", "balance"),
     ]
     if args.only == "all_short":
-        configs = [c for c in configs if c[0] == "all_short"]
+        configs = [c for c in configs if c[0] in SHORT]
     rounds: dict[tuple[str, str], list[dict]] = {(c[0], c[1]): [] for c in configs}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
+        done = 0
         for i in range(args.rounds):
             for group, name, kind, data, planner in configs:
                 if name == "static" and i >= static_rounds:
@@ -363,23 +483,38 @@ def main() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
+            done = i + 1
+            if args.max_minutes is not None and time.perf_counter() - start > 60 * args.max_minutes:
+                break
+    results["setup"]["rounds"] = done
+    results["setup"]["static_rounds"] = min(static_rounds, done)
     for (group, name), runs in rounds.items():
         if not runs:
             continue
         results[group][name] = summarise("ddp" if name == "ddp" else "bytescale", runs)
-    lt, sh = results["long_tail"], results["all_short"]
-    short = rounds[("all_short", "bytescale")], rounds[("all_short", "ddp")]
-    per_round = [h["tokens_per_s"] / d["tokens_per_s"] for h, d in zip(*short)]
-    sh["bytescale_over_ddp_per_round"] = per_round
-    sh["max_param_diff_vs_ddp"] = max(float((h["params"] - d["params"]).abs().max()) for h, d in zip(*short))
+    lt = results["long_tail"]
     initial = torch.cat([p.detach().reshape(-1) for p in LM().parameters()])
-    sh["max_param_change"] = max(float((h["params"] - initial).abs().max()) for h in short[0])
+    medians = {}
+    for setting in SHORT:
+        sh = results[setting]
+        short = rounds[(setting, "bytescale")], rounds[(setting, "ddp")]
+        per_round = [h["tokens_per_s"] / d["tokens_per_s"] for h, d in zip(*short)]
+        sh["bytescale_over_ddp_per_round"] = per_round
+        medians[setting] = statistics.median(per_round)
+        sh["max_param_diff_vs_ddp"] = max(
+            float((h["params"] - d["params"]).abs().max()) for h, d in zip(*short)
+        )
+        sh["max_param_change"] = max(float((h["params"] - initial).abs().max()) for h in short[0])
+        sh["cost_check"] = cost_check(setting, range(args.warmup, args.steps))
     nan = {"tokens_per_s": float("nan")}
+    sh, sh2 = results["all_short"], results["all_short_2k"]
     results["ratios"] = {
         "balance_over_static": lt.get("balance", nan)["tokens_per_s"] / lt.get("static", nan)["tokens_per_s"],
         "balance_over_naive": lt.get("balance", nan)["tokens_per_s"] / lt.get("naive", nan)["tokens_per_s"],
         "bytescale_over_ddp_short": sh["bytescale"]["tokens_per_s"] / sh["ddp"]["tokens_per_s"],
-        "bytescale_over_ddp_short_median_of_rounds": statistics.median(per_round),
+        "bytescale_over_ddp_short_median_of_rounds": medians["all_short"],
+        "bytescale_over_ddp_short_2k": sh2["bytescale"]["tokens_per_s"] / sh2["ddp"]["tokens_per_s"],
+        "bytescale_over_ddp_short_2k_median_of_rounds": medians["all_short_2k"],
     }
     results["machine_load"] = {
         "load_avg_1_5_15_before": list(load_before),
