@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _recipe_helpers import LAUNCHER_VARS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,16 +30,7 @@ def test_readme_example_trains(tmp_path):
     script = tmp_path / "example.py"
     code += '    print("GLOBAL_STEP", trainer.global_step, flush=True)\n'
     script.write_text(code)
-    launcher_vars = (
-        "LOCAL_RANK",
-        "NODE_RANK",
-        "GROUP_RANK",
-        "RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env.update(OMP_NUM_THREADS="1", BYTESCALE_DATA_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280

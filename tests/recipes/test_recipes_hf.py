@@ -8,19 +8,16 @@ whose vocabulary cannot hold the data's ids stops before the first step, naming 
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _recipe_helpers import run_train
 
 pytest.importorskip("transformers")
 
 from lightning_bytescale.data.synthetic_chat import SAMPLES_DIR  # noqa: E402
 from lightning_bytescale.recipes.config import ConfigError, compose_pretrain  # noqa: E402
-
-LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _compose(tmp: Path, *overrides: str):
@@ -80,17 +77,8 @@ def test_bad_hf_and_chat_configs_are_readable(tmp_path, overrides, needles):
         assert needle in message, message
 
 
-def _run(args: list[str], tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("bytescale-train")
-    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_bytescale.cli.train"]
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY" and k not in LAUNCHER_VARS}
-    env.update(
-        OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", HYDRA_FULL_ERROR="1",
-        BYTESCALE_DATA_CACHE=str(tmp / "cache"), NETRC=str(tmp / "no-netrc"), HF_HUB_OFFLINE="1",
-    )  # fmt: skip
-    return subprocess.run(
-        [*command, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp
-    )
+def _run(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    return run_train(args, tmp, check=False, HF_HUB_OFFLINE="1")
 
 
 @pytest.mark.multiprocess
