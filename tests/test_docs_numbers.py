@@ -5,8 +5,9 @@ Both documents quote ``benchmarks/results/strategy.json`` (written by
 (``7.0x``) and ring-traffic (``13.3 MB``) figure in their strategy-benchmark passages must be a
 value of that file, rounded as printed, and the headline figures must appear in both.  The
 file itself must be what the benchmark says it reports: the headline is the median over
-interleaved rounds, every round and step is kept, and the HDP and DDP runs trained the same
-model (their parameters agree far more closely than either moved).
+interleaved rounds, every round and step is kept, and in both all-short settings (``all_short``,
+C = 512, and ``all_short_2k``, C = 2048) the HDP and DDP runs trained the same model (their
+parameters agree far more closely than either moved).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "benchmarks/results/strategy.json"
+SHORT = ("all_short", "all_short_2k")
 FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(K|x| MB)(?!\w)")
 
 
@@ -47,8 +49,9 @@ def allowed_figures(res: dict) -> set[str]:
             out.add(f"{run['ring_mbytes_per_step']:.1f} MB")
     for r in res["ratios"].values():
         out |= ratios(r)
-    for r in res["all_short"]["bytescale_over_ddp_per_round"]:
-        out |= ratios(r)
+    for setting in SHORT:
+        for r in res[setting]["bytescale_over_ddp_per_round"]:
+            out |= ratios(r)
     return out
 
 
@@ -56,7 +59,7 @@ def runs(res: dict) -> list[dict]:
     """Every configuration's entry (the all-short group also holds the comparison's own keys)."""
     return [
         run
-        for group in ("long_tail", "all_short")
+        for group in ("long_tail", *SHORT)
         for run in res[group].values()
         if isinstance(run, dict) and "tokens_per_s" in run
     ]
@@ -64,15 +67,18 @@ def runs(res: dict) -> list[dict]:
 
 def headline(res: dict) -> set[str]:
     """The figures both documents must quote."""
-    lt, sh, r = res["long_tail"], res["all_short"], res["ratios"]
+    lt, sh, sh2, r = res["long_tail"], res["all_short"], res["all_short_2k"], res["ratios"]
     return {
         kilo(lt["balance"]["tokens_per_s"]),
         kilo(lt["naive"]["tokens_per_s"]),
         kilo(lt["static"]["tokens_per_s"]),
         kilo(sh["bytescale"]["tokens_per_s"]),
         kilo(sh["ddp"]["tokens_per_s"]),
+        kilo(sh2["bytescale"]["tokens_per_s"]),
+        kilo(sh2["ddp"]["tokens_per_s"]),
         f"{r['balance_over_static']:.1f}x",
         f"{r['bytescale_over_ddp_short']:.2f}x",
+        f"{r['bytescale_over_ddp_short_2k']:.2f}x",
     }
 
 
@@ -118,6 +124,8 @@ def test_the_strategy_table_rows_match_the_file(results):
         ("long_tail", "static"): "| `static` (cp_size 4) |",
         ("all_short", "bytescale"): "| `bytescale` (balance) |",
         ("all_short", "ddp"): "| plain `ddp` |",
+        ("all_short_2k", "bytescale"): "| `bytescale` (balance, fitted cost model) |",
+        ("all_short_2k", "ddp"): "| plain `ddp`, C = 2048 |",
     }
     for (data, name), label in rows.items():
         run = results[data][name]
@@ -139,23 +147,34 @@ def test_the_headline_is_the_median_of_interleaved_rounds_and_every_step_is_kept
         assert all(
             len(steps) == setup["steps_per_run"] - setup["warmup_steps"] for steps in run["step_wall_s"]
         )
-    short = results["all_short"]
-    assert short["bytescale"]["rounds"] == short["ddp"]["rounds"] == setup["rounds"] >= 5
-    per_round = [
-        h / d
-        for h, d in zip(
-            short["bytescale"]["tokens_per_s_all_rounds"], short["ddp"]["tokens_per_s_all_rounds"]
-        )
-    ]
-    assert all(math.isclose(a, b) for a, b in zip(per_round, short["bytescale_over_ddp_per_round"]))
-    ratio = short["bytescale"]["tokens_per_s"] / short["ddp"]["tokens_per_s"]
-    assert math.isclose(results["ratios"]["bytescale_over_ddp_short"], ratio)
+    for setting, key in zip(SHORT, ("bytescale_over_ddp_short", "bytescale_over_ddp_short_2k")):
+        short = results[setting]
+        assert short["bytescale"]["rounds"] == short["ddp"]["rounds"] == setup["rounds"] >= 5
+        per_round = [
+            h / d
+            for h, d in zip(
+                short["bytescale"]["tokens_per_s_all_rounds"], short["ddp"]["tokens_per_s_all_rounds"]
+            )
+        ]
+        assert all(math.isclose(a, b) for a, b in zip(per_round, short["bytescale_over_ddp_per_round"]))
+        ratio = short["bytescale"]["tokens_per_s"] / short["ddp"]["tokens_per_s"]
+        assert math.isclose(results["ratios"][key], ratio)
 
 
 def test_the_ddp_baseline_obeys_the_capacity_and_trains_the_same_model(results):
     assert "no_sync" in results["setup"]["ddp_baseline"]
     assert f"<= {results['setup']['capacity']} tokens" in results["setup"]["ddp_baseline"]
-    short = results["all_short"]
-    # the same model, batches and optimizer: after the same steps the two runs' parameters
-    # differ by float32 rounding only, a small fraction of how far either moved
-    assert short["max_param_diff_vs_ddp"] < 0.01 * short["max_param_change"]
+    for setting in SHORT:
+        short = results[setting]
+        # the same model, batches and optimizer: after the same steps the two runs' parameters
+        # differ by float32 rounding only, a small fraction of how far either moved
+        assert short["max_param_diff_vs_ddp"] < 0.01 * short["max_param_change"], setting
+
+
+def test_the_long_short_setting_is_one_where_token_shares_and_cost_balance_differ(results):
+    # under the cost model fitted on this CPU, DDP's token shares leave the ranks' costs further
+    # apart than the balance plans do in all_short_2k; in all_short (C = 512) they are the same
+    check = results["all_short_2k"]["cost_check"]
+    assert sum(check["ddp_max_rank_s"]) > sum(check["bytescale_max_rank_s"])
+    assert check["predicted_bytescale_over_ddp"] > 1.0
+    assert results["all_short"]["cost_check"]["predicted_bytescale_over_ddp"] == pytest.approx(1.0)
