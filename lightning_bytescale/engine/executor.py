@@ -310,6 +310,7 @@ def run_micro_batches(
 
         def last_backward(loss: torch.Tensor) -> None:
             confirm_plan()  # this backward launches the gradient buckets: the plan must agree first
+            grad_sync.track_finite = check_finite
             grad_sync.arm()
             if backward is None:
                 loss.backward()
@@ -356,7 +357,12 @@ def run_micro_batches(
         counts.append((mb.labels != IGNORE_INDEX).sum())
         seconds.append(sec)
         if check_finite:
-            flag = _grads_finite(checked)
+            # After the last backward, buckets are being summed in place: ask the sync for this
+            # rank's own values (recorded at launch), so a non-finite gradient is not blamed on
+            # a rank whose buffer another rank's NaN has just reached.
+            flag = (
+                grad_sync.local_grads_finite() if last and grad_sync is not None else _grads_finite(checked)
+            )
             finite.append(flag if flag is not None else torch.ones((), dtype=torch.bool, device=loss.device))
     confirm_plan()
     sent1, wait1 = _comm_counters()

@@ -77,6 +77,9 @@ class _Bucket:
         self.widen = params[0].dtype in (torch.bfloat16, torch.float16)  # sum in float32
         self.work: Any = None
         self.wide: torch.Tensor | None = None
+        self.finite_at_launch: torch.Tensor | None = (
+            None  # this rank's own values, read before the collective
+        )
 
     def allocate(self) -> None:
         """A zeroed flat buffer and the parameters' views into it."""
@@ -138,6 +141,7 @@ class BucketedGradSync:
         self._produced: set[int] = set()
         self._next = 0
         self.launched_in_backward = 0  # buckets launched during the last backward (telemetry)
+        self.track_finite = False  # record each bucket's local finiteness when it is launched
 
     def _make_buckets(self) -> list[_Bucket]:
         """Last parameters first (backward computes them first); one dtype, device and owner per bucket.
@@ -214,10 +218,34 @@ class BucketedGradSync:
         self._ready = [set() for _ in self.buckets]
         self._next = 0
         self.launched_in_backward = 0
+        for bucket in self.buckets:
+            bucket.finite_at_launch = None
 
     def arm(self) -> None:
         """The next backward is the step's last on this rank: launch buckets as they become final."""
         self._armed = True
+
+    @torch.no_grad()
+    def local_grads_finite(self) -> torch.Tensor | None:
+        """A 0-d bool: this rank's OWN accumulated gradients are all finite (no host sync on a GPU).
+
+        After the last backward some buckets are already being summed in place, so their
+        buffers may hold other ranks' values: for those the flag recorded at launch (from this
+        rank's values, before the collective) counts, and the buffers not launched yet are read
+        directly.  So a non-finite gradient is blamed on the rank that produced it, not on a
+        rank whose buffer an all-reduce in flight has just filled.  ``None`` without gradients.
+        """
+        flags: list[torch.Tensor] = []
+        for b, bucket in enumerate(self.buckets):
+            if b < self._next and bucket.finite_at_launch is not None:
+                flags.append(bucket.finite_at_launch)
+                continue
+            values = _local_values(bucket)
+            if values is not None:
+                flags.append(_all_finite(values))
+        if not flags:
+            return None
+        return torch.stack([f.to(flags[0].device) for f in flags]).all()
 
     def produced(self, p: nn.Parameter) -> bool:
         """Whether a backward of this step accumulated a gradient into ``p`` on this rank."""
@@ -263,6 +291,8 @@ class BucketedGradSync:
                     p.grad = view
             assert bucket.buffer is not None
             target = bucket.buffer
+        if self.track_finite:
+            bucket.finite_at_launch = _all_finite(target)
         if bucket.widen:
             bucket.wide = target.float()
             target = bucket.wide
@@ -303,3 +333,26 @@ class BucketedGradSync:
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "BucketedGradSync"]
+
+
+def _local_values(bucket: _Bucket) -> torch.Tensor | None:
+    """The gradient values a bucket not launched yet holds on this rank (``None``: none)."""
+    if bucket.solo:
+        return bucket.params[0].grad
+    if bucket.buffer is None:
+        return None
+    # autograd may have replaced a view by its own tensor: read what the parameters point at
+    grads = [p.grad for p in bucket.params if p.grad is not None]
+    if all(g.data_ptr() == v.data_ptr() for g, v in zip(grads, bucket.views) if v is not None) and len(
+        grads
+    ) == len(bucket.params):
+        return bucket.buffer
+    return torch.cat([g.reshape(-1) for g in grads]) if grads else None
+
+
+def _all_finite(values: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool: every element is finite (an L2 norm is finite only then, unless it overflows)."""
+    norm = torch.linalg.vector_norm(values)
+    if values.device.type == "cpu" and bool(torch.isfinite(norm)):
+        return torch.ones((), dtype=torch.bool)
+    return torch.isfinite(values).all()

@@ -108,3 +108,38 @@ def test_narrow_gradients_are_summed_in_float32_and_written_back(dtype):
 def test_bad_bucket_size_is_refused():
     with pytest.raises(ValueError, match="bucket_bytes must be positive"):
         BucketedGradSync(list(_model().parameters()), bucket_bytes=0)
+
+
+def test_finiteness_is_read_from_this_ranks_own_values_even_while_a_sum_is_in_flight():
+    """A launched bucket's buffer may already hold other ranks' values (an all-reduce in flight):
+    the flag recorded at launch counts for it, and buckets not launched yet are read directly."""
+    model = _model()
+    sync = BucketedGradSync(list(model.parameters()), bucket_bytes=8 * 64 * 8)
+    assert len(sync.buckets) >= 3
+    sync.prepare()
+    sync.track_finite = True
+    sync.arm()
+    model(torch.randn(3, 8, dtype=torch.float64)).sum().backward()  # launches every bucket
+    assert sync.launched_in_backward == len(sync.buckets)
+    assert bool(sync.local_grads_finite())
+    for bucket in sync.buckets:  # another rank's NaN arrives through the in-place sum
+        (bucket.params[0].grad if bucket.solo else bucket.buffer).fill_(float("nan"))
+    assert bool(sync.local_grads_finite()), "blamed this rank for another rank's NaN"
+    sync.finish()
+
+    model.zero_grad(set_to_none=True)  # what the optimizer does between steps
+    sync.prepare()  # next step: this rank's own NaN, in a bucket launched and in one not launched
+    sync.track_finite = True
+    sync.arm()
+    out = model(torch.randn(3, 8, dtype=torch.float64))
+    (out.sum() * float("nan")).backward()
+    assert not bool(sync.local_grads_finite())
+    sync.finish()
+
+    model.zero_grad(set_to_none=True)
+    sync.prepare()  # not armed: nothing launched, the buffers are read as they are
+    model(torch.randn(3, 8, dtype=torch.float64)).sum().backward()
+    assert bool(sync.local_grads_finite())
+    next(iter(model.parameters())).grad[0, 0] = float("inf")
+    assert not bool(sync.local_grads_finite())
+    sync.close()
