@@ -504,6 +504,7 @@ class _PendingScalars:
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()  # type: ignore[attr-defined]
+            self.work = None  # a finished work still holds the group's native state
         floats = self.flat[: self.n_floats].to("cpu", torch.float64)
         return torch.cat([floats, _decode_counts(self.flat[self.n_floats :], self.n_counts, self.bits)])
 

@@ -326,10 +326,18 @@ class BucketedGradSync:
             p.grad = view
 
     def close(self) -> None:
-        """Remove the hooks (the sync is unusable afterwards)."""
+        """Remove the hooks and drop any collective left in flight (the sync is unusable afterwards).
+
+        A step that failed part-way (an exception between the launch of a bucket and
+        :meth:`finish`) leaves works behind; they would keep the process group's native state
+        (its store, its threads) alive for as long as the sync is.
+        """
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for bucket in self.buckets:
+            bucket.work = None
+            bucket.wide = None
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "BucketedGradSync"]

@@ -1,6 +1,6 @@
 """The Lightning floor: the strategy, its launcher, the data module and the callbacks.
 
-Everything here may import Lightning and every floor below it (``engine``, ``attention``,
+Everything here may import Lightning and every floor below it (``engine``, ``packed_attention``,
 ``offload``, ``data``, ``models``, ``planner``, ``sim``); nothing below imports this floor.
 See ``docs/architecture.md``.
 """

@@ -15,14 +15,22 @@ likely cause, ends the others and exits with a documented code (:func:`exit_code
 rank 0's interpreter exits on its own, it waits ``exit_grace_s`` for the other ranks (a
 preempted or finished run), then ends the rest.
 
-Lightning's private launcher names (``_SubprocessScriptLauncher`` and the names its ``launch``
-uses) are used here and nowhere else; ``tests/lightning/test_launcher.py`` fails when they change.
+:class:`ForkCollectingLauncher` is Lightning's fork/spawn launcher that collects the parent's
+garbage before it forks.  Garbage left by an earlier run in the same interpreter (a notebook, a
+test session) can hold a process group or a store whose C++ destructor joins a thread that
+only the parent has (the TCPStore's server loop); collected in a forked rank, that destructor
+waits forever for a thread that was never copied, with the interpreter lock held.
+
+Lightning's private launcher names (``_SubprocessScriptLauncher``, ``_MultiProcessingLauncher``
+and the names their ``launch`` uses) are used here and nowhere else;
+``tests/lightning/test_launcher.py`` fails when they change.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -38,6 +46,7 @@ import lightning.pytorch.strategies.launchers.subprocess_script as _pl_script
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
@@ -292,3 +301,21 @@ class RankObserver(_ChildProcessObserver):
                 return True
             return False
         return all(p.returncode is not None for p in self.launcher.procs)
+
+
+class ForkCollectingLauncher(_MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher that runs a full garbage collection before forking ranks.
+
+    A forked rank inherits the parent's uncollected garbage but not its threads.  When the
+    garbage holds a process group or a TCPStore from an earlier run in this interpreter (kept
+    alive by a reference cycle, e.g. an exception's traceback), the rank's first garbage
+    collection destroys it, and the store's destructor joins a server thread that exists only
+    in the parent: the rank hangs with the interpreter lock held, out of its watchdog's reach.
+    Collecting here, where those threads exist, ends them properly first.
+    """
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if self._start_method in ("fork", "forkserver"):
+            gc.collect()
+        return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -426,7 +426,9 @@ class ByteScaleStrategy(ParallelStrategy):
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = compat._MultiProcessingLauncher(self, start_method=self._start_method)
+            from lightning_bytescale.lightning.launcher import ForkCollectingLauncher
+
+            self._launcher = ForkCollectingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -552,12 +554,20 @@ class ByteScaleStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._grad_sync is not None:
-            self._grad_sync.close()
-            self._grad_sync = None
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
+        try:
+            if self._grad_sync is not None:
+                self._grad_sync.close()
+                self._grad_sync = None
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+                self._watchdog = None
+            # a step that failed part-way leaves its state (and the works it holds) here; the
+            # group stays registered with torch.distributed (as DDP's do) but this strategy no
+            # longer holds it: once the user destroys the process groups nothing keeps it alive
+            self._pending = None
+            self._stashed_grads = None
+            self._grad_group = None
         super().teardown()
 
     @override
