@@ -14,6 +14,11 @@ batches per cell; plus the simulator scenarios ``paper-70b-github-2m`` and
 ``paper-8x22b-github-2m`` (pipelines of 4, their own model).  Also the planning CPU time of
 ``balance`` for 32M tokens on 16,384 ranks.
 
+Each grid cell also gets the lower bound of :mod:`lightning_bytescale.sim.bounds`: no plan
+without offload ends a step sooner in the simulator's model (the longest sequence on its best
+ring, or all the work spread evenly, then the all-reduce).  Where two planners tie at the
+bound, neither can be beaten there.
+
 Writes ``benchmarks/results/planner_no_offload.{json,md,png}``.
 
 Run: ``.venv/bin/python benchmarks/planner_no_offload.py`` (about 10 minutes on one core);
@@ -31,7 +36,9 @@ from pathlib import Path
 
 from lightning_bytescale.planner import distributions, make_plan
 from lightning_bytescale.planner.cost_presets import PRESETS
+from lightning_bytescale.sim.bounds import step_lower_bound
 from lightning_bytescale.sim.compare import NO_OFFLOAD_PLANNERS, Case, compare, compare_case
+from lightning_bytescale.sim.run import draw_batch
 from lightning_bytescale.sim.scenario import SCENARIOS
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,6 +61,18 @@ def _row(label: dict, result: dict) -> dict:
     return row
 
 
+def lower_bound(case: Case) -> dict:
+    """The mean over the cell's global batches of the step lower bound, and which part binds."""
+    scenario, cm = case.scenario(), case.model()
+    bounds = [step_lower_bound(draw_batch(scenario, step), scenario, cm) for step in range(scenario.steps)]
+    return {
+        "step_s": statistics.fmean(b.step_s for b in bounds),
+        "longest_sequence_s": statistics.fmean(b.longest_sequence_s for b in bounds),
+        "work_s": statistics.fmean(b.work_s for b in bounds),
+        "allreduce_s": statistics.fmean(b.allreduce_s for b in bounds),
+    }
+
+
 def grid(worlds: list[int], steps: int) -> list[dict]:
     rows = []
     for cost in PRESETS:
@@ -70,6 +89,10 @@ def grid(worlds: list[int], steps: int) -> list[dict]:
                         "context": case.context_length,
                     },
                     res,
+                )
+                row["lower_bound"] = lower_bound(case)
+                row["balance_over_bound"] = (
+                    row["step_time_s"]["balance_no_offload"] / row["lower_bound"]["step_s"]
                 )
                 rows.append(row)
                 ratios = " ".join(f"{p} {row['peer_over_balance'][p]:.3f}" for p in PEERS)
@@ -120,16 +143,21 @@ def plan_time() -> dict:
 def table(report: dict) -> str:
     head = (
         "| distribution | ranks | cost model | balance s | megatron_dcp s | lpt s | balance (D(s) rings) s "
-        "| dcp / balance | lpt / balance |"
+        "| dcp / balance | lpt / balance | lower bound s | balance / bound |"
     )
-    out = [head, "|---|---|---|---|---|---|---|---|---|"]
+    out = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["grid"] + report["scenarios"]:
         st = r["step_time_s"]
         name = r.get("distribution") or r["scenario"]
         out.append(
             f"| {name} | {r['world_size']} | {r['cost_model']} | {st['balance_no_offload']:.2f} | "
             f"{st['megatron_dcp']:.2f} | {st['lpt']:.2f} | {st['balance_min_rings']:.2f} | "
-            f"{r['peer_over_balance']['megatron_dcp']:.3f}x | {r['peer_over_balance']['lpt']:.3f}x |"
+            f"{r['peer_over_balance']['megatron_dcp']:.3f}x | {r['peer_over_balance']['lpt']:.3f}x | "
+            + (
+                f"{r['lower_bound']['step_s']:.2f} | {r['balance_over_bound']:.4f}x |"
+                if "lower_bound" in r
+                else "- | - |"
+            )
         )
     s = report["summary"]
     out.append("")
@@ -137,6 +165,12 @@ def table(report: dict) -> str:
         f"`balance` is at least level with both peers in {s['ahead_of_both']} of {s['cases']} cases; "
         f"smallest margin over megatron_dcp {s['min_dcp']:.3f}x, over lpt {s['min_lpt']:.3f}x "
         f"(geometric means {s['geomean_dcp']:.3f}x and {s['geomean_lpt']:.3f}x)."
+    )
+    out.append(
+        f"Where `balance` and `lpt` are within 0.2% of each other ({s['level_with_lpt']}), `balance` is within "
+        f"{s['level_over_bound_max']:.4f}x of the lower bound that no plan without offload can beat "
+        f"(pipeline scenarios have no bound). Over the whole grid `balance` is within "
+        f"{s['bound_max']:.4f}x of the bound (median {s['bound_median']:.4f}x)."
     )
     pt = report["plan_time_ms"]
     out.append(
@@ -184,6 +218,30 @@ def plot(report: dict) -> None:
     plt.close(fig)
 
 
+def summarise(report: dict) -> dict:
+    """Counts and margins over all cells, and how far ``balance`` is from the lower bound."""
+    rows = report["grid"] + report["scenarios"]
+    dcp = [r["peer_over_balance"]["megatron_dcp"] for r in rows]
+    lpt = [r["peer_over_balance"]["lpt"] for r in rows]
+    summary = {
+        "cases": len(rows),
+        "ahead_of_both": sum(r["balance_ahead_of_both"] for r in rows),
+        "min_dcp": min(dcp),
+        "min_lpt": min(lpt),
+        "geomean_dcp": statistics.geometric_mean(dcp),
+        "geomean_lpt": statistics.geometric_mean(lpt),
+    }
+    level = [r for r in report["grid"] if r["peer_over_balance"]["lpt"] < 1.002]
+    summary["level_with_lpt"] = (
+        ", ".join(f"{r['distribution']}/{r['world_size']}/{r['cost_model']}" for r in level) or "none"
+    )
+    summary["level_over_bound_max"] = max((r["balance_over_bound"] for r in level), default=float("nan"))
+    over = [r["balance_over_bound"] for r in report["grid"]]
+    summary["bound_max"] = max(over)
+    summary["bound_median"] = statistics.median(over)
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default=",".join(str(w) for w in WORLDS), help="world sizes of the grid")
@@ -205,17 +263,7 @@ def main() -> None:
         "scenarios": scenarios(args.steps),
         "plan_time_ms": plan_time(),
     }
-    rows = report["grid"] + report["scenarios"]
-    dcp = [r["peer_over_balance"]["megatron_dcp"] for r in rows]
-    lpt = [r["peer_over_balance"]["lpt"] for r in rows]
-    report["summary"] = {
-        "cases": len(rows),
-        "ahead_of_both": sum(r["balance_ahead_of_both"] for r in rows),
-        "min_dcp": min(dcp),
-        "min_lpt": min(lpt),
-        "geomean_dcp": statistics.geometric_mean(dcp),
-        "geomean_lpt": statistics.geometric_mean(lpt),
-    }
+    report["summary"] = summarise(report)
     report["wall_s"] = time.perf_counter() - t0
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "planner_no_offload.json").write_text(json.dumps(report, indent=1))

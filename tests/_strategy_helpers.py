@@ -241,6 +241,32 @@ class Recorder(pl.Callback):
         )
 
 
+# ----------------------------------------------------------------------------- trainer
+QUIET: dict = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "use_distributed_sampler": False,
+    "num_sanity_val_steps": 0,
+}
+"""Trainer options that keep a test's Trainer silent and out of the way (no logs, bars, sampler)."""
+
+
+def quiet_trainer(out: Path, world: int, strategy, **options) -> pl.Trainer:
+    """A float64 CPU Trainer on ``world`` ranks writing under ``out``; ``options`` override the defaults."""
+    os.environ.pop("MASTER_PORT", None)  # a port left by an earlier launcher in this process
+    defaults = {"accelerator": "cpu", "precision": "64-true", "default_root_dir": out, **QUIET}
+    return pl.Trainer(devices=world, strategy=strategy, **{**defaults, **options})
+
+
+def step_checkpoints(out: Path, every: int | None) -> list[pl.Callback]:
+    """A ModelCheckpoint keeping every ``every``-th step under ``out/ckpt`` (none for ``None`` or 0)."""
+    if not every:
+        return []
+    return [pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=every, save_top_k=-1)]
+
+
 def fit(
     out: Path,
     world: int,
@@ -259,16 +285,11 @@ def fit(
     bucket_cap_mb: float = 25.0,
 ) -> pl.Trainer:
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.pop("MASTER_PORT", None)
-    callbacks: list[pl.Callback] = [Recorder(out)]
-    if ckpt_every:
-        callbacks.append(
-            pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=ckpt_every, save_top_k=-1)
-        )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=ByteScaleStrategy(
+    callbacks: list[pl.Callback] = [Recorder(out), *step_checkpoints(out, ckpt_every)]
+    trainer = quiet_trainer(
+        out,
+        world,
+        ByteScaleStrategy(
             planner=planner,
             capacity=CAPACITY,
             zero1=zero1,
@@ -279,17 +300,10 @@ def fit(
             gradient_sync=gradient_sync,
             bucket_cap_mb=bucket_cap_mb,
         ),
-        precision="64-true",
         max_steps=max_steps,
         gradient_clip_val=CLIP,
-        logger=False,
         enable_checkpointing=bool(ckpt_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
-        default_root_dir=out,
     )
     trainer.fit(
         module or TinyLM(), datamodule=StepDataModule(planner, diverge_rank, offload_ratio), ckpt_path=resume

@@ -6,11 +6,13 @@ planner (``static``, ``naive``, ``balance`` and the peers ``megatron_dcp``, ``ve
 compute, ring transfers not hidden behind attention, offload copies beyond Eq. 3's overlap,
 ring partners waiting for each other, barriers, 1F1B pipelines and the gradient all-reduce.
 The console script ``bytescale-sim`` (:mod:`.cli`) prints the comparison; :mod:`.compare`
-runs the no-offload planner comparison on a grid of distributions, world sizes and cost models.
+runs the no-offload planner comparison on a grid of distributions, world sizes and cost models;
+:func:`step_lower_bound` (:mod:`.bounds`) is the step time no plan without offload can beat.
 """
 
 from __future__ import annotations
 
+from lightning_bytescale.sim.bounds import StepBound, step_lower_bound
 from lightning_bytescale.sim.run import (
     SUMMARY_KEYS,
     VARIANTS,
@@ -41,6 +43,7 @@ __all__ = [
     "RankTimeline",
     "Scenario",
     "SimulationError",
+    "StepBound",
     "StepResult",
     "draw_batch",
     "get_scenario",
@@ -51,4 +54,5 @@ __all__ = [
     "simulate_pipelines",
     "simulate_plan",
     "simulate_ranks",
+    "step_lower_bound",
 ]

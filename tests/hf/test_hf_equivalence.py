@@ -24,7 +24,6 @@ counting only trained tokens, the same on every rank.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -36,6 +35,7 @@ from torch.utils.data import Dataset
 
 pytest.importorskip("transformers")
 
+from _strategy_helpers import quiet_trainer  # noqa: E402
 from test_hf_families import TRAINED_FAMILIES, VOCAB, tiny_config  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -157,7 +157,6 @@ class Recorder(pl.Callback):
 
 
 def fit(out: Path, folders: dict[str, str], world: int, mask: bool, offload: bool) -> None:
-    os.environ.pop("MASTER_PORT", None)
     strategy = ByteScaleStrategy(
         planner="balance",
         capacity=CAPACITY,
@@ -166,21 +165,7 @@ def fit(out: Path, folders: dict[str, str], world: int, mask: bool, offload: boo
         offload=offload,
         offloader_options={"keep_last": 0, "min_bytes": 0} if offload else None,
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        precision="64-true",
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-        callbacks=[Recorder(out)],
-        default_root_dir=out,
-    )
+    trainer = quiet_trainer(out, world, strategy, max_steps=STEPS, callbacks=[Recorder(out)])
     trainer.fit(Families(folders), datamodule=StepDataModule(mask, 0.5 if offload else 0.0))
 
 

@@ -15,7 +15,6 @@ In-process unit tests cover the folder layout and the errors.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import _strategy_helpers as ts  # TinyLM, Recorder, causal_sdpa, the global batches
@@ -105,11 +104,10 @@ def fit(
     callbacks: list[pl.Callback] = (),
 ):
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.pop("MASTER_PORT", None)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=ByteScaleStrategy(
+    trainer = ts.quiet_trainer(
+        root or out,
+        world,
+        ByteScaleStrategy(
             capacity=CAPACITY,
             zero=int(zero),
             start_method="fork",
@@ -117,17 +115,9 @@ def fit(
             # "auto" saves sharded exactly when optimizer state is sharded: ask for it otherwise
             checkpoint_format="auto" if zero else "sharded",
         ),
-        precision="64-true",
         max_steps=steps,
         gradient_clip_val=ts.CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
         callbacks=[ts.Recorder(out), *([SaveBoth()] if save else []), *callbacks],
-        default_root_dir=root or out,
     )
     trainer.fit(ts.TinyLM(), datamodule=StepDataModule(), ckpt_path=resume)
 

@@ -26,7 +26,16 @@ import pytest
 import torch
 from _lifecycle import TESTS, clean_env  # TESTS: on sys.path in the script, for _strategy_helpers
 from _ranks import free_port, run_ranks
-from _strategy_helpers import CAPACITY, CLIP, Recorder, StepDataModule, TinyLM, read_rows, reference
+from _strategy_helpers import (
+    CAPACITY,
+    CLIP,
+    Recorder,
+    StepDataModule,
+    TinyLM,
+    quiet_trainer,
+    read_rows,
+    reference,
+)
 
 from lightning_bytescale import ByteScaleStrategy
 
@@ -215,20 +224,8 @@ def test_dead_or_stuck_peer_gives_clear_error_within_timeout(tmp_path, scenario,
 
 def test_spawn_launcher(tmp_path):
     """``bytescale_spawn``: fresh interpreters receive the pickled trainer, module and data."""
-    os.environ.pop("MASTER_PORT", None)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="bytescale_spawn",
-        precision="64-true",
-        max_steps=2,
-        gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[Recorder(tmp_path)],
+    trainer = quiet_trainer(
+        tmp_path, 2, "bytescale_spawn", max_steps=2, gradient_clip_val=CLIP, callbacks=[Recorder(tmp_path)]
     )
     trainer.strategy.capacity = CAPACITY
     trainer.fit(TinyLM(), datamodule=StepDataModule("balance"))

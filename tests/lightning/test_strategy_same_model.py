@@ -32,6 +32,7 @@ from _strategy_helpers import (
     TinyLM,
     causal_sdpa,
     global_batch,
+    quiet_trainer,
     read_rows,
     reference,
 )
@@ -133,22 +134,13 @@ class ConfigureModelLM(TinyLM):
 
 def _fit(out: Path, world: int, module: pl.LightningModule, steps: int, **strategy: object) -> pl.Trainer:
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.pop("MASTER_PORT", None)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=ByteScaleStrategy(capacity=CAPACITY, start_method="fork", timeout=60, **strategy),
-        precision="64-true",
+    trainer = quiet_trainer(
+        out,
+        world,
+        ByteScaleStrategy(capacity=CAPACITY, start_method="fork", timeout=60, **strategy),
         max_steps=steps,
         gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
         callbacks=[Recorder(out)],
-        default_root_dir=out,
     )
     trainer.fit(module, datamodule=StepDataModule("balance"))
     return trainer

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -27,8 +26,10 @@ from _strategy_helpers import (
     Recorder,
     StepDataModule,
     TinyLM,
+    quiet_trainer,
     read_rows,
     reference,
+    step_checkpoints,
 )
 
 from lightning_bytescale import ByteScaleStrategy
@@ -337,16 +338,11 @@ def _fit(
     resume: Path | None = None,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.pop("MASTER_PORT", None)
-    callbacks: list[pl.Callback] = [Recorder(out), ShardProbe(out)]
-    if ckpt_every:
-        callbacks.append(
-            pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=ckpt_every, save_top_k=-1)
-        )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=ByteScaleStrategy(
+    callbacks: list[pl.Callback] = [Recorder(out), ShardProbe(out), *step_checkpoints(out, ckpt_every)]
+    trainer = quiet_trainer(
+        out,
+        world,
+        ByteScaleStrategy(
             capacity=CAPACITY,
             zero=2,
             start_method="fork",
@@ -354,18 +350,11 @@ def _fit(
             gradient_sync=gradient_sync,
             bucket_cap_mb=1 / 64,
         ),
-        precision="64-true",
         max_steps=max_steps,
         gradient_clip_val=CLIP_NORM if algorithm == "norm" else CLIP_VALUE,
         gradient_clip_algorithm=algorithm,
-        logger=False,
         enable_checkpointing=bool(ckpt_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
-        default_root_dir=out,
     )
     trainer.fit(TinyLM(), datamodule=StepDataModule("balance"), ckpt_path=resume)
 
