@@ -11,12 +11,14 @@ hang) it raises nothing and returns each rank's exit code instead.  Ranks find e
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -130,3 +132,17 @@ class DistCalls:
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.calls)
+
+
+# ------------------------------------------------------- per-rank JSON reports of a worker
+def save_report(outdir: str | Path, rank: int, report: dict) -> None:
+    """Write rank ``rank``'s report as ``outdir/rank{rank}.json`` (read back by :func:`gather_reports`)."""
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def gather_reports(
+    outdir: str | Path, fn: Callable[..., Any], world: int, *args: Any, **run: Any
+) -> list[dict]:
+    """``run_ranks(fn, world, free_port(), str(outdir), *args, **run)``, then every rank's saved report."""
+    run_ranks(fn, world, free_port(), str(outdir), *args, **run)
+    return [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(world)]

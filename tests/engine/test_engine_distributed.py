@@ -14,15 +14,13 @@ spawned); the tests below read their per-rank JSON reports.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _ranks import DistCalls, free_port, init_gloo, run_ranks
+from _ranks import DistCalls, gather_reports, init_gloo, save_report
 
 from lightning_bytescale.planner import zigzag
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
@@ -305,15 +303,13 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     report["group_calls"] = {
         k: counters.calls[k] for k in ("new_group", "new_subgroups", "new_subgroups_by_enumeration")
     }
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+    save_report(outdir, rank, report)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("engine_dist")
-    run_ranks(_worker, WORLD, free_port(), str(outdir), timeout_s=200)
-    return [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return gather_reports(tmp_path_factory.mktemp("engine_dist"), _worker, WORLD, timeout_s=200)
 
 
 def _cases(reports, prefix=""):

@@ -19,13 +19,11 @@ launches bucket all-reduces), and at the latest after the loop.  One start of 4 
 from __future__ import annotations
 
 import contextlib
-import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import DistCalls, free_port, init_gloo, run_ranks
+from _ranks import DistCalls, gather_reports, init_gloo, save_report
 
 from lightning_bytescale.planner import zigzag
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
@@ -148,15 +146,13 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         model, build_step(_plan(), rank, get, step=6), calls, sync, ref_grads, loss.item()
     )
     sync.close()
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+    save_report(outdir, rank, report)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("plan_check")
-    run_ranks(_worker, WORLD, free_port(), str(outdir), timeout_s=200)
-    return [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return gather_reports(tmp_path_factory.mktemp("plan_check"), _worker, WORLD, timeout_s=200)
 
 
 def test_the_plan_has_local_work_before_its_ring():

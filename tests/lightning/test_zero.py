@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import DistCalls, free_port, init_gloo, run_ranks
+from _ranks import DistCalls, gather_reports, init_gloo, save_report
 from _strategy_helpers import (
     CAPACITY,
     Recorder,
@@ -248,15 +248,13 @@ def _engine_worker(rank: int, port: int, outdir: str) -> None:
         report["cases"][f"{w}/{zero}/{sync_kind}/{algorithm}"] = _engine_case(
             rank, w, zero, sync_kind, algorithm, groups[w], grad_groups[w], counter, expected
         )
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+    save_report(outdir, rank, report)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def engine_reports(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("zero_engine")
-    run_ranks(_engine_worker, WORLD, free_port(), str(outdir), timeout_s=200)
-    return [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return gather_reports(tmp_path_factory.mktemp("zero_engine"), _engine_worker, WORLD, timeout_s=200)
 
 
 @pytest.mark.multiprocess
