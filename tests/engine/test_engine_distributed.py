@@ -245,30 +245,11 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         report["bucketed"]["launched_in_backward"] += sync.launched_in_backward
     report["bucketed"]["extra_bytes"] = sync.extra_bytes
     sync.close()
+    unequal = (model, hand_plans(WORLD)["unequal"], rank, tokens, None, counters, ref_grads, ref_loss)
     # Negative test: the per-micro-batch mean must break the equivalence.
-    report["negative"] = _run_case(
-        model,
-        hand_plans(WORLD)["unequal"],
-        rank,
-        tokens,
-        None,
-        counters,
-        ref_grads,
-        ref_loss,
-        _per_mb_mean_forward,
-    )
+    report["negative"] = _run_case(*unequal, _per_mb_mean_forward)
     # Without the digest check a step makes the gradient all-reduce and no other collective.
-    report["unchecked"] = _run_case(
-        model,
-        hand_plans(WORLD)["unequal"],
-        rank,
-        tokens,
-        None,
-        counters,
-        ref_grads,
-        ref_loss,
-        check_plan=False,
-    )
+    report["unchecked"] = _run_case(*unequal, check_plan=False)
     # Ranks that run different plans fail together, fast, with a clear error (no hang): at the
     # digest check, and (with the check off) at the token count the all-reduce carries.
     ranks = [[_local([j for j in range(len(LENGTHS)) if j % WORLD == r])] for r in range(WORLD)]
