@@ -37,6 +37,7 @@ from lightning_bytescale.hf.attention import (
 from lightning_bytescale.hf.checks import check_config, check_model
 from lightning_bytescale.hf.loading import ModelSource
 from lightning_bytescale.hf.optim import OptimizerOptions
+from lightning_bytescale.lightning import compat
 from lightning_bytescale.packed_attention import attention_context
 from lightning_bytescale.packed_attention.context import current_scope
 
@@ -151,7 +152,7 @@ class HFCausalLM(pl.LightningModule):
     # ------------------------------------------------------------------ model
     def _broadcast_fills_weights(self) -> bool:
         """Whether this run's strategy gives every rank rank 0's parameters after ``configure_model``."""
-        trainer = self._trainer
+        trainer = compat.module_trainer(self)
         if (
             trainer is None
             or trainer.world_size <= 1
@@ -178,7 +179,7 @@ class HFCausalLM(pl.LightningModule):
         elif self.source.from_config:
             model, weights = self.source.build(config, dtype), "config"
         else:
-            device = self.trainer.strategy.root_device if self._trainer is not None else None
+            device = self.trainer.strategy.root_device if compat.module_trainer(self) is not None else None
             model, weights = self.source.load(config, dtype, device), "checkpoint"
         self.load_report = LoadReport(weights, time.perf_counter() - started, rank)
         check_model(model, training=True)

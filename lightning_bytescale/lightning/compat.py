@@ -2,8 +2,10 @@
 
 ``ByteScaleStrategy`` uses Lightning's public strategy API wherever one exists.  A few things
 have no public hook: initialising the process group the way Lightning's own strategies do,
-materialising a meta-device model, moving optimizer state, the launchers, calling hooks by
-name, and keeping a probe forward's ``self.log`` calls out of the logged metrics.  They are
+materialising a meta-device model, moving optimizer state, the launchers (and the module whose
+``subprocess`` the popen launcher swaps while it starts ranks), calling hooks by name, reading
+a module's trainer without an error, and keeping a probe forward's ``self.log`` calls out of
+the logged metrics.  They are
 imported or touched only here, and ``tests/lightning/test_lightning_compat.py`` checks each of them, so
 a Lightning release that renames one fails that test loudly instead of breaking a run.
 """
@@ -14,11 +16,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch.strategies.launchers.subprocess_script as subprocess_script_module
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -60,6 +65,7 @@ def module_trainer(module: Any) -> pl.Trainer | None:
 
 
 __all__ = [
+    "_ChildProcessObserver",
     "_MultiProcessingLauncher",
     "_StrategyRegistry",
     "_SubprocessScriptLauncher",
@@ -68,9 +74,11 @@ __all__ = [
     "_init_dist_connection",
     "_materialize_distributed_module",
     "_optimizers_to_device",
+    "_set_num_threads_if_needed",
     "_sync_ddp_if_available",
     "call_callback_hooks",
     "call_module_hook",
     "discarded_logging",
     "module_trainer",
+    "subprocess_script_module",
 ]

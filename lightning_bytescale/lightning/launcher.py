@@ -21,9 +21,10 @@ test session) can hold a process group or a store whose C++ destructor joins a t
 only the parent has (the TCPStore's server loop); collected in a forked rank, that destructor
 waits forever for a thread that was never copied, with the interpreter lock held.
 
-Lightning's private launcher names (``_SubprocessScriptLauncher``, ``_MultiProcessingLauncher``
-and the names their ``launch`` uses) are used here and nowhere else;
-``tests/lightning/test_launcher.py`` fails when they change.
+Lightning's private launcher names (``_SubprocessScriptLauncher``, ``_MultiProcessingLauncher``,
+``_ChildProcessObserver`` and the names their ``launch`` uses) come from
+:mod:`~lightning_bytescale.lightning.compat`; ``tests/lightning/test_lightning_compat.py`` and
+``tests/lightning/test_launcher.py`` fail when they change.
 """
 
 from __future__ import annotations
@@ -42,16 +43,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch.strategies.launchers.subprocess_script as _pl_script
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_bytescale import proc
 from lightning_bytescale.engine.watchdog import EXIT_STEP_TIMEOUT
+from lightning_bytescale.lightning.compat import (
+    _ChildProcessObserver,
+    _MultiProcessingLauncher,
+    _set_num_threads_if_needed,
+    _SubprocessScriptLauncher,
+)
+from lightning_bytescale.lightning.compat import subprocess_script_module as _pl_script
 from lightning_bytescale.lightning.preemption import EXIT_PREEMPTED
 
 if TYPE_CHECKING:

@@ -6,7 +6,9 @@ test checks each one still exists with the call shape we use.
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -36,6 +38,15 @@ def test_private_functions_keep_their_call_shape():
         "num_nodes",
     ]
     assert hasattr(compat._StrategyRegistry, "register")
+    assert _params(compat._set_num_threads_if_needed) == ["num_processes"]
+    assert _params(compat._ChildProcessObserver.__init__)[1:] == [
+        "main_pid",
+        "child_processes",
+        "sleep_period",
+    ]
+    assert callable(getattr(compat._ChildProcessObserver, "_run", None))
+    # the popen launcher swaps this module's ``subprocess`` while the ranks start
+    assert compat.subprocess_script_module.subprocess.__name__ == "subprocess"
     assert compat._get_default_process_group_backend_for_device(torch.device("cpu")) == "gloo"
     assert compat._get_default_process_group_backend_for_device(torch.device("cuda", 0)) == "nccl"
 
@@ -49,3 +60,49 @@ def test_the_training_loop_keeps_its_result_collection_where_we_swap_it(tmp_path
         assert loop._results is not saved
     assert loop._results is saved
     assert compat.module_trainer(torch.nn.Module()) is None
+
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_bytescale"
+
+
+def _private_lightning_names(tree: ast.AST) -> list[str]:
+    """``lightning...`` imports of a private name or through a private module, in one module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lightning":
+            parts = node.module.split(".")
+            found += [
+                f"{node.module}.{a.name}"
+                for a in node.names
+                if a.name.startswith("_") or any(p.startswith("_") for p in parts)
+            ]
+        elif isinstance(node, ast.Import):
+            found += [
+                a.name
+                for a in node.names
+                if a.name.split(".")[0] == "lightning" and any(p.startswith("_") for p in a.name.split("."))
+            ]
+    return found
+
+
+def test_no_private_lightning_name_is_imported_outside_compat():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "compat.py" and path.parent.name == "lightning":
+            continue
+        names = _private_lightning_names(ast.parse(path.read_text(), str(path)))
+        if names:
+            offenders[str(path.relative_to(PACKAGE))] = names
+    assert not offenders, f"import these through lightning_bytescale/lightning/compat.py: {offenders}"
+
+
+def test_the_private_name_check_sees_an_offender():
+    tree = ast.parse(
+        "from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher\n"
+        "import lightning.pytorch.trainer._private_module\n"
+        "from lightning.pytorch import Trainer\n"
+    )
+    assert _private_lightning_names(tree) == [
+        "lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher",
+        "lightning.pytorch.trainer._private_module",
+    ]
