@@ -1,4 +1,4 @@
-"""The popen launcher whose ranks never outlive rank 0, and that names why a rank died.
+"""The launchers: popen ranks that never outlive rank 0 and name why a rank died; forks that start clean.
 
 Lightning's default launcher (``start_method="popen"``) has rank 0 re-run the script for ranks
 1.. with :class:`subprocess.Popen`.  Two things go wrong with it:
