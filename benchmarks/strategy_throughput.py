@@ -43,7 +43,9 @@ balances tokens.
 Throughput is global tokens per second of wall time inside the training step (micro-batches,
 gradient sync and optimizer step; data loading and planning run in the loader's worker and
 are outside), after ``--warmup`` steps.  The machine is shared, so every configuration runs
-``--rounds`` times, interleaved (round i runs every configuration once before round i + 1),
+``--rounds`` times, interleaved (round i runs every configuration once before round i + 1, in
+reverse order every other round and from a place that moves, so that each pair's two sides take
+turns to go first),
 and the headline ``tokens_per_s`` is the **median over rounds** of each round's measured
 tokens / measured wall time; ``tokens_per_s_all_rounds`` has every round, ``step_wall_s``
 every measured step of every round, ``load_avg`` the 1-minute load average before each run.
@@ -451,6 +453,7 @@ def main() -> None:
             "rounds": args.rounds,
             "static_rounds": static_rounds,
             "headline": "tokens_per_s is the median over rounds of each round's tokens / wall time",
+            "order": "interleaved; odd rounds in reverse order, the start moving by one place every two rounds",
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, gloo",
         },
         "long_tail": {},
@@ -473,7 +476,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         done = 0
         for i in range(args.rounds):
-            for group, name, kind, data, planner in configs:
+            # vary the order: a run right after another one (its processes still exiting, a
+            # ring-heavy `static` run) can be slower, so odd rounds run in reverse (each pair's
+            # two sides take turns to go first) and the start moves by one place every two rounds
+            shift = (i // 2) % len(configs)
+            order = configs[shift:] + configs[:shift]
+            for group, name, kind, data, planner in order[::-1] if i % 2 else order:
                 if name == "static" and i >= static_rounds:
                     continue
                 res = run(kind, data, planner, args.steps, Path(d), args.warmup)
