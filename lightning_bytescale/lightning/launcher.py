@@ -319,6 +319,6 @@ class ForkCollectingLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if self._start_method in ("fork", "forkserver"):
+        if self._start_method == "fork":  # spawned ranks start from a fresh interpreter
             gc.collect()
         return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -49,9 +49,14 @@ class StepBound:
         return max(self.longest_sequence_s, self.work_s) + self.allreduce_s
 
 
+def smallest_ring(s: int, capacity: int) -> int:
+    """``D(s) = ceil(s / C)``: the fewest ranks whose capacity holds a sequence of ``s`` tokens."""
+    return max(1, -(-s // capacity))
+
+
 def best_ring_time(s: int, world: int, capacity: int, cost_model: CostModel, ranks_per_node: int) -> float:
     """The least whole-model time of one sequence of ``s`` tokens alone on any ring it fits."""
-    smallest = max(1, -(-s // capacity))
+    smallest = smallest_ring(s, capacity)
     if smallest > world:
         raise SimulationError(
             f"a sequence of {s} tokens needs {smallest} ranks of capacity {capacity}, more than the {world} there are"
@@ -66,7 +71,7 @@ def best_ring_time(s: int, world: int, capacity: int, cost_model: CostModel, ran
 
 def least_transfer(s: int, capacity: int, cost_model: CostModel, ranks_per_node: int) -> float:
     """Per layer, the least ``n x`` ring-transfer seconds of a sequence: on its smallest ring, ``D(s)``."""
-    smallest = max(1, -(-s // capacity))
+    smallest = smallest_ring(s, capacity)
     if smallest == 1 or cost_model.kv_bytes_per_token_per_layer <= 0:
         return 0.0
     links = [cost_model.bandwidth(False)]
@@ -84,15 +89,15 @@ def step_lower_bound(lengths: Sequence[int], scenario: Scenario, cost_model: Cos
         raise SimulationError("step_lower_bound covers plans without pipeline stages (pipeline_degree 1)")
     if not lengths:
         raise SimulationError("step_lower_bound needs at least one sequence")
-    world = scenario.ranks
-    longest = best_ring_time(max(lengths), world, scenario.capacity, cost_model, scenario.ranks_per_node)
+    world, capacity, per_node = scenario.ranks, scenario.capacity, scenario.ranks_per_node
+    longest = best_ring_time(max(lengths), world, capacity, cost_model, per_node)
     linear = attention = transfer = 0.0
     for s in lengths:
         linear += cost_model.b * s
         attention += cost_model.a * s * s
-        transfer += least_transfer(s, scenario.capacity, cost_model, scenario.ranks_per_node)
+        transfer += least_transfer(s, capacity, cost_model, per_node)
     work = cost_model.num_layers * (linear + max(attention, transfer)) / world
     return StepBound(longest_sequence_s=longest, work_s=work, allreduce_s=allreduce_seconds(scenario))
 
 
-__all__ = ["StepBound", "best_ring_time", "least_transfer", "step_lower_bound"]
+__all__ = ["StepBound", "best_ring_time", "least_transfer", "smallest_ring", "step_lower_bound"]
