@@ -277,7 +277,8 @@ def run_micro_batches(
     Losses and token counts stay on the device until the loop ends (one host sync per step,
     not one per micro-batch), so the host can queue the next micro-batch's work early.
     ``check_finite`` also checks the accumulated gradients of ``params`` (default: the model's)
-    after every micro-batch (one pass over them, see :func:`_grads_finite`), so the
+    after every micro-batch (one pass over them, see :func:`_grads_finite`; with ``grad_sync``
+    one pass over each bucket's flat buffer, which the gradients are views of), so the
     micro-batch that first made them non-finite is known
     (:attr:`LocalResult.first_non_finite_gradient`).  ``check_loss_scaling`` probes the first
     micro-batch without a ring whose loss is not zero (:mod:`~lightning_bytescale.engine.loss_check`;
@@ -357,12 +358,11 @@ def run_micro_batches(
         counts.append((mb.labels != IGNORE_INDEX).sum())
         seconds.append(sec)
         if check_finite:
-            # After the last backward, buckets are being summed in place: ask the sync for this
-            # rank's own values (recorded at launch), so a non-finite gradient is not blamed on
-            # a rank whose buffer another rank's NaN has just reached.
-            flag = (
-                grad_sync.local_grads_finite() if last and grad_sync is not None else _grads_finite(checked)
-            )
+            # After the last backward, buckets are being summed in place: the sync answers for
+            # this rank's own values (recorded at launch), so a non-finite gradient is not blamed
+            # on a rank whose buffer another rank's NaN has just reached.
+            # With a sync the gradients are views of a few bucket buffers: one pass per buffer.
+            flag = grad_sync.local_grads_finite() if grad_sync is not None else _grads_finite(checked)
             finite.append(flag if flag is not None else torch.ones((), dtype=torch.bool, device=loss.device))
     confirm_plan()
     sent1, wait1 = _comm_counters()

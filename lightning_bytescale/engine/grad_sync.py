@@ -207,6 +207,12 @@ class BucketedGradSync:
                 continue
             if bucket.buffer is None:  # released after last step's reduce (ZeRO-2, not the owner)
                 bucket.allocate()
+            assert bucket.buffer is not None
+            if all(p.grad is None for p in bucket.params):  # the usual case: one pass over the buffer
+                bucket.buffer.zero_()
+                for p, view in zip(bucket.params, bucket.views):
+                    p.grad = view
+                continue
             for p, view in zip(bucket.params, bucket.views):
                 assert view is not None
                 if p.grad is None:

@@ -865,6 +865,7 @@ class ByteScaleStrategy(ParallelStrategy):
             "t_start": t_start,
             "probing": probing,
             "grad_sync": grad_sync,
+            "named": named,  # this step's trained parameters, listed once
         }
         return local.loss.to(self.root_device, dtypes[0])
 
@@ -880,7 +881,8 @@ class ByteScaleStrategy(ParallelStrategy):
         trainer = module.trainer
         compat.call_callback_hooks(trainer, "on_before_backward", closure_loss)
         compat.call_module_hook(trainer, "on_before_backward", closure_loss)
-        for (_, p), g in zip(self._named_params(), self._stashed_grads):
+        named = self._pending["named"] if self._pending is not None else self._named_params()
+        for (_, p), g in zip(named, self._stashed_grads):
             p.grad = g
         self._stashed_grads = None
         compat.call_callback_hooks(trainer, "on_after_backward")
@@ -931,7 +933,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self._beat(f"the gradient all-reduce of step {batch.step}", waits_on_peers=True)
         preemption = self._preemption
         result = sync_step(
-            self._named_params(),
+            pending["named"],
             batch,
             local,
             extra=extra,
@@ -941,7 +943,7 @@ class ByteScaleStrategy(ParallelStrategy):
             grad_sync=pending["grad_sync"],
         )
         if self._grad_owners is not None and pending["grad_sync"] is None:  # ZeRO-2 after a flat all-reduce
-            drop_unowned_gradients([p for _, p in self._named_params()], self._grad_owners, self.global_rank)
+            drop_unowned_gradients([p for _, p in pending["named"]], self._grad_owners, self.global_rank)
         if preemption is not None:  # the preemption callback acts on it after this step
             preemption.record_agreement(result.stop_requested)
         self._steps_run += 1

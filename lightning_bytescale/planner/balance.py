@@ -22,6 +22,7 @@ from lightning_bytescale.planner.items import (
 )
 from lightning_bytescale.planner.pipeline import one_f_one_b
 from lightning_bytescale.planner.plan import Plan
+from lightning_bytescale.planner.refine import refine_local_shares
 from lightning_bytescale.planner.ring_sizes import add_growth_choices, ring_size_candidates
 
 
@@ -40,6 +41,7 @@ def plan_balance(
     comm_aware=True,
     pp_reading="sequential",
     grow_rings=True,
+    refine=True,
     **_,
 ) -> Plan:
     if pp_reading not in ("round_robin", "sequential"):
@@ -73,6 +75,8 @@ def plan_balance(
     _, choice, assignment = best
     for it, j in zip(items, choice):
         it.choose(j)
+    if dp and refine and all(len(members) == 1 and it.ratio == 0.0 for it, members, _ in assignment):
+        assignment = _refined(ctx, assignment)
     return emit(
         ctx,
         assignment,
@@ -85,9 +89,23 @@ def plan_balance(
             "comm_aware": bool(comm_aware),
             "pp_reading": pp_reading,
             "grow_rings": bool(grow_rings),
+            "refine": bool(refine),
         },
         repack_local=dp,
     )
+
+
+def _refined(ctx: PlanContext, assignment: list[tuple[Item, tuple[int, ...], tuple]]):
+    """An all-local DP placement after :func:`~.refine.refine_local_shares` (one entry per sequence)."""
+    shares: list[list[int]] = [[] for _ in range(ctx.world)]
+    for it, (r,), _ in assignment:
+        shares[r].extend(it.seqs)
+    shares = refine_local_shares(ctx.lengths, ctx.cap, ctx.cost, shares)
+    out = []
+    for r, share in enumerate(shares):
+        for q in share:
+            out.append((Item([q], [(1, 0.0)], 0, 1, 0.0, 0), (r,), (len(out), 0)))
+    return out
 
 
 def _buckets(seq: list[tuple[Item, float]], num_buckets: int) -> list[list[tuple[Item, float]]]:

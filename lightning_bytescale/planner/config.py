@@ -86,7 +86,7 @@ class PlannerConfig:
 
     options: Mapping[str, Any] = field(default_factory=dict)
     """A planner's own keyword options, checked against its function's parameters: ``balance``
-    takes ``pp_reading`` and ``grow_rings``, ``naive`` takes ``offload_policy``; a registered
+    takes ``pp_reading``, ``grow_rings`` and ``refine``, ``naive`` takes ``offload_policy``; a registered
     planner takes the keyword parameters it names.  An option of another registered planner is
     kept but not passed (so one set of options can drive several planners); any other name is
     an error naming the closest valid one."""

@@ -30,6 +30,10 @@ Decisions where the paper is silent (bytescale-paper §4.5):
    local sequences between two of its ring items is packed best-fit-decreasing into
    micro-batches of ``C`` tokens.  Placing single sequences balances far more finely than placing
    pre-packed bins (all-short data at 4 ranks: planned max/mean about 1.04 instead of 1.2).
+   When every sequence is local (no ring, no offload), moves and swaps between the slowest
+   rank and the least-loaded ones, priced at each share's packed cost, then close most of what
+   is left (``refine=True``, default; :mod:`.refine`): LPT priced each sequence alone, with
+   its own micro-batch overhead.
    PP-Balance places best-fit-decreasing bins of ``C`` tokens, since its 1F1B load model prices
    whole micro-batches.  Gap filling is ours: the paper leaves ring waits implicit; without it
    ring-heavy batches lose several percent.

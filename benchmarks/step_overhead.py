@@ -1,0 +1,230 @@
+"""Where a training step's CPU time goes, per function: ``bytescale`` against plain ``ddp``.
+
+Run: ``python benchmarks/step_overhead.py`` (about 3 minutes on 2 cores); writes
+``benchmarks/results/step_overhead.json``.
+
+The throughput benchmark (``strategy_throughput.py``) measures wall time, which on a shared
+2-core machine moves by several percent from run to run.  This one measures what a step
+*costs*: every rank accounts its main thread's CPU time (``time.thread_time``) to the innermost
+of a fixed list of functions it is in (exclusive time: a function's own time, its listed callees
+counted apart), for the same all-short steps as ``strategy_throughput.py``'s ``all_short``
+setting (4 gloo ranks, lengths 64..512, C = 512), planned with the default cost model and
+without ``balance``'s refinement, so the plans are DDP's token shares and both sides run the same
+micro-batches.  Three configurations, interleaved over ``--rounds``:
+
+* ``ddp``: Lightning's ``DDPStrategy``, one backward per micro-batch under ``no_sync`` except the
+  last (the benchmark's DDP user);
+* ``bytescale``: ``ByteScaleStrategy`` with its defaults (plan-digest check, per-micro-batch
+  finiteness, loss-normalisation probe, watchdog, preemption, the loss logged every step);
+* ``bytescale_unchecked``: the same with those checks off, to show what they cost.
+
+Reported per configuration: milliseconds of CPU per rank and step for each function (median
+over rounds of the mean over ranks and steps), grouped into *model* (forward, backward, the
+optimizer: the same work on both sides), *loop* (Lightning's loop and data fetching) and
+*machinery* (everything the strategy or the DDP user's loop adds).  The machinery figures are
+what the all-short wall-time ratio is made of when both sides run the same plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import strategy_throughput as bench
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loops import fetchers
+from lightning.pytorch.loops import training_epoch_loop as epoch_loop
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_bytescale.engine import executor, grad_sync
+from lightning_bytescale.lightning import strategy as strategy_module
+from lightning_bytescale.models.llama import LlamaModel
+
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "ddp": None,
+    "bytescale": {},
+    "bytescale_unchecked": {
+        "check_finite": False,
+        "check_loss_normalization": False,
+        "check_parameters_every_n_steps": 0,
+        "log_loss": False,
+        "watchdog": False,
+        "preemption": False,
+    },
+}
+
+MODEL = ("model forward", "autograd backward", "optimizer step")
+LOOP = ("Lightning loop", "data fetch")
+
+_totals: dict[str, float] = {}
+_stack: list[list[Any]] = []
+
+
+def _account(owner: Any, name: str, label: str) -> None:
+    """Charge the main thread's CPU time inside ``owner.name`` to ``label`` (exclusive of callees)."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        _stack.append([label, 0.0])
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _, inner = _stack.pop()
+            spent = time.thread_time() - start
+            _totals[label] = _totals.get(label, 0.0) + spent - inner
+            if _stack:
+                _stack[-1][1] += spent
+
+    setattr(owner, name, timed)
+
+
+def _install() -> None:
+    """The accounted functions: the model's work, the loop's, and each side's machinery."""
+    plain: list[tuple[Any, str, str]] = [
+        (epoch_loop._TrainingEpochLoop, "advance", "Lightning loop"),
+        (fetchers._PrefetchDataFetcher, "__next__", "data fetch"),
+        (LlamaModel, "forward", "model forward"),
+        (torch.Tensor, "backward", "autograd backward"),
+        (torch.optim.AdamW, "step", "optimizer step"),
+        (bench.LM, "training_step", "user training_step"),
+        (DistributedDataParallel, "forward", "DDP forward wrapper"),
+        (pl.LightningModule, "log", "LightningModule.log"),
+        (dist, "all_reduce", "collective calls"),
+        (dist, "all_gather", "collective calls"),
+        (dist, "broadcast", "collective calls"),
+        (executor, "run_micro_batch", "run_micro_batch"),
+        (executor, "_grads_finite", "finiteness checks"),
+        (executor, "start_plan_agreement", "plan digest check"),
+        (strategy_module, "check_step", "plan digest check"),
+        (strategy_module, "sync_step", "sync_step (scalars, reports)"),
+        (executor, "_start_scalars", "sync_step (scalars, reports)"),
+        (executor._PendingScalars, "wait", "sync_step (scalars, reports)"),
+        (grad_sync.BucketedGradSync, "local_grads_finite", "finiteness checks"),
+        (grad_sync.BucketedGradSync, "prepare", "gradient buckets (zero, views)"),
+        (grad_sync.BucketedGradSync, "_on_grad", "gradient hooks"),
+        (grad_sync.BucketedGradSync, "_launch", "gradient buckets (launch)"),
+        (grad_sync.BucketedGradSync, "_complete", "gradient buckets (wait)"),
+        (grad_sync.BucketedGradSync, "finish", "gradient buckets (wait)"),
+    ]
+    for name in ("training_step", "_sync", "optimizer_step", "backward", "_beat", "_named_params"):
+        plain.append((strategy_module.ByteScaleStrategy, name, f"strategy {name}"))
+    for owner, name, label in plain:
+        _account(owner, name, label)
+
+
+class _Collect(pl.Callback):
+    """Starts counting after ``warmup`` steps; each rank writes its totals at the end."""
+
+    def __init__(self, out: Path, warmup: int) -> None:
+        self.out, self.warmup, self.steps = out, warmup, 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.warmup:
+            _totals.clear()
+        if trainer.global_step >= self.warmup:
+            self.steps += 1
+
+    def on_train_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        path = self.out.with_name(f"{self.out.name}.{trainer.global_rank}")
+        path.write_text(json.dumps({"steps": self.steps, "totals": _totals}))
+
+
+def run(config: str, steps: int, warmup: int, tmp: Path) -> dict[str, float]:
+    """One run of ``config``; returns CPU ms per rank and step for each accounted function."""
+    out = tmp / f"overhead-{config}"
+    options = CONFIGS[config]
+    trainer_cls: Callable[..., pl.Trainer] = pl.Trainer
+
+    def with_collector(*args: Any, **kwargs: Any) -> pl.Trainer:
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), _Collect(out, warmup)]
+        return trainer_cls(*args, **kwargs)
+
+    strategy_cls = bench.ByteScaleStrategy
+    bench.pl.Trainer = with_collector  # type: ignore[misc]
+    if options is not None:
+        bench.ByteScaleStrategy = functools.partial(strategy_cls, **options)  # type: ignore[misc]
+    try:
+        bench.run("ddp" if options is None else "bytescale", "all_short", "balance", steps, tmp, warmup)
+    finally:
+        bench.pl.Trainer = trainer_cls  # type: ignore[misc]
+        bench.ByteScaleStrategy = strategy_cls  # type: ignore[misc]
+    ranks = [json.loads(out.with_name(f"{out.name}.{r}").read_text()) for r in range(bench.WORLD)]
+    labels = sorted(set().union(*(r["totals"] for r in ranks)))
+    return {
+        label: 1e3 * statistics.mean(r["totals"].get(label, 0.0) / max(r["steps"], 1) for r in ranks)
+        for label in labels
+    }
+
+
+def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
+    labels = sorted(set().union(*runs))
+    per_function = {label: statistics.median(r.get(label, 0.0) for r in runs) for label in labels}
+    groups = {
+        "model": sum(v for k, v in per_function.items() if k in MODEL),
+        "loop": sum(v for k, v in per_function.items() if k in LOOP),
+        "machinery": sum(v for k, v in per_function.items() if k not in MODEL + LOOP),
+    }
+    return {
+        "ms_per_rank_step": dict(sorted(per_function.items(), key=lambda kv: -kv[1])),
+        "groups_ms": groups,
+        "total_ms": sum(groups.values()),
+        "rounds": len(runs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=24, help="steps per run, including --warmup")
+    parser.add_argument("--warmup", type=int, default=4, help="first steps of every run left out")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median counts")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_overhead.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # the default cost model, unrefined: the plans are DDP's token shares, so both sides run the same work
+    bench.SHORT["all_short"] = (*bench.SHORT["all_short"][:4], None)
+    bench.make_plan = functools.partial(bench.make_plan, options={"refine": False})
+    _install()
+    names = list(CONFIGS)
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(args.rounds):
+            for name in names[::-1] if i % 2 else names:
+                runs[name].append(run(name, args.steps, args.warmup, Path(d)))
+                print(f"round {i} {name}: {sum(runs[name][-1].values()):.1f} ms/rank-step", file=sys.stderr)
+    result = {
+        "setup": {
+            "world": bench.WORLD,
+            "data": "all_short: uniform 64..512 tokens, C = 512, 4096 tokens a step",
+            "plans": "balance with the default cost model and refine=False: DDP's token shares",
+            "steps_per_run": args.steps,
+            "warmup_steps": args.warmup,
+            "rounds": args.rounds,
+            "measure": "main-thread CPU ms per rank and step, exclusive of the other listed functions",
+            "unchecked_options": CONFIGS["bytescale_unchecked"],
+        },
+        **{name: summarise(runs[name]) for name in names},
+    }
+    ddp, hdp = result["ddp"]["groups_ms"], result["bytescale"]["groups_ms"]
+    result["machinery_over_ddp_ms"] = hdp["machinery"] - ddp["machinery"]
+    result["total_over_ddp"] = result["bytescale"]["total_ms"] / result["ddp"]["total_ms"]
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for name in names:
+        print(name, json.dumps(result[name]["groups_ms"]), f"total {result[name]['total_ms']:.1f} ms")
+    print(f"machinery over ddp: {result['machinery_over_ddp_ms']:.1f} ms/rank-step")
+
+
+if __name__ == "__main__":
+    main()
