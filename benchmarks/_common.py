@@ -6,6 +6,7 @@ The benchmarks run as scripts (``python benchmarks/<name>.py``), so this folder 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -84,3 +85,15 @@ def remove_parts(parts: Path) -> None:
     for f in parts.iterdir():
         f.unlink()
     parts.rmdir()
+
+
+def run_parser(doc: str, name: str, *, steps: int, warmup: int, rounds: int) -> argparse.ArgumentParser:
+    """The options of a benchmark of interleaved runs: steps, warm-up, rounds and its result file."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=steps, help="steps per run, including --warmup")
+    parser.add_argument("--warmup", type=int, default=warmup, help="first steps of every run left out")
+    parser.add_argument(
+        "--rounds", type=int, default=rounds, help="interleaved repetitions; the medians count"
+    )
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / f"{name}.json"))
+    return parser

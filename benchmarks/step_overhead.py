@@ -27,7 +27,6 @@ what the all-short wall-time ratio is made of when both sides run the same plan.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -43,6 +42,7 @@ import lightning.pytorch as pl
 import strategy_throughput as bench
 import torch
 import torch.distributed as dist
+from _common import run_parser
 from lightning.pytorch.loops import fetchers
 from lightning.pytorch.loops import training_epoch_loop as epoch_loop
 from torch.nn.parallel import DistributedDataParallel
@@ -186,12 +186,7 @@ def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=24, help="steps per run, including --warmup")
-    parser.add_argument("--warmup", type=int, default=4, help="first steps of every run left out")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median counts")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_overhead.json"))
-    args = parser.parse_args()
+    args = run_parser(__doc__, "step_overhead", steps=24, warmup=4, rounds=2).parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the default cost model, unrefined: the plans are DDP's token shares, so both sides run the same work
     bench.SHORT["all_short"] = (*bench.SHORT["all_short"][:4], None)

@@ -27,7 +27,6 @@ full, and the ratios compare the medians over rounds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -50,6 +49,7 @@ from lightning_bytescale.packed_attention import comm_stats
 from lightning_bytescale.planner import make_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import run_parser  # noqa: E402
 from strategy_throughput import CAPACITY, LM, WORLD, Timer, long_tail_lengths, tokens_of  # noqa: E402
 
 
@@ -192,12 +192,7 @@ def offline_plans(cost, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="steps per run, including --warmup")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps of every run left out")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions (medians compared)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "strategy_comm_aware.json"))
-    args = parser.parse_args()
+    args = run_parser(__doc__, "strategy_comm_aware", steps=5, warmup=2, rounds=5).parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     start = time.perf_counter()
