@@ -1,8 +1,8 @@
 """Tokens/s of ByteScaleStrategy on 4 CPU ranks: planners on long-tail data, and HDP vs plain DDP.
 
 Run: ``python benchmarks/strategy_throughput.py`` (about 1-3 minutes a round on 2 cores, more
-when they are shared with other jobs; the committed file: ``--rounds 11 --max-minutes 20``, all
-11 rounds in 13 minutes on an otherwise idle machine); writes ``benchmarks/results/strategy.json``.
+when they are shared with other jobs; the committed file: ``--rounds 12 --max-minutes 20``, all
+12 rounds in 13 minutes on an otherwise idle machine); writes ``benchmarks/results/strategy.json``.
 
 * Long-tail data (the ``byted`` length mix scaled from 2M to the context length 4 x C): the
   same global batches for ``balance``, ``naive`` and ``static`` (cp_size 4).
