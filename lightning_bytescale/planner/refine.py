@@ -38,15 +38,6 @@ CANDIDATE_RANKS = 4
 """Least-loaded ranks the slowest one may trade with in one round."""
 
 
-def packed_time(lengths: Sequence[int], capacity: int, cost: CostModel, share: Sequence[int]) -> float:
-    """Seconds of a rank's ``share`` (sequence indices) packed best-fit-decreasing into ``C`` tokens."""
-    if not share:
-        return 0.0
-    return sum(
-        cost.local_time([lengths[i] for i in b]) for b in best_fit_decreasing(lengths, capacity, share)
-    )
-
-
 class _Pricer:
     """Per-layer packed time of a share: its sequences' own time plus ``g`` per micro-batch.
 
@@ -71,7 +62,7 @@ class _Pricer:
             if self.budget <= 0:
                 return math.inf  # out of budget: an unpriced option is never taken
             self.budget -= len(share)
-            count = len(best_fit_decreasing(self.lengths, self.capacity, share)) if share else 0
+            count = len(best_fit_decreasing(self.lengths, self.capacity, share))
             self.bins[key] = count
         return own + self.g * count
 
@@ -111,11 +102,11 @@ def refine_local_shares(
             for r in others:
                 for k in [None, *out[r]]:  # move j to r, or swap it for one of r's sequences
                     dk, sk = (0.0, 0) if k is None else (price.own[k], lengths[k])
-                    a_own = own[hi] - price.own[j] + dk
-                    b_own = own[r] + price.own[j] - dk
                     a_tok = tokens[hi] - lengths[j] + sk
                     b_tok = tokens[r] + lengths[j] - sk
-                    if price.lower(a_own, a_tok) > top or price.lower(b_own, b_tok) > top:
+                    a_near = own[hi] - price.own[j] + dk  # running sums: good enough to rule out
+                    b_near = own[r] + price.own[j] - dk
+                    if price.lower(a_near, a_tok) > top or price.lower(b_near, b_tok) > top:
                         continue  # one side would end above the slowest rank's time now
                     a = sorted(x for x in [*out[hi], *([] if k is None else [k])] if x != j)
                     b = sorted(x for x in [*out[r], j] if x != k)
@@ -134,4 +125,4 @@ def refine_local_shares(
     return out
 
 
-__all__ = ["refine_local_shares", "packed_time"]
+__all__ = ["refine_local_shares"]

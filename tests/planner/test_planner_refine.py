@@ -12,10 +12,16 @@ from hypothesis import strategies as st
 
 from lightning_bytescale.planner import make_plan
 from lightning_bytescale.planner.cost_model import CostModel
-from lightning_bytescale.planner.refine import packed_time, refine_local_shares
+from lightning_bytescale.planner.packing import best_fit_decreasing
+from lightning_bytescale.planner.refine import refine_local_shares
 
 # a model in which the per-micro-batch overhead g matters: what LPT on single sequences misprices
 COST = CostModel(a=4.7e-8, b=5.7e-6, g=1.75e-3, c=0.0, d=0.0, num_layers=4, name="test-cpu")
+
+
+def packed_time(lengths, cap, cost, share):
+    """The reference: a share packed as ``emit`` packs it, each micro-batch at ``local_time``."""
+    return sum(cost.local_time([lengths[i] for i in b]) for b in best_fit_decreasing(lengths, cap, share))
 
 
 def _max_time(lengths, cap, shares):
