@@ -6,7 +6,8 @@ it, so one failing section does not lose the others:
 * ``trainer``: ``Trainer(strategy="bytescale", accelerator="gpu", devices=1)`` fits 20 steps
   in ``bf16-mixed`` (loss finite and falling) and in ``64-true``, where parameters must match
   an independent single-process float64 loop (whole sequences, plain causal SDPA, the same
-  initial weights, SGD with momentum) to 1e-10;
+  initial weights, SGD with momentum) to 1e-10; and the gradient finiteness flag (max-abs
+  norm) on NaN, inf and huge finite values in three dtypes, with no host synchronisation;
 * ``ring``: ring attention through the loopback ring (all members on this GPU, the P2P code
   path with in-memory transfers on the communication stream), N = 2, 4, 8, in bfloat16 /
   float32 / float64, max error of output and input gradients against a dense float64
@@ -242,7 +243,43 @@ def trainer_section(device: torch.device, sizes: Sizes) -> dict:
         and out["float64"]["max_param_change"] > 1e-4  # the run really trained
         and out["float64"]["steps"] == sizes.steps
     )
+    out["finite_flags"] = _finite_flags(device)
+    out["ok"] = out["ok"] and out["finite_flags"]["ok"]
     return out
+
+
+def _finite_flags(device: torch.device) -> dict:
+    """The gradient finiteness flag (max-abs norm on a GPU): exact on NaN, inf, huge and tiny values.
+
+    On CUDA it is also run with synchronising calls turned into errors: the flag must stay on
+    the device until the step's one host sync.
+    """
+    from lightning_bytescale.engine.grad_sync import _all_finite
+
+    cases = {
+        "finite": ([1.0, -2.0, 3e38, -3e38], True),  # an L2 norm of these overflows; the flag must not
+        "nan": ([1.0, float("nan"), 2.0], False),
+        "inf": ([1.0, float("inf")], False),
+        "-inf": ([-float("inf"), 0.0], False),
+    }
+    got: dict[str, bool] = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for name, (values, _) in cases.items():
+            big = torch.zeros(1 << 16, dtype=dtype)  # several reduction blocks
+            big[-len(values) :] = torch.tensor(values, dtype=dtype)
+            x = big.to(device)
+            _sync(device)
+            previous = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                flag = _all_finite(x)
+            finally:
+                if previous is not None:
+                    torch.cuda.set_sync_debug_mode(previous)
+            got[f"{name}/{dtype}".replace("torch.", "")] = bool(flag)
+    ok = all(got[k] == cases[k.split("/")[0]][1] for k in got)
+    return {"ok": ok, "flags": got}
 
 
 def _reference_fit(cfg, init, sizes: Sizes, device: torch.device, make_optimizer):

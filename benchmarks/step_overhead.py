@@ -188,6 +188,7 @@ def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
 def main() -> None:
     args = run_parser(__doc__, "step_overhead", steps=24, warmup=4, rounds=2).parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # one thread a rank; and forked ranks must not inherit an OpenMP pool
     # the default cost model, unrefined: the plans are DDP's token shares, so both sides run the same work
     bench.SHORT["all_short"] = (*bench.SHORT["all_short"][:4], None)
     bench.make_plan = functools.partial(bench.make_plan, options={"refine": False})

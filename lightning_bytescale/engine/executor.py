@@ -118,8 +118,23 @@ class LocalResult:
 
     @property
     def first_non_finite_gradient(self) -> MicroBatchResult | None:
-        """The micro-batch after which the accumulated gradients first held a NaN or inf."""
+        """The first checked micro-batch after which the accumulated gradients held a NaN or inf."""
         return next((m for m in self.micro_batches if m.grads_finite is False), None)
+
+    def _non_finite_gradient_span(self) -> list[MicroBatchResult]:
+        """The micro-batches the failed gradient check covers: after the last check that passed.
+
+        Gradients accumulate, and a NaN or inf stays in a sum, so the first failed check blames
+        one of the micro-batches since the previous passed check (just one when every
+        micro-batch is checked).  Empty when no check failed.
+        """
+        start = 0
+        for position, m in enumerate(self.micro_batches):
+            if m.grads_finite is True:
+                start = position + 1
+            elif m.grads_finite is False:
+                return self.micro_batches[start : position + 1]
+        return []
 
     def report(self) -> RankReport:
         """This rank's slot of the step buffer: busy time, traffic, the first non-finite micro-batch."""
@@ -129,11 +144,13 @@ class LocalResult:
             num_micro_batches=len(self.micro_batches),
             ring_wait_s=self.ring_wait_s,
         )
-        bad_loss, bad_grad = self.first_non_finite_loss, self.first_non_finite_gradient
-        if bad_loss is not None and (bad_grad is None or bad_loss.index <= bad_grad.index):
+        bad_loss, span = self.first_non_finite_loss, self._non_finite_gradient_span()
+        if bad_loss is not None and (not span or bad_loss.index <= span[-1].index):
             rep.bad_micro_batch, rep.bad_kind, rep.bad_seq_ids = bad_loss.index, 1, bad_loss.seq_ids
-        elif bad_grad is not None:
-            rep.bad_micro_batch, rep.bad_kind, rep.bad_seq_ids = bad_grad.index, 2, bad_grad.seq_ids
+        elif span:
+            rep.bad_micro_batch, rep.bad_kind = span[-1].index, 2
+            rep.bad_seq_ids = tuple(dict.fromkeys(s for m in span for s in m.seq_ids))
+            rep.bad_from = span[0].index if len(span) > 1 else None
         return rep
 
 
@@ -271,16 +288,20 @@ def run_micro_batches(
     step: int | None = None,
     grad_sync: BucketedGradSync | None = None,
     plan_check: StepCheck | None = None,
+    locate_non_finite: bool = False,
 ) -> LocalResult:
     """This rank's micro-batches in order, gradients accumulating locally, no barriers.
 
     Losses and token counts stay on the device until the loop ends (one host sync per step,
     not one per micro-batch), so the host can queue the next micro-batch's work early.
     ``check_finite`` also checks the accumulated gradients of ``params`` (default: the model's)
-    after every micro-batch (one pass over them, see :func:`_grads_finite`; with ``grad_sync``
-    one pass over each bucket's flat buffer, which the gradients are views of), so the
-    micro-batch that first made them non-finite is known
-    (:attr:`LocalResult.first_non_finite_gradient`).  ``check_loss_scaling`` probes the first
+    once, after the last micro-batch (one pass over them, see :func:`_grads_finite`; with
+    ``grad_sync`` one pass over each bucket's flat buffer, which the gradients are views of).
+    A NaN or inf stays in an accumulated sum, so that one check sees every micro-batch's; with
+    ``locate_non_finite`` the check runs after every micro-batch instead (one pass each), so
+    the micro-batch that first made them non-finite is known
+    (:attr:`LocalResult.first_non_finite_gradient`).  Each micro-batch's loss is checked in
+    both cases (it is read anyway).  ``check_loss_scaling`` probes the first
     micro-batch without a ring whose loss is not zero (:mod:`~lightning_bytescale.engine.loss_check`;
     one extra forward without gradients and one host sync to read both losses) and records the
     verdict in :attr:`LocalResult.loss_scaling`.  ``sync_timing`` measures each micro-batch's
@@ -321,7 +342,8 @@ def run_micro_batches(
     losses: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
     seconds: list[float] = []
-    finite: list[torch.Tensor] = []
+    finite: list[torch.Tensor] = []  # gradient checks, after the micro-batches at finite_at
+    finite_at: list[int] = []
     verdicts: list[LossScaling] = []
     timers: list[tuple[int, tuple[torch.cuda.Event, torch.cuda.Event]]] = []
     sent0, wait0 = _comm_counters()
@@ -357,13 +379,14 @@ def run_micro_batches(
         losses.append(loss.to(torch.float64))
         counts.append((mb.labels != IGNORE_INDEX).sum())
         seconds.append(sec)
-        if check_finite:
+        if check_finite and (last or locate_non_finite):
             # After the last backward, buckets are being summed in place: the sync answers for
             # this rank's own values (recorded at launch), so a non-finite gradient is not blamed
             # on a rank whose buffer another rank's NaN has just reached.
             # With a sync the gradients are views of a few bucket buffers: one pass per buffer.
             flag = grad_sync.local_grads_finite() if grad_sync is not None else _grads_finite(checked)
             finite.append(flag if flag is not None else torch.ones((), dtype=torch.bool, device=loss.device))
+            finite_at.append(position)
     confirm_plan()
     sent1, wait1 = _comm_counters()
     scaling = next((v for v in verdicts if v != LossScaling.UNCHECKED), LossScaling.UNCHECKED)
@@ -374,11 +397,10 @@ def run_micro_batches(
     for i, (start, end) in timers:  # device time of each micro-batch, read after that sync
         end.synchronize()
         seconds[i] = start.elapsed_time(end) / 1000.0
-    finite_values: list[bool | None] = (
-        [bool(f) for f in torch.stack([f.to(finite[0].device) for f in finite]).tolist()]
-        if finite
-        else [None] * len(losses)
-    )
+    finite_values: list[bool | None] = [None] * len(losses)
+    if finite:
+        for position, flag in zip(finite_at, torch.stack([f.to(finite[0].device) for f in finite]).tolist()):
+            finite_values[position] = bool(flag)
     results = [
         MicroBatchResult(mb.index, lv, int(tv), sec, mb.layout.ring_size, tuple(mb.seq_ids), fv)
         for mb, lv, tv, sec, fv in zip(micro_batches, loss_values, token_values, seconds, finite_values)
@@ -784,6 +806,7 @@ def run_step(
     check_loss_scaling: bool = False,
     check_parameters: bool = False,
     grad_sync: BucketedGradSync | None = None,
+    locate_non_finite: bool = False,
 ) -> StepResult:
     """:func:`check_step`, :func:`run_micro_batches`, then :func:`sync_step`: one whole HDP step.
 
@@ -810,6 +833,7 @@ def run_step(
         step=step.step,
         grad_sync=grad_sync,
         plan_check=plan_check,
+        locate_non_finite=locate_non_finite,
     )
     return sync_step(
         named,

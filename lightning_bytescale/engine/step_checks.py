@@ -28,7 +28,7 @@ import torch.distributed as dist
 from lightning_bytescale.errors import PlanDivergenceError, PlanWorldSizeError
 
 # Per-rank slot of the step buffer.
-_BUSY, _RING_BYTES, _NUM_MB, _BAD_MB, _BAD_KIND, _RING_WAIT, _SEQS = range(7)
+_BUSY, _RING_BYTES, _NUM_MB, _BAD_MB, _BAD_KIND, _RING_WAIT, _BAD_FROM, _SEQS = range(8)
 MAX_REPORTED_SEQS = 8
 SLOT = _SEQS + MAX_REPORTED_SEQS
 
@@ -213,6 +213,8 @@ class RankReport:
     bad_kind: int = 0  # 1: loss, 2: gradient
     bad_seq_ids: tuple[int, ...] = ()
     ring_wait_s: float = 0.0  # seconds blocked waiting on ring transfers (exposed ring time)
+    # a gradient check covers micro-batches bad_from..bad_micro_batch (None: exactly the one)
+    bad_from: int | None = None
 
     def encode(self) -> list[float]:
         slot = [0.0] * SLOT
@@ -223,6 +225,8 @@ class RankReport:
         if self.bad_micro_batch is not None:
             slot[_BAD_MB] = float(self.bad_micro_batch + 1)
             slot[_BAD_KIND] = float(self.bad_kind)
+            if self.bad_from is not None:
+                slot[_BAD_FROM] = float(self.bad_from + 1)
             for i, s in enumerate(self.bad_seq_ids[:MAX_REPORTED_SEQS]):
                 slot[_SEQS + i] = float(s + 1)
         return slot
@@ -230,6 +234,7 @@ class RankReport:
     @classmethod
     def decode(cls, slot: Sequence[float]) -> RankReport:
         bad = int(round(slot[_BAD_MB]))
+        since = int(round(slot[_BAD_FROM]))
         seqs = tuple(int(round(v)) - 1 for v in slot[_SEQS:] if round(v) > 0)
         return cls(
             busy_s=float(slot[_BUSY]),
@@ -239,6 +244,7 @@ class RankReport:
             bad_kind=int(round(slot[_BAD_KIND])),
             bad_seq_ids=seqs,
             ring_wait_s=float(slot[_RING_WAIT]),
+            bad_from=since - 1 if since > 0 else None,
         )
 
 
@@ -252,11 +258,12 @@ def describe_non_finite(reports: Sequence[RankReport], step: int) -> str:
             continue
         seqs = list(rep.bad_seq_ids)
         more = ", first ids shown" if len(seqs) >= MAX_REPORTED_SEQS else ""
-        what = (
-            f"non-finite loss in micro-batch {rep.bad_micro_batch}"
-            if rep.bad_kind == 1
-            else f"gradients first non-finite after micro-batch {rep.bad_micro_batch}"
-        )
+        if rep.bad_kind == 1:
+            what = f"non-finite loss in micro-batch {rep.bad_micro_batch}"
+        elif rep.bad_from is None or rep.bad_from >= rep.bad_micro_batch:
+            what = f"gradients first non-finite after micro-batch {rep.bad_micro_batch}"
+        else:  # one check covered several micro-batches
+            what = f"gradients non-finite after micro-batches {rep.bad_from}..{rep.bad_micro_batch}"
         lines.append(f"rank {rank}: {what} (sequences {seqs}{more})")
     return (
         f"Non-finite values at step {step}; the optimizer step was not taken: loss on rank(s) {bad_loss}, "
@@ -264,4 +271,10 @@ def describe_non_finite(reports: Sequence[RankReport], step: int) -> str:
         + "; ".join(lines)
         + ". Sequence ids index the global batch. Inspect those sequences, lower the learning rate, "
         "enable gradient clipping (Trainer(gradient_clip_val=...)), or use bf16/float32 instead of float16."
+        + (
+            " The gradients were checked once after several micro-batches: locate_non_finite=True checks "
+            "them after every micro-batch and names the first one that made them non-finite."
+            if any(rep.bad_kind == 2 and rep.bad_from is not None for rep in reports)
+            else ""
+        )
     )

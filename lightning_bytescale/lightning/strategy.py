@@ -203,8 +203,13 @@ class ByteScaleStrategy(ParallelStrategy):
         timeout: process-group timeout (seconds or ``timedelta``): a dead or stuck peer gives
             an error within it instead of a hang.
         check_finite: stop with :class:`~lightning_bytescale.errors.NonFiniteError` (naming the
-            ranks, micro-batches and sequences) when a loss or gradient is not finite.  Gradients
-            are not checked while a float16 grad scaler is active (it skips such steps itself).
+            ranks, micro-batches and sequences) when a loss or gradient is not finite.  Every
+            micro-batch's loss is checked; a rank's accumulated gradients once a step, after its
+            last micro-batch (a NaN or inf stays in the sum).  Gradients are not checked while a
+            float16 grad scaler is active (it skips such steps itself).
+        locate_non_finite: check the accumulated gradients after every micro-batch instead, so
+            the error names the one that first made them non-finite (one pass over the
+            gradients per micro-batch instead of per step: turn it on to find a NaN's source).
         check_loss_normalization: in the first steps, run one micro-batch per rank a second
             time without gradients with ``num_global_tokens`` doubled, and stop with
             :class:`~lightning_bytescale.errors.LossNormalizationError` if the loss did not
@@ -268,6 +273,7 @@ class ByteScaleStrategy(ParallelStrategy):
         zero1: bool | None = None,
         timeout: float | int | timedelta | None = default_pg_timeout,
         check_finite: bool = True,
+        locate_non_finite: bool = False,
         check_loss_normalization: bool = True,
         check_parameters_every_n_steps: int = 100,
         gradient_sync: Literal["bucketed", "flat"] = "bucketed",
@@ -319,6 +325,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.zero1 = self.zero >= 1  # optimizer state is sharded (ZeRO-1 and ZeRO-2)
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
         self.check_finite = bool(check_finite)
+        self.locate_non_finite = bool(locate_non_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
         self.check_parameters_every_n_steps = check_parameters_every_n_steps
         if gradient_sync not in ("bucketed", "flat"):
@@ -854,6 +861,7 @@ class ByteScaleStrategy(ParallelStrategy):
                 step=batch.step,
                 grad_sync=grad_sync,
                 plan_check=plan_check,
+                locate_non_finite=self.locate_non_finite,
             )
         # Lightning zeroes gradients between training_step and backward: keep ours aside until then.
         self._stashed_grads = [p.grad for _, p in named]

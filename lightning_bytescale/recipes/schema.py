@@ -107,7 +107,8 @@ class StrategyConfig(PlannerSchema):
     # sharded: each rank writes its part of a checkpoint folder (loading reshards onto any world size);
     # consolidated: rank 0 gathers everything into one file; auto: sharded exactly when zero >= 1
     checkpoint_format: CheckpointFormat = CheckpointFormat.auto
-    check_finite: bool = True  # stop on a non-finite loss/gradient, naming the micro-batch
+    check_finite: bool = True  # stop on a non-finite loss/gradient, naming the rank and micro-batches
+    locate_non_finite: bool = False  # check gradients after every micro-batch, naming the first bad one
     start_method: StartMethod = StartMethod.popen  # multirun forces spawn
 
 

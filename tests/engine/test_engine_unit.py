@@ -144,16 +144,32 @@ def test_run_step_names_the_micro_batch_that_made_the_gradients_non_finite():
         return token_loss(logits, mb.labels, mb.num_global_tokens)
 
     with pytest.raises(NonFiniteError) as info:
-        run_step(model, step, forward=poisoned)
+        run_step(model, step, forward=poisoned, locate_non_finite=True)
     message = str(info.value)
     assert "local gradients on rank(s) [0]" in message and "loss on rank(s) []" in message
     assert "gradients first non-finite after micro-batch 1 (sequences [1, 2])" in message
     assert "non-finite loss" not in message
 
+    # by default the gradients are checked once, after the last micro-batch: the error names
+    # the rank and every micro-batch (and sequence) that check covered, and the option to narrow it
     model.zero_grad(set_to_none=True)
-    local = run_micro_batches(model, step.micro_batches, forward=poisoned, check_finite=True)
+    with pytest.raises(NonFiniteError) as info:
+        run_step(model, step, forward=poisoned)
+    message = str(info.value)
+    assert "local gradients on rank(s) [0]" in message and "loss on rank(s) []" in message
+    assert "gradients non-finite after micro-batches 0..1" in message and "(sequences [0, 1, 2])" in message
+    assert "locate_non_finite=True" in message
+
+    model.zero_grad(set_to_none=True)
+    local = run_micro_batches(
+        model, step.micro_batches, forward=poisoned, check_finite=True, locate_non_finite=True
+    )
     assert [m.grads_finite for m in local.micro_batches] == [True, False]
     assert local.first_non_finite_gradient.index == 1
+    model.zero_grad(set_to_none=True)
+    once = run_micro_batches(model, step.micro_batches, forward=poisoned, check_finite=True)
+    assert [m.grads_finite for m in once.micro_batches] == [None, False]
+    assert once.report().bad_from == 0 and once.report().bad_micro_batch == 1
     model.zero_grad(set_to_none=True)
     unchecked = run_micro_batches(model, step.micro_batches, forward=poisoned)
     assert [m.grads_finite for m in unchecked.micro_batches] == [None, None]

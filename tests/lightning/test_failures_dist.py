@@ -144,15 +144,18 @@ def _checks(rank: int, report: dict) -> None:
 
     from lightning_bytescale.engine import NonFiniteError, run_step
 
-    model.zero_grad(set_to_none=True)
-    try:
-        run_step(model, step, forward=forward)
-        report["nan_grad"] = {"error": None}
-    except NonFiniteError as err:
-        report["nan_grad"] = {"error": str(err)}
-    if poisoned >= 0:
-        report["nan_grad"]["micro_batch"] = poisoned
-        report["nan_grad"]["seq_ids"] = list(step.micro_batches[poisoned].seq_ids)
+    for name, locate in (("nan_grad", True), ("nan_grad_once", False)):
+        model.zero_grad(set_to_none=True)
+        try:
+            run_step(model, step, forward=forward, locate_non_finite=locate)
+            report[name] = {"error": None}
+        except NonFiniteError as err:
+            report[name] = {"error": str(err)}
+        if poisoned >= 0:
+            report[name]["micro_batch"] = poisoned
+            report[name]["seq_ids"] = list(step.micro_batches[poisoned].seq_ids)
+            report[name]["all_seq_ids"] = [s for mb in step.micro_batches for s in mb.seq_ids]
+            report[name]["last"] = len(step.micro_batches) - 1
 
     # Last (it may leave the group unusable): a step planned for 4 ranks, run on 3.
     step = build_step(_plan(world=WORLD + 1), rank, tokens, step=4)
@@ -328,13 +331,21 @@ def test_divergent_plans_stop_before_any_p2p_and_name_the_ranks(runs, variant, o
         assert rep["step_error"], "the engine's plan check must raise a StepError too"
 
 
-def test_non_finite_gradient_stops_every_rank_and_names_the_rank(runs):
-    bad = runs[("checks", 1)]["nan_grad"]
+@pytest.mark.parametrize("name", ["nan_grad", "nan_grad_once"])
+def test_non_finite_gradient_stops_every_rank_and_names_the_rank(runs, name):
+    bad = runs[("checks", 1)][name]
     for r in range(WORLD):
-        err = runs[("checks", r)]["nan_grad"]["error"]
+        err = runs[("checks", r)][name]["error"]
         assert err is not None, f"rank {r} stepped over a NaN gradient"
         assert "local gradients on rank(s) [1]" in err, err
     assert bad["seq_ids"]  # the poisoned micro-batch held sequences
+
+
+def test_non_finite_gradient_checked_once_names_the_micro_batches_it_covered(runs):
+    bad = runs[("checks", 1)]["nan_grad_once"]
+    shown = list(dict.fromkeys(bad["all_seq_ids"]))[:8]
+    assert f"after micro-batches 0..{bad['last']}" in bad["error"], bad["error"]
+    assert f"(sequences {shown}" in bad["error"] and "locate_non_finite=True" in bad["error"]
 
 
 def test_non_finite_gradient_names_the_micro_batch_and_sequences(runs):

@@ -1,9 +1,10 @@
 """A non-finite loss or gradient stops training with the micro-batch and sequence ids involved.
 
 Lightning level: ``ByteScaleStrategy(check_finite=True)`` under a real one-process Trainer
-(the 3-rank engine-level version is in ``tests/lightning/test_failures_dist.py``).  The strategy flags
-each micro-batch right after its backward, so the report names the micro-batch that made the
-gradient non-finite, not only the rank, and the optimizer step is not taken.
+(the 3-rank engine-level version is in ``tests/lightning/test_failures_dist.py``).  Every
+micro-batch's loss is checked; the accumulated gradients once a step by default (the report names
+the rank and the micro-batches that check covered) or, with ``locate_non_finite=True``, after each
+micro-batch (the report names the one that made them non-finite).  The optimizer step is not taken.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def _steps():
     return [build_step(plan, 0, lambda j: seqs[j], step=0)]
 
 
-@pytest.mark.parametrize("kind", ["loss", "gradient"])
-def test_strategy_names_the_micro_batch_and_sequences(tmp_path, monkeypatch, kind):
+@pytest.mark.parametrize(("kind", "locate"), [("loss", False), ("gradient", True), ("gradient", False)])
+def test_strategy_names_the_micro_batch_and_sequences(tmp_path, monkeypatch, kind, locate):
     import lightning.pytorch as pl
 
     from lightning_bytescale import ByteScaleStrategy, token_loss
@@ -88,7 +89,8 @@ def test_strategy_names_the_micro_batch_and_sequences(tmp_path, monkeypatch, kin
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     had_group = dist.is_available() and dist.is_initialized()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=ByteScaleStrategy(capacity=CAPACITY, timeout=30),
+        accelerator="cpu", devices=1,
+        strategy=ByteScaleStrategy(capacity=CAPACITY, timeout=30, locate_non_finite=locate),
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, default_root_dir=tmp_path,
     )  # fmt: skip
@@ -100,11 +102,14 @@ def test_strategy_names_the_micro_batch_and_sequences(tmp_path, monkeypatch, kin
         if not had_group and dist.is_initialized():
             dist.destroy_process_group()
     msg = str(err.value)
-    what = (
-        f"non-finite loss in micro-batch {bad}"
-        if kind == "loss"
-        else f"gradients first non-finite after micro-batch {bad}"
-    )
-    assert f"rank 0: {what} (sequences {bad_ids})" in msg, msg
+    if kind == "loss":
+        assert f"rank 0: non-finite loss in micro-batch {bad} (sequences {bad_ids})" in msg, msg
+    elif locate:
+        assert f"rank 0: gradients first non-finite after micro-batch {bad} (sequences {bad_ids})" in msg, msg
+    else:  # one check after the last micro-batch: all of them, and how to narrow it down
+        last = len(steps[0].micro_batches) - 1
+        every = [s for mb in steps[0].micro_batches for s in mb.seq_ids]
+        assert f"rank 0: gradients non-finite after micro-batches 0..{last}" in msg, msg
+        assert f"(sequences {every})" in msg and "locate_non_finite=True" in msg, msg
     for k, v in module.state_dict().items():  # the optimizer step was skipped
         assert torch.equal(v, before[k]), k
