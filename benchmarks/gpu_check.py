@@ -254,7 +254,7 @@ def _finite_flags(device: torch.device) -> dict:
     On CUDA it is also run with synchronising calls turned into errors: the flag must stay on
     the device until the step's one host sync.
     """
-    from lightning_bytescale.engine.grad_sync import _all_finite
+    from lightning_bytescale.engine.finite import all_finite
 
     cases = {
         "finite": ([1.0, -2.0, 3e38, -3e38], True),  # an L2 norm of these overflows; the flag must not
@@ -273,7 +273,7 @@ def _finite_flags(device: torch.device) -> dict:
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("error")
             try:
-                flag = _all_finite(x)
+                flag = all_finite([x])
             finally:
                 if previous is not None:
                     torch.cuda.set_sync_debug_mode(previous)

@@ -1,11 +1,19 @@
 """Tokens/s of ByteScaleStrategy on 4 CPU ranks: planners on long-tail data, and HDP vs plain DDP.
 
 Run: ``python benchmarks/strategy_throughput.py`` (about 1-3 minutes a round on 2 cores, more
-when they are shared with other jobs; the committed file: ``--rounds 12 --max-minutes 20``, all
-12 rounds in 13 minutes on an otherwise idle machine); writes ``benchmarks/results/strategy.json``.
+when they are shared with other jobs; the committed file: ``--rounds 12 --max-minutes 22``, all
+12 rounds in 17 minutes on an otherwise idle machine); writes ``benchmarks/results/strategy.json``.
 
 * Long-tail data (the ``byted`` length mix scaled from 2M to the context length 4 x C): the
-  same global batches for ``balance``, ``naive`` and ``static`` (cp_size 4).
+  same global batches for ``balance``, ``naive`` and ``static`` (cp_size 4) with the strategy's
+  default ``offload=False``, and ``balance_offload``: ``balance`` with
+  ``ByteScaleStrategy(offload=True)``, which plans selective activation offload (a sequence
+  may hold more than C tokens a rank, the excess of its activations offloaded) and runs it
+  (on CPU the "host" is a store of copies, so the copies cost what they cost).  All of them
+  are given the cost model fitted on this CPU (below), as a user who ran ``bytescale-profile``
+  would; each loader plans with its strategy's own ``planner_options()``, as
+  ``ByteScaleDataModule`` does.  Until December 2026 the long-tail runs used the planner's
+  default cost model (the paper preset, fitted on a GPU cluster) and no offload.
 * All-short data, every sequence fits one rank's micro-batch: ``bytescale`` (planner
   ``balance``) against Lightning's plain ``ddp``, in two settings.  ``all_short``: lengths
   uniform in 64..512, C = 512, 4096 tokens a step.  ``all_short_2k``: lengths uniform in
@@ -31,9 +39,11 @@ The all-short comparison is made fair on every count a DDP user controls:
   in one micro-batch; Lightning's ``accumulate_grad_batches`` cannot, since the number of
   micro-batches differs between ranks and steps).  A single backward over a whole share would
   hold the activations of all its packs at once, over the limit;
+* both log the loss every step with ``LightningModule.log``, as a user does (ByteScaleStrategy
+  logs the global token mean by default; the DDP module logs its rank's share, which needs no
+  collective; until December 2026 the DDP side logged nothing);
 * both run their defaults otherwise: DDP with 25 MB buckets; ByteScaleStrategy with its
-  checks on (plan digest, finiteness, loss-normalisation probe, watchdog, preemption) and the
-  loss logged every step;
+  checks on (plan digest, finiteness, loss-normalisation probe, watchdog, preemption);
 * after every run rank 0's parameters are kept, and the JSON reports how far the ``bytescale``
   and ``ddp`` parameters of the same round are apart after the same steps
   (``max_param_diff_vs_ddp``): the two train the same model.
@@ -125,8 +135,12 @@ def capacity_of(data: str) -> int:
     return SHORT[data][2] if data in SHORT else CAPACITY
 
 
+LONG_TAIL_COST = "fitted"  # the long-tail planners' cost model, like the short settings'
+
+
 def cost_model_of(data: str) -> dict | None:
-    return fitted_cost_model() if data in SHORT and SHORT[data][4] == "fitted" else None
+    use = SHORT[data][4] if data in SHORT else LONG_TAIL_COST
+    return fitted_cost_model() if use == "fitted" else None
 
 
 def ddp_shares(lengths: list[int], world: int, capacity: int) -> list[list[list[int]]]:
@@ -157,8 +171,11 @@ def tokens_of(lengths: list[int], step: int) -> list[torch.Tensor]:
 
 
 class HDPData(Dataset):
-    def __init__(self, data: str, planner: str, world: int, rank: int, steps: int) -> None:
-        self.data, self.planner, self.world, self.rank, self.steps = data, planner, world, rank, steps
+    """Plans every step with the strategy's own planner options (``strategy.planner_options()``,
+    what ``ByteScaleDataModule`` passes), so the plan and the strategy agree (offload included)."""
+
+    def __init__(self, data: str, opts: dict, world: int, rank: int, steps: int) -> None:
+        self.data, self.opts, self.world, self.rank, self.steps = data, opts, world, rank, steps
 
     def __len__(self) -> int:
         return self.steps
@@ -166,18 +183,8 @@ class HDPData(Dataset):
     def __getitem__(self, k: int):
         lengths = long_tail_lengths(k) if self.data == "long_tail" else short_lengths(k, self.data)
         seqs = tokens_of(lengths, k)
-        opts: dict = {"cp_size": self.world} if self.planner == "static" else {}
-        cost = cost_model_of(self.data)
-        if cost is not None:
-            opts["cost_model"] = cost
         t0 = time.perf_counter()
-        plan = make_plan(
-            tuple(lengths),
-            world_size=self.world,
-            capacity=capacity_of(self.data),
-            planner=self.planner,
-            **opts,
-        )
+        plan = make_plan(tuple(lengths), world_size=self.world, **self.opts)
         plan_ms = (time.perf_counter() - t0) * 1e3
         batch = build_step(plan, self.rank, lambda j: seqs[j], step=k)
         batch.stats = dict(batch.stats, plan_ms=plan_ms, lengths=list(lengths))
@@ -212,16 +219,18 @@ def _pack(js: list[int], lengths: list[int], seqs: list[torch.Tensor], n: int) -
 
 
 class DataModule(pl.LightningDataModule):
-    def __init__(self, kind: str, data: str, planner: str, steps: int) -> None:
+    def __init__(self, kind: str, data: str, steps: int) -> None:
         super().__init__()
-        self.kind, self.data, self.planner, self.steps = kind, data, planner, steps
+        self.kind, self.data, self.steps = kind, data, steps
 
     def train_dataloader(self):
         t = self.trainer
         if self.kind == "ddp":
             ds: Dataset = DDPData(self.data, t.world_size, t.global_rank, self.steps)
         else:
-            ds = HDPData(self.data, self.planner, t.world_size, t.global_rank, self.steps)
+            opts = {k: v for k, v in t.strategy.planner_options().items() if v is not None}
+            opts.pop("seed", None)
+            ds = HDPData(self.data, opts, t.world_size, t.global_rank, self.steps)
         return torch.utils.data.DataLoader(
             ds, batch_size=None, shuffle=False, num_workers=1, prefetch_factor=2
         )
@@ -255,6 +264,8 @@ class LM(pl.LightningModule):
             total += loss.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        # what ByteScaleStrategy(log_loss=True) does for the HDP side (this rank's share, unreduced)
+        self.log("train_loss", total / world, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
         return total
 
     def configure_optimizers(self):
@@ -281,9 +292,11 @@ class Timer(pl.Callback):
             torch.save(params, self.out.with_suffix(".params.pt"))
 
 
-def run(kind: str, data: str, planner: str, steps: int, tmp: Path, warmup: int = 2) -> dict:
+def run(
+    kind: str, data: str, planner: str, steps: int, tmp: Path, warmup: int = 2, offload: bool = False
+) -> dict:
     os.environ.pop("MASTER_PORT", None)
-    out = tmp / f"{kind}-{data}-{planner}.json"
+    out = tmp / f"{kind}-{data}-{planner}{'-offload' if offload else ''}.json"
     if kind == "ddp":
         strategy: object = pl.strategies.DDPStrategy(start_method="fork", process_group_backend="gloo")
     else:
@@ -291,6 +304,8 @@ def run(kind: str, data: str, planner: str, steps: int, tmp: Path, warmup: int =
             planner=planner,
             capacity=capacity_of(data),
             cost_model=cost_model_of(data),
+            cp_size=WORLD if planner == "static" else None,
+            offload=offload,
             start_method="fork",
             timeout=300,
         )
@@ -307,7 +322,7 @@ def run(kind: str, data: str, planner: str, steps: int, tmp: Path, warmup: int =
         callbacks=[Timer(out, data)],
     )
     load = os.getloadavg()[0]
-    trainer.fit(LM(ddp=kind == "ddp"), datamodule=DataModule(kind, data, planner, steps))
+    trainer.fit(LM(ddp=kind == "ddp"), datamodule=DataModule(kind, data, steps))
     rows = json.loads(out.read_text())[warmup:]
     wall = sum(r["wall_s"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
@@ -430,6 +445,11 @@ def main() -> None:
             "tokens_per_step": TOKENS_PER_STEP,
             "model": "llama small (dim 128, 4 layers, vocab 512), float32, AdamW lr 1e-4",
             "long_tail_data": f"byted length mix scaled to context {WORLD * CAPACITY}",
+            "long_tail_cost_model": (
+                "fitted on this CPU (strategy_comm_aware.json), for balance, naive and static"
+                if LONG_TAIL_COST == "fitted"
+                else "planner default (paper preset)"
+            ),
             "short_data": "uniform 64..512 tokens",
             "short_settings": {
                 name: {
@@ -448,7 +468,7 @@ def main() -> None:
                 "Lightning DDPStrategy (gloo, 25 MB buckets); each rank an equal-token share, packed "
                 f"best-fit into micro-batches of <= {CAPACITY} tokens (all_short_2k: <= 2048), one "
                 "backward each under no_sync except the last (manual optimization), same model, "
-                "batches, loss and optimizer"
+                "batches, loss and optimizer; the loss logged every step on both sides"
             ),
             "steps_per_run": args.steps,
             "warmup_steps": args.warmup,
@@ -462,14 +482,16 @@ def main() -> None:
         "all_short": {},
         "all_short_2k": {},
     }
+    # (group, name, kind, data, planner, offload)
     configs = [
-        ("long_tail", "balance", "bytescale", "long_tail", "balance"),
-        ("long_tail", "naive", "bytescale", "long_tail", "naive"),
-        ("long_tail", "static", "bytescale", "long_tail", "static"),
-        ("all_short", "bytescale", "bytescale", "all_short", "balance"),
-        ("all_short", "ddp", "ddp", "all_short", "balance"),
-        ("all_short_2k", "bytescale", "bytescale", "all_short_2k", "balance"),
-        ("all_short_2k", "ddp", "ddp", "all_short_2k", "balance"),
+        ("long_tail", "balance", "bytescale", "long_tail", "balance", False),
+        ("long_tail", "balance_offload", "bytescale", "long_tail", "balance", True),
+        ("long_tail", "naive", "bytescale", "long_tail", "naive", False),
+        ("long_tail", "static", "bytescale", "long_tail", "static", False),
+        ("all_short", "bytescale", "bytescale", "all_short", "balance", False),
+        ("all_short", "ddp", "ddp", "all_short", "balance", False),
+        ("all_short_2k", "bytescale", "bytescale", "all_short_2k", "balance", False),
+        ("all_short_2k", "ddp", "ddp", "all_short_2k", "balance", False),
     ]
     if args.only == "all_short":
         configs = [c for c in configs if c[0] in SHORT]
@@ -483,10 +505,10 @@ def main() -> None:
             # two sides take turns to go first) and the start moves by one place every two rounds
             shift = (i // 2) % len(configs)
             order = configs[shift:] + configs[:shift]
-            for group, name, kind, data, planner in order[::-1] if i % 2 else order:
+            for group, name, kind, data, planner, offload in order[::-1] if i % 2 else order:
                 if name == "static" and i >= static_rounds:
                     continue
-                res = run(kind, data, planner, args.steps, Path(d), args.warmup)
+                res = run(kind, data, planner, args.steps, Path(d), args.warmup, offload)
                 rounds[(group, name)].append(res)
                 print(
                     f"round {i} {group} {name}: {res['tokens_per_s']:.0f} tokens/s (load {res['load_avg']:.1f})",
@@ -521,6 +543,8 @@ def main() -> None:
     results["ratios"] = {
         "balance_over_static": lt.get("balance", nan)["tokens_per_s"] / lt.get("static", nan)["tokens_per_s"],
         "balance_over_naive": lt.get("balance", nan)["tokens_per_s"] / lt.get("naive", nan)["tokens_per_s"],
+        "balance_offload_over_static": lt.get("balance_offload", nan)["tokens_per_s"]
+        / lt.get("static", nan)["tokens_per_s"],
         "bytescale_over_ddp_short": sh["bytescale"]["tokens_per_s"] / sh["ddp"]["tokens_per_s"],
         "bytescale_over_ddp_short_median_of_rounds": medians["all_short"],
         "bytescale_over_ddp_short_2k": sh2["bytescale"]["tokens_per_s"] / sh2["ddp"]["tokens_per_s"],

@@ -65,21 +65,21 @@ def runs(res: dict) -> list[dict]:
     ]
 
 
-def headline(res: dict) -> set[str]:
-    """The figures both documents must quote."""
+def headline(res: dict) -> list[set[str]]:
+    """The figures both documents must quote: each as any one of its printed forms."""
     lt, sh, sh2, r = res["long_tail"], res["all_short"], res["all_short_2k"], res["ratios"]
-    return {
-        kilo(lt["balance"]["tokens_per_s"]),
-        kilo(lt["naive"]["tokens_per_s"]),
-        kilo(lt["static"]["tokens_per_s"]),
-        kilo(sh["bytescale"]["tokens_per_s"]),
-        kilo(sh["ddp"]["tokens_per_s"]),
-        kilo(sh2["bytescale"]["tokens_per_s"]),
-        kilo(sh2["ddp"]["tokens_per_s"]),
-        f"{r['balance_over_static']:.1f}x",
-        f"{r['bytescale_over_ddp_short']:.2f}x",
-        f"{r['bytescale_over_ddp_short_2k']:.2f}x",
-    }
+    return [
+        {kilo(lt["balance"]["tokens_per_s"])},
+        {kilo(lt["naive"]["tokens_per_s"])},
+        {kilo(lt["static"]["tokens_per_s"])},
+        {kilo(sh["bytescale"]["tokens_per_s"])},
+        {kilo(sh["ddp"]["tokens_per_s"])},
+        {kilo(sh2["bytescale"]["tokens_per_s"])},
+        {kilo(sh2["ddp"]["tokens_per_s"])},
+        ratios(r["balance_over_static"]),  # 4.99x, not a rounded-up 5.0x, next to a 5x bar
+        {f"{r['bytescale_over_ddp_short']:.2f}x"},
+        {f"{r['bytescale_over_ddp_short_2k']:.2f}x"},
+    ]
 
 
 def readme_passage() -> str:
@@ -112,7 +112,7 @@ def test_every_figure_comes_from_the_results_file(document, results):
 @pytest.mark.parametrize("document", sorted(PASSAGES))
 def test_both_documents_quote_the_headline_figures(document, results):
     quoted = {"".join(m) for m in FIGURE.findall(PASSAGES[document]())}
-    missing = headline(results) - quoted
+    missing = [sorted(forms) for forms in headline(results) if not forms & quoted]
     assert not missing, f"{document} does not quote {sorted(missing)} from {RESULTS}"
 
 
@@ -120,6 +120,7 @@ def test_the_strategy_table_rows_match_the_file(results):
     passage = strategy_doc_passage()
     rows = {
         ("long_tail", "balance"): "| `balance` |",
+        ("long_tail", "balance_offload"): "| `balance`, `offload=True` |",
         ("long_tail", "naive"): "| `naive` |",
         ("long_tail", "static"): "| `static` (cp_size 4) |",
         ("all_short", "bytescale"): "| `bytescale` (balance) |",
@@ -206,3 +207,9 @@ def test_the_step_cpu_table_matches_its_results_file():
         res["machinery_over_ddp_ms"],
         res["bytescale"]["groups_ms"]["machinery"] - res["ddp"]["groups_ms"]["machinery"],
     )
+
+
+def test_the_long_tail_planners_were_given_the_fitted_cost_model(results):
+    # a user who ran bytescale-profile plans with its fit; the paper preset describes a GPU cluster
+    assert "fitted" in results["setup"]["long_tail_cost_model"]
+    assert {"balance", "balance_offload", "naive", "static"} <= set(results["long_tail"])

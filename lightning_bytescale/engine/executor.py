@@ -40,6 +40,7 @@ from torch import nn
 
 from lightning_bytescale.engine import fingerprint as fp
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
+from lightning_bytescale.engine.finite import all_finite
 from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
 from lightning_bytescale.engine.loss_check import LossScaling, is_probe_candidate, probe_forward, verdict
@@ -245,23 +246,8 @@ def _device_events(device: torch.device) -> tuple[torch.cuda.Event, torch.cuda.E
 
 
 def _grads_finite(params: Sequence[nn.Parameter]) -> torch.Tensor | None:
-    """A 0-d bool on the device: every ``.grad`` is finite (one pass over them; no host sync on a GPU).
-
-    A max-abs norm per gradient is exact (it never overflows).  On a CPU it is several times
-    slower than an L2 norm, so there an L2 pass comes first: a NaN or inf element makes its norm
-    non-finite, so "all finite" from it is exact, and only otherwise (a non-finite value, or a
-    finite gradient so large that its norm overflows) does the max-abs pass decide; reading the
-    flag costs a CPU nothing.  On a GPU both passes cost the same and the flag stays on the device.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return None
-    if grads[0].device.type == "cpu":
-        norms = torch._foreach_norm(grads, 2)
-        if bool(torch.isfinite(torch.stack([n.to(norms[0].dtype) for n in norms])).all()):
-            return torch.ones((), dtype=torch.bool)
-    norms = torch._foreach_norm(grads, math.inf)
-    return torch.isfinite(torch.stack([n.to(norms[0].dtype) for n in norms])).all()
+    """A 0-d bool on the device: every ``.grad`` is finite (:func:`~lightning_bytescale.engine.finite.all_finite`)."""
+    return all_finite([p.grad for p in params if p.grad is not None])
 
 
 def _comm_counters() -> tuple[float, float]:

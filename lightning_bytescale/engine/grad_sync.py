@@ -43,7 +43,6 @@ before another rank's ring receive would deadlock.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_bytescale.engine.finite import all_finite
 from lightning_bytescale.errors import ConfigError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -249,7 +249,7 @@ class BucketedGradSync:
                 continue
             values = _local_values(bucket)
             if values is not None:
-                flags.append(_all_finite(values))
+                flags.append(all_finite([values]))
         if not flags:
             return None
         return torch.stack([f.to(flags[0].device) for f in flags]).all()
@@ -299,7 +299,7 @@ class BucketedGradSync:
             assert bucket.buffer is not None
             target = bucket.buffer
         if self.track_finite:
-            bucket.finite_at_launch = _all_finite(target)
+            bucket.finite_at_launch = all_finite([target])
         if bucket.widen:
             bucket.wide = target.float()
             target = bucket.wide
@@ -363,16 +363,3 @@ def _local_values(bucket: _Bucket) -> torch.Tensor | None:
     ) == len(bucket.params):
         return bucket.buffer
     return torch.cat([g.reshape(-1) for g in grads]) if grads else None
-
-
-def _all_finite(values: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool: every element is finite, in one pass and without a host sync on a GPU.
-
-    The max-abs norm is finite exactly when every element is (a NaN or inf propagates through
-    the maximum, and a maximum of finite values cannot overflow).  A CPU computes it several
-    times slower than an L2 norm, so there an L2 pass comes first: finite only if every element
-    is (it may also overflow on huge finite values), and only then does the max-abs pass decide.
-    """
-    if values.device.type == "cpu" and bool(torch.isfinite(torch.linalg.vector_norm(values))):
-        return torch.ones((), dtype=torch.bool)
-    return torch.isfinite(torch.linalg.vector_norm(values, math.inf))
