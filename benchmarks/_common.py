@@ -87,6 +87,14 @@ def remove_parts(parts: Path) -> None:
     parts.rmdir()
 
 
+def plan_options(strategy: Any) -> dict[str, Any]:
+    """A ByteScaleStrategy's planner options as ``make_plan`` keywords, as ``ByteScaleDataModule``
+    passes them (unset ones left to the planner; the seed is the planner's default here)."""
+    opts = {k: v for k, v in strategy.planner_options().items() if v is not None}
+    opts.pop("seed", None)
+    return opts
+
+
 def run_parser(doc: str, name: str, *, steps: int, warmup: int, rounds: int) -> argparse.ArgumentParser:
     """The options of a benchmark of interleaved runs: steps, warm-up, rounds and its result file."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])

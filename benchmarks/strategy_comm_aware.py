@@ -49,7 +49,7 @@ from lightning_bytescale.packed_attention import comm_stats
 from lightning_bytescale.planner import make_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import run_parser  # noqa: E402
+from _common import plan_options, run_parser  # noqa: E402
 from strategy_throughput import CAPACITY, LM, WORLD, Timer, long_tail_lengths, tokens_of  # noqa: E402
 
 
@@ -80,9 +80,7 @@ class StrategyPlannedData(pl.LightningDataModule):
 
     def train_dataloader(self):
         t = self.trainer
-        opts = {k: v for k, v in t.strategy.planner_options().items() if v is not None}
-        opts.pop("seed", None)
-        ds = CommData(opts, t.world_size, t.global_rank, self.steps)
+        ds = CommData(plan_options(t.strategy), t.world_size, t.global_rank, self.steps)
         return torch.utils.data.DataLoader(
             ds, batch_size=None, shuffle=False, num_workers=1, prefetch_factor=2
         )
@@ -129,7 +127,7 @@ def run(
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[Timer(out), LinkCounter(tmp / "link.json")],
+        callbacks=[Timer(out, "long_tail"), LinkCounter(tmp / "link.json")],
     )
     trainer.fit(LM(), datamodule=StrategyPlannedData(steps))
     rows = json.loads(out.read_text())[warmup:]

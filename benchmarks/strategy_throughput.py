@@ -82,6 +82,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from _common import plan_options
 from torch.utils.data import Dataset
 
 import lightning_bytescale  # noqa: F401  (registers the strategies)
@@ -228,9 +229,7 @@ class DataModule(pl.LightningDataModule):
         if self.kind == "ddp":
             ds: Dataset = DDPData(self.data, t.world_size, t.global_rank, self.steps)
         else:
-            opts = {k: v for k, v in t.strategy.planner_options().items() if v is not None}
-            opts.pop("seed", None)
-            ds = HDPData(self.data, opts, t.world_size, t.global_rank, self.steps)
+            ds = HDPData(self.data, plan_options(t.strategy), t.world_size, t.global_rank, self.steps)
         return torch.utils.data.DataLoader(
             ds, batch_size=None, shuffle=False, num_workers=1, prefetch_factor=2
         )

@@ -216,6 +216,16 @@ class RankReport:
     # a gradient check covers micro-batches bad_from..bad_micro_batch (None: exactly the one)
     bad_from: int | None = None
 
+    @property
+    def covers_several(self) -> bool:
+        """A failed gradient check that covered several micro-batches (``bad_from..bad_micro_batch``)."""
+        return (
+            self.bad_kind == 2
+            and self.bad_from is not None
+            and self.bad_micro_batch is not None
+            and self.bad_from < self.bad_micro_batch
+        )
+
     def encode(self) -> list[float]:
         slot = [0.0] * SLOT
         slot[_BUSY] = self.busy_s
@@ -260,10 +270,10 @@ def describe_non_finite(reports: Sequence[RankReport], step: int) -> str:
         more = ", first ids shown" if len(seqs) >= MAX_REPORTED_SEQS else ""
         if rep.bad_kind == 1:
             what = f"non-finite loss in micro-batch {rep.bad_micro_batch}"
-        elif rep.bad_from is None or rep.bad_from >= rep.bad_micro_batch:
-            what = f"gradients first non-finite after micro-batch {rep.bad_micro_batch}"
-        else:  # one check covered several micro-batches
+        elif rep.covers_several:
             what = f"gradients non-finite after micro-batches {rep.bad_from}..{rep.bad_micro_batch}"
+        else:
+            what = f"gradients first non-finite after micro-batch {rep.bad_micro_batch}"
         lines.append(f"rank {rank}: {what} (sequences {seqs}{more})")
     return (
         f"Non-finite values at step {step}; the optimizer step was not taken: loss on rank(s) {bad_loss}, "
@@ -274,7 +284,7 @@ def describe_non_finite(reports: Sequence[RankReport], step: int) -> str:
         + (
             " The gradients were checked once after several micro-batches: locate_non_finite=True checks "
             "them after every micro-batch and names the first one that made them non-finite."
-            if any(rep.bad_kind == 2 and rep.bad_from is not None for rep in reports)
+            if any(rep.covers_several for rep in reports)
             else ""
         )
     )
