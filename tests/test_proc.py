@@ -114,7 +114,8 @@ RANK = textwrap.dedent(
         )
         batches = iter(loader)
         next(batches)
-        print(json.dumps({"rank": os.getpid(), "workers": proc.descendants()}), flush=True)
+        workers = [w.pid for w in batches._workers]  # not a spawn start's resource tracker
+        print(json.dumps({"rank": os.getpid(), "workers": workers, "tree": proc.descendants()}), flush=True)
         sys.stdin.readline()  # the test signals the worker meanwhile
         next(batches)
         print("next batch after the signal", flush=True)
@@ -134,7 +135,9 @@ def _start_rank(tmp_path, mode: str):
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_a_worker_ignores_sigterm_from_outside_but_its_rank_still_shuts_it_down(tmp_path, start_method):
     with _start_rank(tmp_path, f"{start_method}-exit") as rank:
-        (worker,) = json.loads(rank.stdout.readline())["workers"][-1:]  # spawn: a resource tracker first
+        started_rank = json.loads(rank.stdout.readline())
+        (worker,) = started_rank["workers"]
+        assert worker in started_rank["tree"]
         os.kill(worker, signal.SIGTERM)  # as SLURM or systemd would, to every process of the job
         time.sleep(0.5)
         assert proc.is_alive(worker), "the loader worker died of a SIGTERM from outside"
