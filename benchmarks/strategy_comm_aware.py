@@ -189,6 +189,9 @@ def offline_plans(cost, steps: int) -> dict:
     return out
 
 
+PROFILE_LENGTHS = [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+
+
 def main() -> None:
     args = run_parser(__doc__, "strategy_comm_aware", steps=5, warmup=2, rounds=5).parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -200,7 +203,10 @@ def main() -> None:
         t0 = time.perf_counter()
         profile = run_profile(
             lambda: LlamaModel(LlamaConfig.preset("small", layers=2)),
-            [64, 128, 256, 512],
+            # up to the longest sequence a rank holds in the benchmarks that load this file (the
+            # long tail's 2048-token sequence locally with offload, all_short_2k's 2048): a
+            # quadratic fitted on 64..512 alone over-predicted a 2048-token layer 2.4 times
+            PROFILE_LENGTHS,
             "cpu",
             num_layers=LlamaConfig.preset("small").layers,
             repeats=3,
@@ -219,6 +225,7 @@ def main() -> None:
                 "world": WORLD,
                 "capacity": CAPACITY,
                 "model": "llama small (dim 128, 4 layers, 2 KV heads x 16, vocab 512), float32",
+                "profile_lengths": PROFILE_LENGTHS,
                 "data": "byted length mix scaled to context 4 x C (strategy_throughput.long_tail_lengths)",
                 "steps_per_run": args.steps,
                 "warmup_steps": args.warmup,

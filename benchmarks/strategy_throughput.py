@@ -1,8 +1,8 @@
-"""Tokens/s of ByteScaleStrategy on 4 CPU ranks: planners on long-tail data, and HDP vs plain DDP.
+"""Tokens/s of ByteScaleStrategy on CPU ranks: planners on long-tail data, and HDP vs plain DDP.
 
-Run: ``python benchmarks/strategy_throughput.py`` (about 1-3 minutes a round on 2 cores, more
-when they are shared with other jobs; the committed file: ``--rounds 12 --max-minutes 22``, all
-12 rounds in 17 minutes on an otherwise idle machine); writes ``benchmarks/results/strategy.json``.
+Run: ``python benchmarks/strategy_throughput.py`` (about 1-2 minutes a round on 2 cores, more
+when they are shared with other jobs; the committed file: ``--rounds 12 --max-minutes 25``, all
+12 rounds in 15 minutes on an otherwise idle machine); writes ``benchmarks/results/strategy.json``.
 
 * Long-tail data (the ``byted`` length mix scaled from 2M to the context length 4 x C): the
   same global batches for ``balance``, ``naive`` and ``static`` (cp_size 4) with the strategy's
@@ -18,12 +18,19 @@ when they are shared with other jobs; the committed file: ``--rounds 12 --max-mi
   ``balance``) against Lightning's plain ``ddp``, in two settings.  ``all_short``: lengths
   uniform in 64..512, C = 512, 4096 tokens a step.  ``all_short_2k``: lengths uniform in
   64..2048, C = 2048, 16384 tokens a step.  In both the planner is given the cost model fitted
-  on this CPU (``benchmarks/results/strategy_comm_aware.json``, where attention is quadratic
-  and dominates from about 120 tokens, and each micro-batch costs a fixed 7 ms), what a user
-  gets from ``bytescale-profile``, so HDP balances the ranks by that cost while DDP balances
-  tokens (``--check-costs`` prints both per-rank costs).  With the default (paper) cost model
+  on this CPU on lengths 64..2048 (``benchmarks/results/strategy_comm_aware.json``: each
+  micro-batch costs a fixed 3.6 ms, and the quadratic attention term equals the linear one at
+  about 1,500 tokens), what a user gets from ``bytescale-profile``, so HDP balances the ranks
+  by that cost while DDP balances tokens (``--check-costs`` prints both per-rank costs).  With the default (paper) cost model
   the ``all_short`` plans equal DDP's token shares, and the pair measures only the step
   machinery: ``benchmarks/step_overhead.py`` accounts for that per function.
+* The same two all-short settings on 2 ranks, a core each (``all_short_w2``: 2048 tokens a
+  step; ``all_short_2k_w2``: 8192), so each rank's share is as large as in the 4-rank setting.
+  Four ranks on two cores time-share them: a rank that reaches the gradient sync early gives
+  its core to another, so the step takes about the ranks' total CPU time over 2 whatever the
+  balance, and the 4-rank pairs compare the two sides' CPU per step.  With a core per rank, as
+  every rank of a cluster has a device of its own, the step takes as long as its slowest rank,
+  which is what the planner balances.
 
 The all-short comparison is made fair on every count a DDP user controls:
 
@@ -107,11 +114,17 @@ def long_tail_lengths(step: int) -> list[int]:
     return [max(2, s) for s in lengths]
 
 
-# all-short settings: (shortest, longest, capacity C, tokens per step, cost model for HDP)
+# all-short settings: (shortest, longest, capacity C, tokens per step, cost model for HDP, ranks).
+# The ``_w2`` settings run 2 ranks on the 2 cores, a core each (as every rank of a cluster has a
+# device of its own), with each rank's share as large as in the 4-rank setting of the same name.
 SHORT = {
-    "all_short": (64, 512, CAPACITY, TOKENS_PER_STEP, "fitted"),
-    "all_short_2k": (64, 2048, 2048, 16384, "fitted"),
+    "all_short": (64, 512, CAPACITY, TOKENS_PER_STEP, "fitted", WORLD),
+    "all_short_2k": (64, 2048, 2048, 16384, "fitted", WORLD),
+    "all_short_w2": (64, 512, CAPACITY, TOKENS_PER_STEP // 2, "fitted", 2),
+    "all_short_2k_w2": (64, 2048, 2048, 16384 // 2, "fitted", 2),
 }
+# each all-short setting's bytescale/ddp ratio in the file's ``ratios`` (all_short_2k: ..._short_2k)
+RATIO_KEYS = {setting: "bytescale_over_ddp_" + setting.removeprefix("all_") for setting in SHORT}
 FITTED = Path(__file__).parent / "results" / "strategy_comm_aware.json"
 
 
@@ -121,7 +134,7 @@ def fitted_cost_model() -> dict:
 
 
 def short_lengths(step: int, setting: str = "all_short") -> list[int]:
-    lo, hi, _, total, _ = SHORT[setting]
+    lo, hi, _, total, _, _ = SHORT[setting]
     g = torch.Generator().manual_seed(10_000 + step)
     out, have = [], 0
     while have < total:
@@ -134,6 +147,11 @@ def short_lengths(step: int, setting: str = "all_short") -> list[int]:
 
 def capacity_of(data: str) -> int:
     return SHORT[data][2] if data in SHORT else CAPACITY
+
+
+def world_of(data: str) -> int:
+    """Ranks of a setting: 4 (on the 2 cores) unless an all-short setting says otherwise."""
+    return SHORT[data][5] if data in SHORT else WORLD
 
 
 LONG_TAIL_COST = "fitted"  # the long-tail planners' cost model, like the short settings'
@@ -310,7 +328,7 @@ def run(
         )
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=WORLD,
+        devices=world_of(data),
         strategy=strategy,
         max_steps=steps,
         logger=False,
@@ -340,7 +358,7 @@ def run(
     return result
 
 
-def summarise(kind: str, runs: list[dict]) -> dict:
+def summarise(kind: str, runs: list[dict], world: int = WORLD) -> dict:
     """Median over rounds (headline), every round, every step, and the HDP telemetry means."""
     per_round = [r["tokens_per_s"] for r in runs]
     out = {
@@ -360,7 +378,7 @@ def summarise(kind: str, runs: list[dict]) -> dict:
             max_over_mean_planned=mean("max_over_mean_planned"),
             bubble_fraction=mean("bubble_fraction"),
             ring_mbytes_per_step=mean("ring_bytes") / 2**20,
-            micro_batches_per_rank=[sum(x["num_micro_batches"][r] for x in s) / len(s) for r in range(WORLD)],
+            micro_batches_per_rank=[sum(x["num_micro_batches"][r] for x in s) / len(s) for r in range(world)],
             mean_cp_degree=sum(sum(x["cp_degrees"]) / max(len(x["cp_degrees"]), 1) for x in s) / len(s),
             plan_ms=mean("plan_ms"),
             allreduce_ms=1e3 * mean("allreduce_s"),
@@ -375,21 +393,21 @@ def cost_check(setting: str, steps: range) -> dict:
     from lightning_bytescale.planner.cost_model import cost_model_from_json
 
     fit = cost_model_from_json(fitted_cost_model())
-    _, _, capacity, _, use = SHORT[setting]
+    _, _, capacity, _, use, world = SHORT[setting]
     ddp_imb, ddp_max, hdp_imb, hdp_max = [], [], [], []
     for k in steps:
         lengths = short_lengths(k, setting)
         per_rank = [
             sum(fit.local_time([lengths[i] for i in p]) for p in packs)
-            for packs in ddp_shares(lengths, WORLD, capacity)
+            for packs in ddp_shares(lengths, world, capacity)
         ]
         ddp_imb.append(max(per_rank) / statistics.mean(per_rank))
         ddp_max.append(max(per_rank))
         opts = {"cost_model": fitted_cost_model()} if use == "fitted" else {}
-        plan = make_plan(tuple(lengths), world_size=WORLD, capacity=capacity, planner="balance", **opts)
+        plan = make_plan(tuple(lengths), world_size=world, capacity=capacity, planner="balance", **opts)
         # the plan's own rank times are under its cost model; recompute under the fitted one
-        times = [0.0] * WORLD
-        for r in range(WORLD):
+        times = [0.0] * world
+        for r in range(world):
             for mb in plan.ranks[r]:
                 assert mb.is_local, "every all-short sequence fits one rank"
                 times[r] += fit.local_time([lengths[piece.seq] for piece in mb.pieces])
@@ -440,6 +458,7 @@ def main() -> None:
     results: dict = {
         "setup": {
             "world": WORLD,
+            "world_note": "4 ranks on the 2 cores, except the all-short _w2 settings: 2 ranks, a core each",
             "capacity": CAPACITY,
             "tokens_per_step": TOKENS_PER_STEP,
             "model": "llama small (dim 128, 4 layers, vocab 512), float32, AdamW lr 1e-4",
@@ -453,6 +472,7 @@ def main() -> None:
             "short_settings": {
                 name: {
                     "lengths": f"uniform {lo}..{hi}",
+                    "ranks": ranks,
                     "capacity": cap,
                     "tokens_per_step": tokens,
                     "bytescale_cost_model": (
@@ -461,11 +481,11 @@ def main() -> None:
                         else "planner default (paper preset)"
                     ),
                 }
-                for name, (lo, hi, cap, tokens, use) in SHORT.items()
+                for name, (lo, hi, cap, tokens, use, ranks) in SHORT.items()
             },
             "ddp_baseline": (
                 "Lightning DDPStrategy (gloo, 25 MB buckets); each rank an equal-token share, packed "
-                f"best-fit into micro-batches of <= {CAPACITY} tokens (all_short_2k: <= 2048), one "
+                f"best-fit into micro-batches of <= {CAPACITY} tokens (the _2k settings: <= 2048), one "
                 "backward each under no_sync except the last (manual optimization), same model, "
                 "batches, loss and optimizer; the loss logged every step on both sides"
             ),
@@ -478,8 +498,7 @@ def main() -> None:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, gloo",
         },
         "long_tail": {},
-        "all_short": {},
-        "all_short_2k": {},
+        **{setting: {} for setting in SHORT},
     }
     # (group, name, kind, data, planner, offload)
     configs = [
@@ -491,6 +510,10 @@ def main() -> None:
         ("all_short", "ddp", "ddp", "all_short", "balance", False),
         ("all_short_2k", "bytescale", "bytescale", "all_short_2k", "balance", False),
         ("all_short_2k", "ddp", "ddp", "all_short_2k", "balance", False),
+        ("all_short_w2", "bytescale", "bytescale", "all_short_w2", "balance", False),
+        ("all_short_w2", "ddp", "ddp", "all_short_w2", "balance", False),
+        ("all_short_2k_w2", "bytescale", "bytescale", "all_short_2k_w2", "balance", False),
+        ("all_short_2k_w2", "ddp", "ddp", "all_short_2k_w2", "balance", False),
     ]
     if args.only == "all_short":
         configs = [c for c in configs if c[0] in SHORT]
@@ -522,7 +545,7 @@ def main() -> None:
     for (group, name), runs in rounds.items():
         if not runs:
             continue
-        results[group][name] = summarise("ddp" if name == "ddp" else "bytescale", runs)
+        results[group][name] = summarise("ddp" if name == "ddp" else "bytescale", runs, world_of(group))
     lt = results["long_tail"]
     initial = torch.cat([p.detach().reshape(-1) for p in LM().parameters()])
     medians = {}
@@ -538,17 +561,16 @@ def main() -> None:
         sh["max_param_change"] = max(float((h["params"] - initial).abs().max()) for h in short[0])
         sh["cost_check"] = cost_check(setting, range(args.warmup, args.steps))
     nan = {"tokens_per_s": float("nan")}
-    sh, sh2 = results["all_short"], results["all_short_2k"]
     results["ratios"] = {
         "balance_over_static": lt.get("balance", nan)["tokens_per_s"] / lt.get("static", nan)["tokens_per_s"],
         "balance_over_naive": lt.get("balance", nan)["tokens_per_s"] / lt.get("naive", nan)["tokens_per_s"],
         "balance_offload_over_static": lt.get("balance_offload", nan)["tokens_per_s"]
         / lt.get("static", nan)["tokens_per_s"],
-        "bytescale_over_ddp_short": sh["bytescale"]["tokens_per_s"] / sh["ddp"]["tokens_per_s"],
-        "bytescale_over_ddp_short_median_of_rounds": medians["all_short"],
-        "bytescale_over_ddp_short_2k": sh2["bytescale"]["tokens_per_s"] / sh2["ddp"]["tokens_per_s"],
-        "bytescale_over_ddp_short_2k_median_of_rounds": medians["all_short_2k"],
     }
+    for setting, key in RATIO_KEYS.items():
+        sh = results[setting]
+        results["ratios"][key] = sh["bytescale"]["tokens_per_s"] / sh["ddp"]["tokens_per_s"]
+        results["ratios"][f"{key}_median_of_rounds"] = medians[setting]
     results["machine_load"] = {
         "load_avg_1_5_15_before": list(load_before),
         "load_avg_1_5_15_after": list(os.getloadavg()),

@@ -7,30 +7,102 @@ the whole packed micro-batch where one exists:
   installed (an optional GPU extra), otherwise PyTorch's ``torch.nn.attention.varlen.varlen_attn``
   (its flash kernel, sm80+, head size a multiple of 8 up to 256);
 * everywhere else (CPU, float32, float64, older GPUs): ``scaled_dot_product_attention`` with
-  ``is_causal=True`` per sequence, equal lengths batched.  On CUDA it picks the flash or
+  ``is_causal=True`` on *length groups*: the sequences, sorted by length, are cut into groups of
+  similar lengths, and each group is one batched call over its sequences right-padded to the
+  group's longest (:func:`length_groups`).  One call per sequence would cost a kernel launch
+  and an autograd node per sequence and layer, which dominates a micro-batch of many short
+  sequences (a long-tailed batch packs hundreds into one).  On CUDA the call picks the flash or
   memory-efficient kernel itself (float64 runs its math kernel).
 
-Autograd, GQA and every dtype work on every path.  The offsets the varlen kernels take are
-cached per set of lengths and copied without a host synchronisation.
+Padding is exact, not approximate: under the causal mask a real row ``t`` of a sequence attends
+keys ``0..t`` only, all of them its own sequence's real rows, so the padded rows (copies of the
+sequence's last row) never reach a real output; their own outputs are dropped, so their
+gradients, and everything they send back into the real rows, are exact zeros.
+
+Autograd, GQA and every dtype work on every path.  The offsets the varlen kernels take, and the
+groups' gather and scatter indices, are cached per set of lengths and copied without a host
+synchronisation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from lightning_bytescale.packed_attention import cuda_kernels
-from lightning_bytescale.packed_attention.segments import Segments
+from lightning_bytescale.packed_attention.segments import Segments, to_device
 
 _HALF = (torch.float16, torch.bfloat16)
+
+# A length group may hold this much more (padded) attention area than its sequences' own, plus
+# PAD_FREE slots squared: about what one more kernel call costs on a CPU.
+PAD_SLACK = 1.25
+PAD_FREE = 32 * 32
 
 
 @lru_cache(maxsize=16)
 def _segments(lens: tuple[int, ...]) -> Segments:
     return Segments(lens)
+
+
+def length_groups(lens: Sequence[int]) -> list[list[int]]:
+    """Sequence indices cut into groups for one padded, batched causal call each.
+
+    Sorted by length (ties in packed order), a group takes the next sequence while ``n x L^2``
+    (its sequences padded to the longest, ``L``) stays within ``PAD_SLACK`` times their own
+    ``sum s^2`` plus ``PAD_FREE``.  Empty sequences belong to no group.
+    """
+    groups: list[list[int]] = []
+    area = 0
+    for i in sorted((i for i, s in enumerate(lens) if s > 0), key=lambda i: (lens[i], i)):
+        s = int(lens[i])
+        if groups and (len(groups[-1]) + 1) * s * s > PAD_SLACK * (area + s * s) + PAD_FREE:
+            groups.append([])
+            area = 0
+        if not groups:
+            groups.append([])
+        groups[-1].append(i)
+        area += s * s
+    return groups
+
+
+@dataclass(frozen=True, eq=False)
+class _Grouped:
+    """The length groups of one set of lengths and the indices that pad and unpad them."""
+
+    shapes: tuple[tuple[int, int], ...]  # (sequences, padded length) of every group
+    gather: torch.Tensor  # [sum n L]: the packed row every padded slot reads (host)
+    scatter: torch.Tensor  # [T]: the padded slot that holds every packed row's output (host)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = str(device)
+        if key not in self._cache:
+            self._cache[key] = (to_device(self.gather, device), to_device(self.scatter, device))
+        return self._cache[key]
+
+
+@lru_cache(maxsize=16)
+def _grouped(lens: tuple[int, ...]) -> _Grouped:
+    starts = [0]
+    for s in lens:
+        starts.append(starts[-1] + s)
+    gather: list[torch.Tensor] = []
+    scatter = torch.empty(starts[-1], dtype=torch.long)
+    shapes, slot = [], 0
+    for group in length_groups(lens):
+        longest = lens[group[-1]]
+        offsets = torch.arange(longest)
+        for i in group:
+            gather.append(starts[i] + offsets.clamp(max=lens[i] - 1))
+            scatter[starts[i] : starts[i + 1]] = torch.arange(slot, slot + lens[i])
+            slot += longest
+        shapes.append((len(group), longest))
+    return _Grouped(tuple(shapes), torch.cat(gather), scatter)
 
 
 def flash_attn_available() -> bool:
@@ -78,24 +150,25 @@ def varlen_attention(
             enable_gqa=q.shape[1] != k.shape[1],
         )
     gqa = q.shape[1] != k.shape[1]
-    qh, kh, vh = (x.transpose(0, 1) for x in (q, k, v))  # [H, T, D]
-    if len(set(lens)) == 1:
+    if len(set(lens)) == 1:  # one group without padding: views, no gather
         n, s = len(lens), lens[0]
         out = F.scaled_dot_product_attention(
-            *(x.unflatten(1, (n, s)).transpose(0, 1) for x in (qh, kh, vh)),
+            *(x.unflatten(0, (n, s)).transpose(1, 2) for x in (q, k, v)),
             is_causal=True,
             scale=scale,
             enable_gqa=gqa,
         )  # [n, H, s, D]
         return out.transpose(1, 2).reshape(q.shape)
-    pieces = []
-    start = 0
-    for s in lens:
-        sl = slice(start, start + s)
-        # 4-D inputs: 3-D ones miss the fused CPU kernel and take the slow math path
-        o = F.scaled_dot_product_attention(
-            qh[None, :, sl], kh[None, :, sl], vh[None, :, sl], is_causal=True, scale=scale, enable_gqa=gqa
+    grouped = _grouped(lens)
+    gather, scatter = grouped.indices(q.device)
+    padded = [x.index_select(0, gather) for x in (q, k, v)]  # [sum n L, H, D]
+    pieces, start = [], 0
+    for n, longest in grouped.shapes:
+        # [n, H, L, D]: 4-D inputs (3-D ones miss the fused CPU kernel and take the slow math path)
+        qg, kg, vg = (
+            x[start : start + n * longest].unflatten(0, (n, longest)).transpose(1, 2) for x in padded
         )
-        pieces.append(o[0].transpose(0, 1))
-        start += s
-    return torch.cat(pieces, dim=0)
+        out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=gqa)
+        pieces.append(out.transpose(1, 2).reshape(n * longest, *q.shape[1:]))
+        start += n * longest
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).index_select(0, scatter)
