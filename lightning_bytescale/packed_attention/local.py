@@ -6,13 +6,17 @@ the whole packed micro-batch where one exists:
 * CUDA, float16/bfloat16: flash-attn's ``flash_attn_varlen_func`` when the package is
   installed (an optional GPU extra), otherwise PyTorch's ``torch.nn.attention.varlen.varlen_attn``
   (its flash kernel, sm80+, head size a multiple of 8 up to 256);
-* everywhere else (CPU, float32, float64, older GPUs): ``scaled_dot_product_attention`` with
-  ``is_causal=True`` on *length groups*: the sequences, sorted by length, are cut into groups of
-  similar lengths, and each group is one batched call over its sequences right-padded to the
-  group's longest (:func:`length_groups`).  One call per sequence would cost a kernel launch
-  and an autograd node per sequence and layer, which dominates a micro-batch of many short
-  sequences (a long-tailed batch packs hundreds into one).  On CUDA the call picks the flash or
-  memory-efficient kernel itself (float64 runs its math kernel).
+* on a CPU: ``scaled_dot_product_attention`` with ``is_causal=True`` on *length groups*: the
+  sequences, sorted by length, are cut into groups of similar lengths, and each group is one
+  batched call over its sequences right-padded to the group's longest (:func:`length_groups`).
+  One call per sequence costs a kernel call and an autograd node per sequence and layer, which
+  dominates a micro-batch of many short sequences (a long-tailed batch packs hundreds into
+  one).  The price is memory: the groups' padded copies of q, k and v (at most ``PAD_SLACK``
+  times the rows, plus ``PAD_FREE``) are kept for the backward;
+* on CUDA without those kernels (float32, float64, older GPUs): the same call once per
+  sequence, equal lengths batched, so that no padded copy is kept beyond the activations the
+  profiler measured and the capacity C was planned for; it picks the flash or memory-efficient
+  kernel itself (float64 runs its math kernel).
 
 Padding is exact, not approximate: under the causal mask a real row ``t`` of a sequence attends
 keys ``0..t`` only, all of them its own sequence's real rows, so the padded rows (copies of the
@@ -159,6 +163,8 @@ def varlen_attention(
             enable_gqa=gqa,
         )  # [n, H, s, D]
         return out.transpose(1, 2).reshape(q.shape)
+    if q.device.type != "cpu":
+        return _per_sequence(q, k, v, lens, scale=scale, gqa=gqa)
     grouped = _grouped(lens)
     gather, scatter = grouped.indices(q.device)
     padded = [x.index_select(0, gather) for x in (q, k, v)]  # [sum n L, H, D]
@@ -172,3 +178,16 @@ def varlen_attention(
         pieces.append(out.transpose(1, 2).reshape(n * longest, *q.shape[1:]))
         start += n * longest
     return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).index_select(0, scatter)
+
+
+def _per_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...], *, scale: float, gqa: bool
+) -> torch.Tensor:
+    """One causal call per sequence, on views of the packed rows (no copy kept for the backward)."""
+    pieces, start = [], 0
+    for s in lens:
+        rows = (x[start : start + s].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, s, D]
+        out = F.scaled_dot_product_attention(*rows, is_causal=True, scale=scale, enable_gqa=gqa)
+        pieces.append(out[0].transpose(0, 1))
+        start += s
+    return torch.cat(pieces, dim=0)

@@ -1,11 +1,12 @@
 """Local attention on length groups: padded, batched calls that are exact and few.
 
-Where no varlen kernel runs (CPU, float32 and float64, GPUs without one), :func:`varlen_attention`
-sorts a micro-batch's sequences by length, cuts them into groups of similar lengths and runs one
-causal call per group over its sequences right-padded to the group's longest.  Checked here: in
-float64, outputs and gradients equal the dense block-diagonal reference (many short sequences of
-mixed lengths, GQA, single tokens, empty sequences); the groups obey their padding rule and are
-as large as it allows; and a long-tailed micro-batch takes one call a group, not one a sequence.
+On a CPU, :func:`varlen_attention` sorts a micro-batch's sequences by length, cuts them into
+groups of similar lengths and runs one causal call per group over its sequences right-padded to
+the group's longest.  Checked here: in float64, outputs and gradients equal the dense
+block-diagonal reference (many short sequences of mixed lengths, GQA, single tokens, empty
+sequences); the groups obey their padding rule and are as large as it allows; a long-tailed
+micro-batch takes one call a group, not one a sequence; and the per-sequence path that CUDA
+keeps without a varlen kernel equals the reference too.
 """
 
 from __future__ import annotations
@@ -100,3 +101,17 @@ def test_a_long_tailed_micro_batch_takes_one_call_a_group(monkeypatch):
     groups = length_groups(lens)
     assert len(calls) == len(groups) < len(lens) // 10
     assert [shape[0] for shape in calls] == [len(g) for g in groups]
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_the_per_sequence_path_of_gpus_without_varlen_kernels_equals_the_reference(heads):
+    # CUDA float32/float64 keeps one call per sequence (no padded copies for the backward);
+    # the same function runs here on the CPU
+    lens = [7, 1, 0, 12, 5, 5, 30]
+    q, k, v, dout = make_inputs(lens, *heads)
+    ref = reference_with_grads(q, k, v, dout, lens)
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    out = local_module._per_sequence(qq, kk, vv, tuple(lens), scale=8**-0.5, gqa=heads[0] != heads[1])
+    out.backward(dout)
+    for a, b in zip((out, qq.grad, kk.grad, vv.grad), ref):
+        assert max_err(a, b) <= TOL
