@@ -21,9 +21,10 @@ when they are shared with other jobs; the committed file: ``--rounds 12 --max-mi
   on this CPU on lengths 64..2048 (``benchmarks/results/strategy_comm_aware.json``: each
   micro-batch costs a fixed 3.6 ms, and the quadratic attention term equals the linear one at
   about 1,500 tokens), what a user gets from ``bytescale-profile``, so HDP balances the ranks
-  by that cost while DDP balances tokens (``--check-costs`` prints both per-rank costs).  With the default (paper) cost model
-  the ``all_short`` plans equal DDP's token shares, and the pair measures only the step
-  machinery: ``benchmarks/step_overhead.py`` accounts for that per function.
+  by that cost while DDP balances tokens (``--check-costs`` prints both per-rank costs).  With
+  the default (paper) cost model the ``all_short`` plans equal DDP's token shares, and the pair
+  measures only the step machinery: ``benchmarks/step_overhead.py`` accounts for that per
+  function.
 * The same two all-short settings on 2 ranks, a core each (``all_short_w2``: 2048 tokens a
   step; ``all_short_2k_w2``: 8192), so each rank's share is as large as in the 4-rank setting.
   Four ranks on two cores time-share them: a rank that reaches the gradient sync early gives
