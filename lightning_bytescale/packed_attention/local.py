@@ -23,22 +23,22 @@ keys ``0..t`` only, all of them its own sequence's real rows, so the padded rows
 sequence's last row) never reach a real output; their own outputs are dropped, so their
 gradients, and everything they send back into the real rows, are exact zeros.
 
-Autograd, GQA and every dtype work on every path.  The offsets the varlen kernels take, and the
-groups' gather and scatter indices, are cached per set of lengths and copied without a host
-synchronisation.
+Autograd, GQA and every dtype work on every path.  The offsets the varlen kernels take are
+cached per set of lengths and copied without a host synchronisation; the groups' gather and
+scatter indices are cached per set of lengths on the host.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from lightning_bytescale.packed_attention import cuda_kernels
-from lightning_bytescale.packed_attention.segments import Segments, to_device
+from lightning_bytescale.packed_attention.segments import Segments
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -64,46 +64,36 @@ def length_groups(lens: Sequence[int]) -> list[list[int]]:
     area = 0
     for i in sorted((i for i, s in enumerate(lens) if s > 0), key=lambda i: (lens[i], i)):
         s = int(lens[i])
-        if groups and (len(groups[-1]) + 1) * s * s > PAD_SLACK * (area + s * s) + PAD_FREE:
+        if not groups or (len(groups[-1]) + 1) * s * s > PAD_SLACK * (area + s * s) + PAD_FREE:
             groups.append([])
             area = 0
-        if not groups:
-            groups.append([])
         groups[-1].append(i)
         area += s * s
     return groups
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class _Grouped:
-    """The length groups of one set of lengths and the indices that pad and unpad them."""
+    """The length groups of one set of lengths and the (host) indices that pad and unpad them."""
 
     shapes: tuple[tuple[int, int], ...]  # (sequences, padded length) of every group
-    gather: torch.Tensor  # [sum n L]: the packed row every padded slot reads (host)
-    scatter: torch.Tensor  # [T]: the padded slot that holds every packed row's output (host)
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = str(device)
-        if key not in self._cache:
-            self._cache[key] = (to_device(self.gather, device), to_device(self.scatter, device))
-        return self._cache[key]
+    gather: torch.Tensor  # [sum n L]: the packed row every padded slot reads
+    scatter: torch.Tensor  # [T]: the padded slot that holds every packed row's output
 
 
 @lru_cache(maxsize=16)
 def _grouped(lens: tuple[int, ...]) -> _Grouped:
-    starts = [0]
-    for s in lens:
-        starts.append(starts[-1] + s)
+    bounds = _segments(lens).bounds
     gather: list[torch.Tensor] = []
-    scatter = torch.empty(starts[-1], dtype=torch.long)
+    scatter = torch.empty(bounds[-1][1] if bounds else 0, dtype=torch.long)
     shapes, slot = [], 0
     for group in length_groups(lens):
         longest = lens[group[-1]]
         offsets = torch.arange(longest)
         for i in group:
-            gather.append(starts[i] + offsets.clamp(max=lens[i] - 1))
-            scatter[starts[i] : starts[i + 1]] = torch.arange(slot, slot + lens[i])
+            start, stop = bounds[i]
+            gather.append(start + offsets.clamp(max=lens[i] - 1))
+            scatter[start:stop] = torch.arange(slot, slot + lens[i])
             slot += longest
         shapes.append((len(group), longest))
     return _Grouped(tuple(shapes), torch.cat(gather), scatter)
@@ -166,8 +156,7 @@ def varlen_attention(
     if q.device.type != "cpu":
         return _per_sequence(q, k, v, lens, scale=scale, gqa=gqa)
     grouped = _grouped(lens)
-    gather, scatter = grouped.indices(q.device)
-    padded = [x.index_select(0, gather) for x in (q, k, v)]  # [sum n L, H, D]
+    padded = [x.index_select(0, grouped.gather) for x in (q, k, v)]  # [sum n L, H, D]
     pieces, start = [], 0
     for n, longest in grouped.shapes:
         # [n, H, L, D]: 4-D inputs (3-D ones miss the fused CPU kernel and take the slow math path)
@@ -177,7 +166,7 @@ def varlen_attention(
         out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=gqa)
         pieces.append(out.transpose(1, 2).reshape(n * longest, *q.shape[1:]))
         start += n * longest
-    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).index_select(0, scatter)
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).index_select(0, grouped.scatter)
 
 
 def _per_sequence(
