@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/strategy_throughput.py`` (about 1-2 minutes a round on 2 cores, more
 when they are shared with other jobs; the committed file: ``--rounds 12 --max-minutes 25``, all
-12 rounds in 15 minutes on an otherwise idle machine); writes ``benchmarks/results/strategy.json``.
+12 rounds in 12 minutes on an otherwise idle machine); writes ``benchmarks/results/strategy.json``.
 
 * Long-tail data (the ``byted`` length mix scaled from 2M to the context length 4 x C): the
   same global batches for ``balance``, ``naive`` and ``static`` (cp_size 4) with the strategy's

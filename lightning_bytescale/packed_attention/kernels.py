@@ -12,7 +12,9 @@ queries attending to sequence ``j``'s keys only.  Every kernel has one interface
 
 Kernels (see :data:`KERNELS`; ``docs/attention.md`` has the table):
 
-* ``cpu``: PyTorch's fused CPU flash kernel, per sequence, any float dtype (the CPU default);
+* ``cpu``: PyTorch's fused CPU flash kernel, any float dtype (the CPU default): one call per
+  group of sequences with the same query and key lengths (:mod:`.block_groups`), one call per
+  sequence of a shape of its own;
 * ``flash``: PyTorch's CUDA flash kernel, ``aten._flash_attention_forward/_backward`` in its
   varlen form, float16/bfloat16, sm80+, head size <= 256, one call per block;
 * ``efficient``: PyTorch's CUDA memory-efficient kernel, ``aten._efficient_attention_forward/
@@ -39,6 +41,15 @@ import torch
 
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.packed_attention import cuda_kernels
+from lightning_bytescale.packed_attention.block_groups import (
+    BlockGroups,
+    check_block,
+    gather_batch,
+    gather_lse,
+    scatter_batch,
+    scatter_lse,
+    shape_groups,
+)
 from lightning_bytescale.packed_attention.gqa import expand_kv, reduce_kv
 from lightning_bytescale.packed_attention.segments import Rows, Segments
 
@@ -65,14 +76,7 @@ def _tokens_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pairs(q_seg: Segments, k_seg: Segments, causal: bool) -> list[tuple[slice, slice]]:
-    if len(q_seg.lens) != len(k_seg.lens):
-        raise ValueError(
-            f"{len(q_seg.lens)} query sequences but {len(k_seg.lens)} key sequences in one block"
-        )
-    if causal and q_seg.lens != k_seg.lens:
-        raise ValueError(
-            f"a causal block needs equal query and key lengths, got {q_seg.lens} and {k_seg.lens}"
-        )
+    check_block(q_seg, k_seg, causal)
     return [(slice(*a), slice(*b)) for a, b in zip(q_seg.bounds, k_seg.bounds) if a[1] > a[0]]
 
 
@@ -139,6 +143,75 @@ def _cpu_backward_one(dout, q, k, v, out, lse, causal, scale):
         reduce_kv(_tokens_first(dk).to(acc), groups),
         reduce_kv(_tokens_first(dv).to(acc), groups),
     )
+
+
+def _cpu_forward(q, k, v, q_seg, k_seg, causal, scale):
+    """The ``cpu`` varlen forward: one call per shape group (:mod:`.block_groups`), per single sequence."""
+    blocks = shape_groups(q_seg, k_seg, causal)
+    if not blocks.groups:
+        return _per_sequence_cpu_forward(q, k, v, q_seg, k_seg, causal, scale)
+    _check_covered(blocks, q)
+    heads, groups = q.shape[1], q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, q.shape[0]), dtype=acc_dtype(q.dtype), device=q.device)
+    for qs, ks in blocks.singles:
+        o, lb = _cpu_forward_one(q[qs], k[ks], v[ks], causal, scale)
+        out[qs], lse[:, qs] = o, lb
+    for g in blocks.groups:
+        o, lb = _CPU_FWD(
+            gather_batch(q, g.q_index, g.count, g.q_len),
+            gather_batch(expand_kv(k, groups), g.k_index, g.count, g.k_len),
+            gather_batch(expand_kv(v, groups), g.k_index, g.count, g.k_len),
+            0.0,
+            causal,
+            scale=scale,
+        )
+        scatter_batch(out, g.q_index, o)
+        scatter_lse(lse, g.q_index, lb)
+    return out, lse
+
+
+def _cpu_backward(dout, q, k, v, out, lse, q_seg, k_seg, causal, scale):
+    """The ``cpu`` varlen backward, batched like :func:`_cpu_forward`."""
+    blocks = shape_groups(q_seg, k_seg, causal)
+    if not blocks.groups:
+        return _per_sequence_cpu_backward(dout, q, k, v, out, lse, q_seg, k_seg, causal, scale)
+    _check_covered(blocks, q)
+    groups, acc = q.shape[1] // k.shape[1], acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for qs, ks in blocks.singles:
+        a, b, c = _cpu_backward_one(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, qs], causal, scale)
+        dq[qs], dk[ks], dv[ks] = a, b, c
+    k_wide, v_wide = expand_kv(k, groups), expand_kv(v, groups)
+    dout, out = dout.to(q.dtype), out.to(q.dtype)
+    for g in blocks.groups:
+        dqb, dkb, dvb = _CPU_BWD(
+            gather_batch(dout, g.q_index, g.count, g.q_len).contiguous(),
+            gather_batch(q, g.q_index, g.count, g.q_len),
+            gather_batch(k_wide, g.k_index, g.count, g.k_len),
+            gather_batch(v_wide, g.k_index, g.count, g.k_len),
+            gather_batch(out, g.q_index, g.count, g.q_len),
+            gather_lse(lse, g.q_index, g.count, g.q_len).to(acc).contiguous(),
+            0.0,
+            causal,
+            scale=scale,
+        )
+        scatter_batch(dq, g.q_index, dqb)
+        for target, wide in ((dk, dkb), (dv, dvb)):
+            rows = wide.transpose(1, 2).reshape(-1, wide.shape[1], wide.shape[-1]).to(acc)
+            target.index_copy_(0, g.k_index, reduce_kv(rows, groups))
+    return dq, dk, dv
+
+
+def _check_covered(blocks: BlockGroups, q: torch.Tensor) -> None:
+    if blocks.q_rows != q.shape[0]:
+        raise ValueError(f"the block's query sequences cover {blocks.q_rows} rows but q has {q.shape[0]}")
+
+
+_per_sequence_cpu_forward = _per_sequence_forward(_cpu_forward_one)
+_per_sequence_cpu_backward = _per_sequence_backward(_cpu_backward_one)
 
 
 # ----------------------------------------------------------------------------- math
@@ -221,8 +294,8 @@ class BlockKernel:
 KERNELS: dict[str, BlockKernel] = {
     "cpu": BlockKernel(
         "cpu",
-        _per_sequence_forward(_cpu_forward_one),
-        _per_sequence_backward(_cpu_backward_one),
+        _cpu_forward,
+        _cpu_backward,
         frozenset({"cpu"}),
         FLOATS,
     ),
