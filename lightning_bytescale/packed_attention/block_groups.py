@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_bytescale.packed_attention.gqa import expand_kv
 from lightning_bytescale.packed_attention.segments import Segments
 
 
@@ -99,9 +100,16 @@ def _build(q_seg: Segments, k_seg: Segments) -> BlockGroups:
     return BlockGroups(tuple(groups), tuple(singles), covered)
 
 
-def gather_batch(x: torch.Tensor, index: torch.Tensor, count: int, length: int) -> torch.Tensor:
-    """Rows ``index`` of ``x [T, H, D]`` as a ``[count, H, length, D]`` batch (one gather)."""
-    return x.index_select(0, index).view(count, length, *x.shape[1:]).transpose(1, 2)
+def gather_batch(
+    x: torch.Tensor, index: torch.Tensor, count: int, length: int, repeat_heads: int = 1
+) -> torch.Tensor:
+    """Rows ``index`` of ``x [T, H, D]`` as a ``[count, H * repeat_heads, length, D]`` batch.
+
+    ``repeat_heads`` expands key/value heads for grouped-query attention after the gather, so
+    only the gathered rows are copied, not the whole block.
+    """
+    rows = expand_kv(x.index_select(0, index), repeat_heads)
+    return rows.view(count, length, *rows.shape[1:]).transpose(1, 2)
 
 
 def scatter_batch(target: torch.Tensor, index: torch.Tensor, batch: torch.Tensor) -> None:

@@ -160,8 +160,8 @@ def _cpu_forward(q, k, v, q_seg, k_seg, causal, scale):
     for g in blocks.groups:
         o, lb = _CPU_FWD(
             gather_batch(q, g.q_index, g.count, g.q_len),
-            gather_batch(expand_kv(k, groups), g.k_index, g.count, g.k_len),
-            gather_batch(expand_kv(v, groups), g.k_index, g.count, g.k_len),
+            gather_batch(k, g.k_index, g.count, g.k_len, groups),
+            gather_batch(v, g.k_index, g.count, g.k_len, groups),
             0.0,
             causal,
             scale=scale,
@@ -184,15 +184,13 @@ def _cpu_backward(dout, q, k, v, out, lse, q_seg, k_seg, causal, scale):
     for qs, ks in blocks.singles:
         a, b, c = _cpu_backward_one(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, qs], causal, scale)
         dq[qs], dk[ks], dv[ks] = a, b, c
-    k_wide, v_wide = expand_kv(k, groups), expand_kv(v, groups)
-    dout, out = dout.to(q.dtype), out.to(q.dtype)
     for g in blocks.groups:
         dqb, dkb, dvb = _CPU_BWD(
-            gather_batch(dout, g.q_index, g.count, g.q_len).contiguous(),
+            gather_batch(dout, g.q_index, g.count, g.q_len).to(q.dtype).contiguous(),
             gather_batch(q, g.q_index, g.count, g.q_len),
-            gather_batch(k_wide, g.k_index, g.count, g.k_len),
-            gather_batch(v_wide, g.k_index, g.count, g.k_len),
-            gather_batch(out, g.q_index, g.count, g.q_len),
+            gather_batch(k, g.k_index, g.count, g.k_len, groups),
+            gather_batch(v, g.k_index, g.count, g.k_len, groups),
+            gather_batch(out, g.q_index, g.count, g.q_len).to(q.dtype),
             gather_lse(lse, g.q_index, g.count, g.q_len).to(acc).contiguous(),
             0.0,
             causal,
