@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/strategy_throughput.py`` (about 1-2 minutes a round on 2 cores, more
 when they are shared with other jobs; the committed file: ``--rounds 12 --max-minutes 25``, all
-12 rounds in 12 minutes on an otherwise idle machine); writes ``benchmarks/results/strategy.json``.
+12 rounds in 14 minutes on an otherwise idle machine); writes ``benchmarks/results/strategy.json``.
 
 * Long-tail data (the ``byted`` length mix scaled from 2M to the context length 4 x C): the
   same global batches for ``balance``, ``naive`` and ``static`` (cp_size 4) with the strategy's
@@ -14,6 +14,10 @@ when they are shared with other jobs; the committed file: ``--rounds 12 --max-mi
   would; each loader plans with its strategy's own ``planner_options()``, as
   ``ByteScaleDataModule`` does.  Until December 2026 the long-tail runs used the planner's
   default cost model (the paper preset, fitted on a GPU cluster) and no offload.
+* ``long_tail_w2``: the same mix on 2 ranks, a core each (context 2 x C, 2048 tokens a step,
+  so each rank's share is as on 4 ranks; ``static`` with cp_size 2), for ``balance``, ``naive``
+  and ``static``: on 4 ranks sharing 2 cores a step costs the ranks' total CPU, whatever the
+  balance, and ring members also wait for a core at every ring step.
 * All-short data, every sequence fits one rank's micro-batch: ``bytescale`` (planner
   ``balance``) against Lightning's plain ``ddp``, in two settings.  ``all_short``: lengths
   uniform in 64..512, C = 512, 4096 tokens a step.  ``all_short_2k``: lengths uniform in
@@ -108,11 +112,20 @@ TOKENS_PER_STEP = 4096
 VOCAB = 512
 
 
-def long_tail_lengths(step: int) -> list[int]:
-    lengths = sample_global_batch(
-        "byted", TOKENS_PER_STEP, context_length=WORLD * CAPACITY, seed=step, mode="scale"
-    )
+# long-tail settings: ranks (the context is ranks x C, a sequence may span every rank) and
+# tokens per step.  ``long_tail_w2``: 2 ranks, a core each, each rank's share as on 4 ranks.
+LONG = {"long_tail": (WORLD, TOKENS_PER_STEP), "long_tail_w2": (2, TOKENS_PER_STEP // 2)}
+
+
+def long_tail_lengths(step: int, setting: str = "long_tail") -> list[int]:
+    world, tokens = LONG[setting]
+    lengths = sample_global_batch("byted", tokens, context_length=world * CAPACITY, seed=step, mode="scale")
     return [max(2, s) for s in lengths]
+
+
+def lengths_of(data: str, step: int) -> list[int]:
+    """One step's sequence lengths in a setting (long-tail or all-short)."""
+    return long_tail_lengths(step, data) if data in LONG else short_lengths(step, data)
 
 
 # all-short settings: (shortest, longest, capacity C, tokens per step, cost model for HDP, ranks).
@@ -151,8 +164,8 @@ def capacity_of(data: str) -> int:
 
 
 def world_of(data: str) -> int:
-    """Ranks of a setting: 4 (on the 2 cores) unless an all-short setting says otherwise."""
-    return SHORT[data][5] if data in SHORT else WORLD
+    """Ranks of a setting: 4 (on the 2 cores) unless the setting says otherwise (the ``_w2`` ones: 2)."""
+    return SHORT[data][5] if data in SHORT else LONG[data][0]
 
 
 LONG_TAIL_COST = "fitted"  # the long-tail planners' cost model, like the short settings'
@@ -201,7 +214,7 @@ class HDPData(Dataset):
         return self.steps
 
     def __getitem__(self, k: int):
-        lengths = long_tail_lengths(k) if self.data == "long_tail" else short_lengths(k, self.data)
+        lengths = lengths_of(self.data, k)
         seqs = tokens_of(lengths, k)
         t0 = time.perf_counter()
         plan = make_plan(tuple(lengths), world_size=self.world, **self.opts)
@@ -300,7 +313,7 @@ class Timer(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         wall = time.perf_counter() - self.t0
         stats = dict(getattr(trainer.strategy, "step_stats", {}) or {})
-        tokens = stats.get("tokens") or sum(short_lengths(batch_idx, self.data))
+        tokens = stats.get("tokens") or sum(lengths_of(self.data, batch_idx))
         self.rows.append({"wall_s": wall, "tokens": tokens, "stats": stats})
 
     def on_train_end(self, trainer, pl_module):
@@ -322,7 +335,7 @@ def run(
             planner=planner,
             capacity=capacity_of(data),
             cost_model=cost_model_of(data),
-            cp_size=WORLD if planner == "static" else None,
+            cp_size=world_of(data) if planner == "static" else None,
             offload=offload,
             start_method="fork",
             timeout=300,
@@ -459,11 +472,21 @@ def main() -> None:
     results: dict = {
         "setup": {
             "world": WORLD,
-            "world_note": "4 ranks on the 2 cores, except the all-short _w2 settings: 2 ranks, a core each",
+            "world_note": "4 ranks on the 2 cores, except the _w2 settings: 2 ranks, a core each",
             "capacity": CAPACITY,
             "tokens_per_step": TOKENS_PER_STEP,
             "model": "llama small (dim 128, 4 layers, vocab 512), float32, AdamW lr 1e-4",
             "long_tail_data": f"byted length mix scaled to context {WORLD * CAPACITY}",
+            "long_tail_settings": {
+                name: {
+                    "ranks": ranks,
+                    "context": ranks * CAPACITY,
+                    "capacity": CAPACITY,
+                    "tokens_per_step": tokens,
+                    "static_cp_size": ranks,
+                }
+                for name, (ranks, tokens) in LONG.items()
+            },
             "long_tail_cost_model": (
                 "fitted on this CPU (strategy_comm_aware.json), for balance, naive and static"
                 if LONG_TAIL_COST == "fitted"
@@ -498,7 +521,7 @@ def main() -> None:
             "order": "interleaved; odd rounds in reverse order, the start moving by one place every two rounds",
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, gloo",
         },
-        "long_tail": {},
+        **{setting: {} for setting in LONG},
         **{setting: {} for setting in SHORT},
     }
     # (group, name, kind, data, planner, offload)
@@ -507,6 +530,9 @@ def main() -> None:
         ("long_tail", "balance_offload", "bytescale", "long_tail", "balance", True),
         ("long_tail", "naive", "bytescale", "long_tail", "naive", False),
         ("long_tail", "static", "bytescale", "long_tail", "static", False),
+        ("long_tail_w2", "balance", "bytescale", "long_tail_w2", "balance", False),
+        ("long_tail_w2", "naive", "bytescale", "long_tail_w2", "naive", False),
+        ("long_tail_w2", "static", "bytescale", "long_tail_w2", "static", False),
         ("all_short", "bytescale", "bytescale", "all_short", "balance", False),
         ("all_short", "ddp", "ddp", "all_short", "balance", False),
         ("all_short_2k", "bytescale", "bytescale", "all_short_2k", "balance", False),
@@ -562,11 +588,16 @@ def main() -> None:
         sh["max_param_change"] = max(float((h["params"] - initial).abs().max()) for h in short[0])
         sh["cost_check"] = cost_check(setting, range(args.warmup, args.steps))
     nan = {"tokens_per_s": float("nan")}
+    lt2 = results["long_tail_w2"]
     results["ratios"] = {
         "balance_over_static": lt.get("balance", nan)["tokens_per_s"] / lt.get("static", nan)["tokens_per_s"],
         "balance_over_naive": lt.get("balance", nan)["tokens_per_s"] / lt.get("naive", nan)["tokens_per_s"],
         "balance_offload_over_static": lt.get("balance_offload", nan)["tokens_per_s"]
         / lt.get("static", nan)["tokens_per_s"],
+        "balance_over_static_w2": lt2.get("balance", nan)["tokens_per_s"]
+        / lt2.get("static", nan)["tokens_per_s"],
+        "balance_over_naive_w2": lt2.get("balance", nan)["tokens_per_s"]
+        / lt2.get("naive", nan)["tokens_per_s"],
     }
     for setting, key in RATIO_KEYS.items():
         sh = results[setting]
