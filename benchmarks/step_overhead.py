@@ -26,8 +26,11 @@ optimizer: the same work on both sides), *loop* (Lightning's loop and data fetch
 *machinery* (everything the strategy or the DDP user's loop adds).  The accounting's own cost
 per call, calibrated on empty calls before the ranks start (:func:`calibrate`), is taken out
 of every figure; inside a real step it is larger than in the calibration loop, so items made of
-many small calls (the gradient hooks) are still somewhat over-stated.  The machinery figures are
-what the all-short wall-time ratio is made of when both sides run the same plan.
+many small calls (the gradient hooks) are still somewhat over-stated.  Apart from those, each
+configuration reports ``other_threads_ms``: the CPU of each rank's other threads (gloo's workers
+run the asynchronous collectives there), which the main-thread figures do not see.  The
+machinery and other-thread figures are what the all-short wall-time ratio is made of when both
+sides run the same plan.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ def calibrate(n: int = 200_000) -> dict[str, float]:
 
 CALIBRATION = {"inner": 0.0, "outer": 0.0}  # set by main() before the ranks start
 CALLS: dict[str, dict[str, float]] = {}  # accounted calls per rank and step, each configuration's last run
+OTHER_THREADS: dict[str, float] = {}  # CPU ms per rank and step of the ranks' other threads, the last run
 
 
 def _install() -> None:
@@ -174,21 +178,35 @@ def _install() -> None:
 
 
 class _Collect(pl.Callback):
-    """Starts counting after ``warmup`` steps; each rank writes its totals at the end."""
+    """Starts counting after ``warmup`` steps; each rank writes its totals at the end.
+
+    Besides the accounted functions it records the CPU of the rank's whole process against its
+    main thread's over the measured steps: the difference is what the process's other threads
+    (gloo's workers, which run the asynchronous collectives, and the watchdog) spent.
+    """
 
     def __init__(self, out: Path, warmup: int) -> None:
         self.out, self.warmup, self.steps = out, warmup, 0
+        self.process0 = self.thread0 = 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
         if trainer.global_step == self.warmup:
             for table in (_totals, _calls, _callee_calls):
                 table.clear()
+            self.process0, self.thread0 = time.process_time(), time.thread_time()
         if trainer.global_step >= self.warmup:
             self.steps += 1
 
     def on_train_end(self, trainer: pl.Trainer, *_: Any) -> None:
         path = self.out.with_name(f"{self.out.name}.{trainer.global_rank}")
-        row = {"steps": self.steps, "totals": _totals, "calls": _calls, "callee_calls": _callee_calls}
+        other = (time.process_time() - self.process0) - (time.thread_time() - self.thread0)
+        row = {
+            "steps": self.steps,
+            "totals": _totals,
+            "calls": _calls,
+            "callee_calls": _callee_calls,
+            "other_threads_s": other,
+        }
         path.write_text(json.dumps(row))
 
 
@@ -226,6 +244,7 @@ def run(config: str, steps: int, warmup: int, tmp: Path) -> dict[str, float]:
         label: statistics.mean(r["calls"].get(label, 0) / max(r["steps"], 1) for r in ranks)
         for label in labels
     }
+    OTHER_THREADS[config] = 1e3 * statistics.mean(r["other_threads_s"] / max(r["steps"], 1) for r in ranks)
     return {
         label: 1e3 * statistics.mean(_corrected(r, label) / max(r["steps"], 1) for r in ranks)
         for label in labels
@@ -260,10 +279,12 @@ def main() -> None:
     _install()
     names = list(CONFIGS)
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    other: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.rounds):
             for name in names[::-1] if i % 2 else names:
                 runs[name].append(run(name, args.steps, args.warmup, Path(d)))
+                other[name].append(OTHER_THREADS[name])
                 print(f"round {i} {name}: {sum(runs[name][-1].values()):.1f} ms/rank-step", file=sys.stderr)
     result = {
         "setup": {
@@ -278,16 +299,31 @@ def main() -> None:
                 "accounting's own cost per call (calibrated on empty calls)"
             ),
             "accounting_us_per_call": {k: 1e6 * v for k, v in CALIBRATION.items()},
+            "other_threads": (
+                "other_threads_ms: CPU ms per rank and step of each rank's other threads (its process's "
+                "CPU less its main thread's, over the measured steps; median over rounds), not in total_ms"
+            ),
             "unchecked_options": CONFIGS["bytescale_unchecked"],
         },
-        **{name: {**summarise(runs[name]), "calls_per_rank_step": CALLS[name]} for name in names},
+        **{
+            name: {
+                **summarise(runs[name]),
+                "calls_per_rank_step": CALLS[name],
+                "other_threads_ms": statistics.median(other[name]),
+            }
+            for name in names
+        },
     }
     ddp, hdp = result["ddp"]["groups_ms"], result["bytescale"]["groups_ms"]
     result["machinery_over_ddp_ms"] = hdp["machinery"] - ddp["machinery"]
     result["total_over_ddp"] = result["bytescale"]["total_ms"] / result["ddp"]["total_ms"]
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for name in names:
-        print(name, json.dumps(result[name]["groups_ms"]), f"total {result[name]['total_ms']:.1f} ms")
+        print(
+            name,
+            json.dumps(result[name]["groups_ms"]),
+            f"total {result[name]['total_ms']:.1f} ms, other threads {result[name]['other_threads_ms']:.1f} ms",
+        )
     print(f"machinery over ddp: {result['machinery_over_ddp_ms']:.1f} ms/rank-step")
 
 

@@ -213,6 +213,9 @@ def test_the_step_cpu_table_matches_its_results_file():
         )
     totals = [c.split(" ms")[0] for c in rows["total"].split("|")[2:-1]]
     assert [t.strip() for t in totals] == [f"{res[c]['total_ms']:.1f}" for c in configs]
+    other = next(v for k, v in rows.items() if k.startswith("other threads"))
+    cells = [c.split(" ms")[0].strip() for c in other.split("|")[2:-1]]
+    assert cells == [f"{res[c]['other_threads_ms']:.1f}" for c in configs], other
     # the groups add up, and the machinery is what the strategy adds beyond the same model work
     for c in configs:
         assert math.isclose(sum(res[c]["groups_ms"].values()), res[c]["total_ms"])
