@@ -112,10 +112,14 @@ def gather_batch(
     return rows.view(count, length, *rows.shape[1:]).transpose(1, 2)
 
 
+def batch_rows(batch: torch.Tensor) -> torch.Tensor:
+    """``[G, H, L, D]`` -> packed rows ``[G * L, H, D]``, sequence by sequence."""
+    return batch.transpose(1, 2).reshape(-1, batch.shape[1], batch.shape[3])
+
+
 def scatter_batch(target: torch.Tensor, index: torch.Tensor, batch: torch.Tensor) -> None:
     """The inverse of :func:`gather_batch`: ``batch [G, H, L, D]`` into rows ``index`` of ``target``."""
-    rows = batch.transpose(1, 2).reshape(-1, *batch.shape[1:2], batch.shape[-1])
-    target.index_copy_(0, index, rows.to(target.dtype))
+    target.index_copy_(0, index, batch_rows(batch).to(target.dtype))
 
 
 def scatter_lse(target: torch.Tensor, index: torch.Tensor, lse: torch.Tensor) -> None:
@@ -131,6 +135,7 @@ def gather_lse(lse: torch.Tensor, index: torch.Tensor, count: int, length: int) 
 __all__ = [
     "BlockGroups",
     "ShapeGroup",
+    "batch_rows",
     "check_block",
     "gather_batch",
     "gather_lse",

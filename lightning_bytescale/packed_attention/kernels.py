@@ -43,6 +43,7 @@ from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.packed_attention import cuda_kernels
 from lightning_bytescale.packed_attention.block_groups import (
     BlockGroups,
+    batch_rows,
     check_block,
     gather_batch,
     gather_lse,
@@ -197,9 +198,8 @@ def _cpu_backward(dout, q, k, v, out, lse, q_seg, k_seg, causal, scale):
             scale=scale,
         )
         scatter_batch(dq, g.q_index, dqb)
-        for target, wide in ((dk, dkb), (dv, dvb)):
-            rows = wide.transpose(1, 2).reshape(-1, wide.shape[1], wide.shape[-1]).to(acc)
-            target.index_copy_(0, g.k_index, reduce_kv(rows, groups))
+        for target, wide in ((dk, dkb), (dv, dvb)):  # summed back onto the key/value heads
+            target.index_copy_(0, g.k_index, reduce_kv(batch_rows(wide).to(acc), groups))
     return dq, dk, dv
 
 
