@@ -27,6 +27,7 @@ class PackedMicroBatch:
     num_global_tokens: int  # loss tokens of the whole global batch (all ranks, all micro-batches)
     offload_ratio: float = 0.0
     index: int = 0  # position in this rank's list for the step
+    probe_ring: bool = False  # every member of this ring runs the loss-normalisation probe on it
 
     @property
     def num_slots(self) -> int:

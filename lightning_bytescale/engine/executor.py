@@ -341,10 +341,9 @@ def run_micro_batches(
             confirm_plan()  # before this micro-batch's point-to-point transfers
         if on_phase is not None:
             on_phase(describe_micro_batch(mb, step))
-        probing = (
-            check_loss_scaling
-            and is_probe_candidate(mb)
-            and all(v == LossScaling.UNCHECKED for v in verdicts)
+        probing = check_loss_scaling and (
+            mb.probe_ring  # every member of this ring probes it: their exchanges must match
+            or (is_probe_candidate(mb) and all(v == LossScaling.UNCHECKED for v in verdicts))
         )
         events = _device_events(mb.input_ids.device) if sync_timing else None
         if events is not None:

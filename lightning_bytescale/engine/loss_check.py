@@ -10,8 +10,10 @@ The check is exact rather than heuristic: a correctly normalised loss is *invers
 proportional* to ``num_global_tokens``.  So, once, the same forward runs again without
 gradients on a copy of the micro-batch whose ``num_global_tokens`` is doubled, from the same
 random-number state (dropout draws the same masks).  ``token_loss`` then gives exactly half
-the loss (up to rounding); a per-micro-batch mean gives the same loss.  Only micro-batches
-without a ring are probed (a probe must not talk to other ranks), and a loss of zero (no
+the loss (up to rounding); a per-micro-batch mean gives the same loss.  Each rank probes its
+first micro-batch without a ring; and one ring item of the plan (the first without offload),
+marked ``probe_ring``, is probed by all of its members together, since its forward exchanges
+with them, so plans made of rings only (``static``) are checked too.  A loss of zero (no
 trained token) is not conclusive, so the probe moves on to the next micro-batch or step.
 """
 
@@ -59,7 +61,12 @@ def verdict(loss: float, probe: float) -> LossScaling:
 
 
 def is_probe_candidate(mb: PackedMicroBatch) -> bool:
-    """Whether ``mb`` can be probed: no ring (the probe must not talk to other ranks)."""
+    """Whether ``mb`` can be probed on its own: no ring (a ring's probe talks to its peers).
+
+    A ring micro-batch marked ``probe_ring`` is probed too, but by every member at once
+    (:func:`~lightning_bytescale.engine.micro_batch.probe_ring_item`), whatever else a member
+    has probed.
+    """
     return mb.layout.ring is None
 
 

@@ -130,12 +130,15 @@ def build_micro_batch(
     *,
     lengths: Sequence[int] | None = None,
     loss_mask: MaskSource | None = None,
+    probe_ring: bool = False,
 ) -> PackedMicroBatch:
     """Pack one micro-batch of ``rank``.
 
     ``tokens(seq)`` returns the *full* token list of global sequence ``seq``.  ``lengths``
     (the plan's length list), when given, is checked against the data.  ``loss_mask(seq)``, when
     given, returns the sequence's loss mask (one flag per token: is its prediction trained).
+    ``probe_ring`` marks the ring micro-batch all of whose members run the loss probe
+    (:func:`probe_ring_item`).
     """
     if not mb.pieces:
         raise PackingError(f"rank {rank} micro-batch {index} has no pieces; a plan must not list empty work")
@@ -197,7 +200,22 @@ def build_micro_batch(
         num_global_tokens=int(num_global_tokens),
         offload_ratio=float(mb.offload_ratio),
         index=index,
+        probe_ring=probe_ring and mb.ring is not None,
     )
+
+
+def probe_ring_item(plan: Plan) -> int | None:
+    """The ring item every one of its members probes for the loss normalisation, or ``None``.
+
+    The probe runs a micro-batch's forward once more; on a ring that forward exchanges with
+    the ring's peers, so either every member probes it or none does.  Each rank packs its own
+    micro-batches, so the choice comes from the plan, which every rank holds: the ring item
+    with the lowest id without offload.  A plan whose micro-batches are all rings (``static``)
+    is checked that way, not only through local micro-batches.
+    """
+    items = [mb.item for mbs in plan.ranks for mb in mbs if mb.ring is not None and mb.offload_ratio == 0]
+    items = [i for i in items if i is not None]
+    return min(items) if items else None
 
 
 def plan_digest(plan: Plan) -> str:
@@ -296,8 +314,18 @@ def build_step(
                 )
             return mask
 
+    probed = probe_ring_item(plan)
     mbs = [
-        build_micro_batch(mb, rank, tokens, num_global, index=i, lengths=lengths, loss_mask=mask_of)
+        build_micro_batch(
+            mb,
+            rank,
+            tokens,
+            num_global,
+            index=i,
+            lengths=lengths,
+            loss_mask=mask_of,
+            probe_ring=probed is not None and mb.item == probed,
+        )
         for i, mb in enumerate(plan.ranks[rank])
     ]
     stats_fn = getattr(plan, "stats", None)

@@ -186,6 +186,42 @@ def test_a_per_micro_batch_mean_stops_every_rank_at_the_first_step(tmp_path, wor
         _trainer(world, tmp_path).fit(MeanLossLM(), datamodule=StepDataModule("balance"))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_per_micro_batch_mean_stops_a_plan_made_of_rings_only(tmp_path, world):
+    # static CP: every micro-batch is a ring, so no rank has a local one to probe; the plan's
+    # first ring item is probed by all of its members together
+    from _strategy_helpers import StepData
+
+    batch = StepData(world, 0, "static")[0]
+    assert batch.micro_batches and all(mb.layout.ring is not None for mb in batch.micro_batches)
+    with pytest.raises(Exception, match=r"LossNormalizationError.*per-micro-batch mean.*mb\.loss\(logits\)"):
+        _trainer(world, tmp_path).fit(MeanLossLM(), datamodule=StepDataModule("static"))
+
+
+def test_the_probed_ring_item_is_marked_on_every_member_and_only_there():
+    from lightning_bytescale.engine.micro_batch import probe_ring_item
+
+    ring = lambda item, ratio=0.0: [  # noqa: E731
+        MicroBatch([Piece(item, ((0, 2), (6, 8)))], ring=(0, 1), item=item, offload_ratio=ratio),
+        MicroBatch([Piece(item, ((2, 6),))], ring=(0, 1), item=item, offload_ratio=ratio),
+    ]
+    a, b, c = ring(0, ratio=0.5), ring(1), ring(2)
+    plan = Plan(
+        2,
+        8,
+        "hand",
+        (8, 8, 8, 3),
+        [[a[0], b[0], c[0], MicroBatch([Piece(3, ((0, 3),))])], [a[1], b[1], c[1]]],
+    )
+    assert probe_ring_item(plan) == 1  # the first ring item without offload
+    seqs = [torch.arange(n) for n in plan.lengths]
+    marked = [[mb.probe_ring for mb in build_step(plan, r, lambda j: seqs[j]).micro_batches] for r in (0, 1)]
+    assert marked == [[False, True, False, False], [False, True, False]]
+    local = Plan(1, 8, "hand", (3,), [[MicroBatch([Piece(0, ((0, 3),))])]])
+    assert probe_ring_item(local) is None
+
+
 def test_a_per_micro_batch_mean_stops_one_process(tmp_path, monkeypatch):
     import _strategy_helpers
 
