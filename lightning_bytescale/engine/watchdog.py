@@ -97,6 +97,7 @@ class StepWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._backstop_for: float | None = None  # the beat time the backstop timer is armed for
+        self._backstop_at: float | None = None  # when the armed backstop fires (monotonic seconds)
         self._armable = False  # the backstop may be armed: running, with backstop=True
 
     # -- the step's side: cheap --------------------------------------------------------------
@@ -109,9 +110,9 @@ class StepWatchdog:
         margin, so that ranks waiting for a stuck peer fail with the peer error, and the stuck
         rank's own watchdog names where it is stuck).
 
-        The first beat after :meth:`idle` (or :meth:`start`) also arms the backstop timer (tens
-        of microseconds, once per step): the thread may take the interpreter lock for good
-        before the watchdog thread runs again.
+        The first beat after :meth:`idle` (or :meth:`start`) also makes sure the backstop timer
+        is armed (the thread may take the interpreter lock for good before the watchdog thread
+        runs again); a timer armed for a recent step is kept (see :meth:`_arm_backstop`).
         """
         now = _monotonic()
         if timeout_s is None:
@@ -180,6 +181,14 @@ class StepWatchdog:
             self._arm_backstop(since, limit)
 
     def _arm_backstop(self, since: float, limit: float) -> None:
+        """Let the backstop fire about ``grace_s`` after this phase's limit.
+
+        Re-arming costs a thread (``faulthandler`` starts one per call), so a timer already
+        armed within half a grace of the wanted moment is kept: it still fires at least half a
+        grace after the limit (never before the watchdog itself) and at most half a grace late.
+        With steps shorter than that, the timer is re-armed about once per half grace, not once
+        per step.
+        """
         if not self.backstop or since == self._backstop_for:
             return
         stream = sys.__stderr__
@@ -187,14 +196,19 @@ class StepWatchdog:
             stream.fileno()  # type: ignore[union-attr]
         except (AttributeError, OSError, ValueError):
             return
-        remaining = since + limit + self.grace_s - _monotonic()
-        faulthandler.dump_traceback_later(max(remaining, self.poll_s), exit=True, file=stream)
-        self._backstop_for = since
+        at = since + limit + self.grace_s
+        if self._backstop_at is not None and abs(at - self._backstop_at) <= self.grace_s / 2:
+            self._backstop_for = since
+            return
+        now = _monotonic()
+        remaining = max(at - now, self.poll_s)
+        faulthandler.dump_traceback_later(remaining, exit=True, file=stream)
+        self._backstop_for, self._backstop_at = since, now + remaining
 
     def _disarm_backstop(self) -> None:
         if self._backstop_for is not None:
             faulthandler.cancel_dump_traceback_later()
-            self._backstop_for = None
+            self._backstop_for = self._backstop_at = None
 
     def message(
         self,

@@ -189,3 +189,27 @@ def test_a_phase_limit_must_be_positive(bad):
     dog = StepWatchdog(60, rank=0, backstop=False)
     with pytest.raises(ValueError, match="beat timeout_s must be positive"):
         dog.beat("forward", bad)
+
+
+def test_short_steps_keep_the_armed_backstop_instead_of_re_arming_it(monkeypatch):
+    """``faulthandler`` starts a thread per arming: steps shorter than half a grace reuse the timer."""
+    from lightning_bytescale.engine import watchdog as module
+
+    armed: list[float] = []
+    clock = [1000.0]
+    monkeypatch.setattr(module.faulthandler, "dump_traceback_later", lambda s, **kw: armed.append(s))
+    monkeypatch.setattr(module.faulthandler, "cancel_dump_traceback_later", lambda: None)
+    monkeypatch.setattr(module, "_monotonic", lambda: clock[0])
+    dog = StepWatchdog(60, rank=0, grace_s=20)
+    dog._armable = True  # as after start(), without the watchdog thread
+    for _ in range(40):  # 40 steps of 0.2 s: 8 s, less than half the grace
+        dog.beat("micro-batch 0")
+        clock[0] += 0.2
+        dog.idle()
+    assert armed == [80.0]  # armed once, for the first step's limit plus the grace
+    clock[0] += 3.0  # the next step starts 11 s after the armed one: more than half a grace
+    dog.beat("micro-batch 0")
+    assert armed == [80.0, 80.0]  # re-armed for this step
+    assert dog._backstop_at == clock[0] + 80.0
+    dog.beat("the gradient all-reduce", 600.0)  # a later beat in the step does not re-arm
+    assert len(armed) == 2
