@@ -31,6 +31,11 @@ configuration reports ``other_threads_ms``: the CPU of each rank's other threads
 run the asynchronous collectives there), which the main-thread figures do not see.  The
 machinery and other-thread figures are what the all-short wall-time ratio is made of when both
 sides run the same plan.
+
+Last, ``collective_cpu_ms`` times one gloo collective of each kind the HDP step issues (the
+plan-digest all-gather, the step's scalars, a first gradient bucket), alone and many times in a
+row, on 4 ranks sharing the 2 cores and on 2 ranks a core each: what a collective costs a rank in
+CPU, whatever it carries, when its ranks share cores.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import lightning.pytorch as pl
 import strategy_throughput as bench
 import torch
 import torch.distributed as dist
-from _common import run_parser
+from _common import free_port, init_gloo, run_parser, run_ranks, write_rank
 from lightning.pytorch.loops import fetchers
 from lightning.pytorch.loops import training_epoch_loop as epoch_loop
 from torch.nn.parallel import DistributedDataParallel
@@ -267,6 +272,56 @@ def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
+# one collective of each kind HDP's step issues, alone: (label, build) -> a callable that runs it once
+COLLECTIVES: dict[str, Callable[[int], Callable[[], None]]] = {
+    "plan-digest all-gather (4 int64 a rank)": lambda world: functools.partial(
+        lambda outs, mine: dist.all_gather(outs, mine, async_op=True).wait(),
+        [torch.zeros(4, dtype=torch.int64) for _ in range(world)],
+        torch.zeros(4, dtype=torch.int64),
+    ),
+    "step scalars all-reduce (256 float64)": lambda world: functools.partial(
+        lambda t: dist.all_reduce(t, async_op=True).wait(), torch.zeros(256, dtype=torch.float64)
+    ),
+    "first gradient bucket all-reduce (1 MiB float32)": lambda world: functools.partial(
+        lambda t: dist.all_reduce(t, async_op=True).wait(), torch.zeros(262144)
+    ),
+}
+
+
+def _collective_rank(rank: int, world: int, port: int, parts: str, calls: int) -> None:
+    torch.set_num_threads(1)
+    init_gloo(rank, world, port, 120.0)
+    row = {}
+    for label, build in COLLECTIVES.items():
+        once = build(world)
+        for _ in range(10):
+            once()
+        dist.barrier()
+        process0, thread0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
+        for _ in range(calls):
+            once()
+        process, thread = time.process_time() - process0, time.thread_time() - thread0
+        row[label] = {
+            "process_ms": 1e3 * process / calls,
+            "main_thread_ms": 1e3 * thread / calls,
+            "wall_ms": 1e3 * (time.perf_counter() - wall0) / calls,
+        }
+        dist.barrier()
+    dist.destroy_process_group()
+    write_rank(parts, "collective", rank, row)
+
+
+def collective_costs(world: int, calls: int = 200) -> dict[str, dict[str, float]]:
+    """CPU a rank spends on one gloo collective of each kind in :data:`COLLECTIVES`, issued
+    asynchronously and waited for at once, ``calls`` times in a row (mean over ranks)."""
+    with tempfile.TemporaryDirectory() as parts:
+        rows = run_ranks(_collective_rank, (world, free_port(), parts, calls), world, parts, "collective")
+    return {
+        label: {key: statistics.mean(r[label][key] for r in rows) for key in rows[0][label]}
+        for label in COLLECTIVES
+    }
+
+
 def main() -> None:
     args = run_parser(__doc__, "step_overhead", steps=24, warmup=4, rounds=2).parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -314,6 +369,13 @@ def main() -> None:
             for name in names
         },
     }
+    # what one collective costs a rank, alone: 4 ranks on the 2 cores as above, and 2 ranks a core each
+    result["collective_cpu_ms"] = {f"{w} ranks": collective_costs(w) for w in (bench.WORLD, 2)}
+    result["setup"]["collectives"] = (
+        "collective_cpu_ms: one gloo collective of each kind HDP's step issues, alone (asynchronous, waited "
+        "for at once, 200 in a row): CPU ms per call of a rank's process (all threads) and of its main "
+        "thread, and wall ms; mean over ranks; 4 ranks on the 2 cores, and 2 ranks a core each"
+    )
     ddp, hdp = result["ddp"]["groups_ms"], result["bytescale"]["groups_ms"]
     result["machinery_over_ddp_ms"] = hdp["machinery"] - ddp["machinery"]
     result["total_over_ddp"] = result["bytescale"]["total_ms"] / result["ddp"]["total_ms"]
@@ -325,6 +387,11 @@ def main() -> None:
             f"total {result[name]['total_ms']:.1f} ms, other threads {result[name]['other_threads_ms']:.1f} ms",
         )
     print(f"machinery over ddp: {result['machinery_over_ddp_ms']:.1f} ms/rank-step")
+    for ranks, costs in result["collective_cpu_ms"].items():
+        for label, c in costs.items():
+            print(
+                f"{ranks}: {label}: {c['process_ms']:.2f} ms CPU ({c['main_thread_ms']:.2f} main), {c['wall_ms']:.2f} ms wall"
+            )
 
 
 if __name__ == "__main__":

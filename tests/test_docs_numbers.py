@@ -225,6 +225,22 @@ def test_the_step_cpu_table_matches_its_results_file():
     )
 
 
+def test_the_collective_cost_table_matches_its_results_file():
+    """docs/benchmarks.md's table of one collective's CPU quotes ``step_overhead.json``'s ``collective_cpu_ms``."""
+    res = json.loads((ROOT / "benchmarks/results/step_overhead.json").read_text())["collective_cpu_ms"]
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    table = text[text.index("| collective | 4 ranks on 2 cores | 2 ranks, a core each |") :].split("\n\n")[0]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert set(rows) == set(res["4 ranks"]) == set(res["2 ranks"])
+    for label, line in rows.items():
+        cells = [c.strip() for c in line.split("|")[2:-1]]
+        want = [
+            f"{res[k][label]['process_ms']:.2f} ms ({res[k][label]['main_thread_ms']:.2f} ms main)"
+            for k in ("4 ranks", "2 ranks")
+        ]
+        assert cells == want, line
+
+
 def test_the_long_tail_planners_were_given_the_fitted_cost_model(results):
     # a user who ran bytescale-profile plans with its fit; the paper preset describes a GPU cluster
     assert "fitted" in results["setup"]["long_tail_cost_model"]

@@ -529,6 +529,54 @@ def _start_scalars(
     return _PendingScalars(flat, work, floats.numel(), counts.numel(), bits)
 
 
+class _CarriedScalars:
+    """The step's scalars as a tail of the last gradient bucket (``dtype``: its dtype), and back.
+
+    Summed in a float32 bucket, floats would lose what float32 cannot hold, so they travel
+    where each element has one writer: the loss in a slot per rank (like the reports; the extra
+    telemetry has one writer per element), each float64 value as a float32 pair ``hi + lo``
+    (exact for integers below 2**48, about 2**-48 relative otherwise; magnitudes outside
+    float32's range, below 1e-38 or above 3e38, read as 0 or inf), since adding the other
+    ranks' zeros changes neither.  The counts travel as limbs small enough to sum exactly
+    (:func:`_limb_bits`).  :meth:`decode` returns what :meth:`_PendingScalars.wait` does:
+    ``[loss sum | reports | extra | counts]`` in float64, the loss summed over ranks on the host.
+    """
+
+    def __init__(
+        self,
+        floats: list[torch.Tensor],
+        counts: torch.Tensor,
+        world: int,
+        rank: int,
+        dtype: torch.dtype | None,
+    ) -> None:
+        self.world, self.n_counts = world, counts.numel()
+        self.dtype = dtype if dtype in (torch.float32, torch.float64) else None
+        if self.dtype is None:
+            return
+        loss, *rest = floats
+        slots = torch.zeros(world, dtype=torch.float64)
+        slots[rank] = loss.reshape(())
+        values = torch.cat([slots, *(f.reshape(-1) for f in rest)])
+        self.n_values = values.numel()
+        parts = [values.to(self.dtype)]
+        if self.dtype != torch.float64:
+            parts.append((values - parts[0].to(torch.float64)).to(self.dtype))
+        self.bits = _limb_bits(self.dtype, world)
+        self.tail = torch.cat([*parts, _encode_counts(counts, self.bits).to(self.dtype)])
+
+    def decode(self, summed: torch.Tensor) -> torch.Tensor:
+        flat = summed.to("cpu", torch.float64)
+        pairs = 1 if self.dtype == torch.float64 else 2
+        n = self.n_values
+        values = flat[:n].clone()
+        if pairs == 2:
+            values += flat[n : 2 * n]
+        loss = values[: self.world].sum().reshape(1)
+        counts = _decode_counts(flat[pairs * n :], self.n_counts, self.bits)
+        return torch.cat([loss, values[self.world :], counts])
+
+
 def _is_nccl(group: dist.ProcessGroup | None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
 
@@ -664,11 +712,17 @@ def sync_step(
             grad_sync.finish()  # the buckets' all-reduces, started during the last backward
             reduced = _start_scalars(small, ints_in, group, device).wait()
         else:
-            # gloo: the groups progress independently, so the scalars' round trip runs while
-            # the last buckets are still being summed instead of after them
-            pending = _start_scalars(small, ints_in, group, device)
-            grad_sync.finish()
-            reduced = pending.wait()
+            carried = _CarriedScalars(floats, ints_in, world, me, grad_sync.carrier_dtype)
+            if carried.dtype is not None and grad_sync.can_carry(carried.tail.numel()):
+                # gloo: the scalars ride in the last bucket's all-reduce, one collective fewer
+                grad_sync.finish(carried.tail)
+                reduced = carried.decode(grad_sync.carried())
+            else:
+                # gloo: the groups progress independently, so the scalars' round trip runs while
+                # the last buckets are still being summed instead of after them
+                pending = _start_scalars(small, ints_in, group, device)
+                grad_sync.finish()
+                reduced = pending.wait()
     allreduce_s = time.perf_counter() - t0
     assert reduced is not None
     n_float = 1 + world * SLOT + (0 if extra is None else extra.numel())

@@ -496,8 +496,10 @@ class ByteScaleStrategy(ParallelStrategy):
             and self.world_size > 1
         ):
             # the bucket all-reduces' own group (created once, here, on every rank): they may be
-            # in flight while ring exchanges run point-to-point on the global group
-            self._grad_group = dist.new_group(backend=self._process_group_backend)
+            # in flight while ring exchanges run point-to-point on the global group.  It gets the
+            # global group's timeout (a new group's default is the backend's, 30 min on gloo), so a
+            # peer stuck before its last bucket fails the others as fast as one stuck elsewhere.
+            self._grad_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
         self._setup_lifecycle(trainer)
 
     def _setup_lifecycle(self, trainer: pl.Trainer) -> None:

@@ -297,8 +297,11 @@ def test_zero2_reduces_to_owners_instead_of_all_reducing(engine_reports):
             zero0 = engine_reports[rank]["cases"][f"{w}/0/bucketed/norm"]
             for calls in zero2["calls"]:  # one reduce per bucket; all-reduces: the scalars and the norm
                 assert calls == {"reduce": zero2["buckets"], "all_reduce": 2}, calls
-            for calls in zero0["calls"]:  # every bucket all-reduced, plus the scalars
-                assert calls == {"reduce": 0, "all_reduce": zero0["buckets"] + 1}, calls
+            assert len(zero0["calls"]) >= 2
+            for step, calls in enumerate(zero0["calls"]):
+                # every bucket all-reduced; the scalars on their own at the first step only (gloo:
+                # then they ride in the last bucket, engine.grad_sync's carrier)
+                assert calls == {"reduce": 0, "all_reduce": zero0["buckets"] + (step == 0)}, (step, calls)
 
 
 # ----------------------------------------------------------------------------- under a Trainer
