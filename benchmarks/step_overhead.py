@@ -272,19 +272,20 @@ def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
-# one collective of each kind HDP's step issues, alone: (label, build) -> a callable that runs it once
+def _digest_all_gather(world: int) -> Callable[[], None]:
+    outs, mine = [torch.zeros(4, dtype=torch.int64) for _ in range(world)], torch.zeros(4, dtype=torch.int64)
+    return lambda: dist.all_gather(outs, mine, async_op=True).wait()
+
+
+def _all_reduce_of(tensor: torch.Tensor) -> Callable[[int], Callable[[], None]]:
+    return lambda world: lambda: dist.all_reduce(tensor, async_op=True).wait()
+
+
+# one collective of each kind HDP's step issues, alone: label -> (world -> a callable that runs it once)
 COLLECTIVES: dict[str, Callable[[int], Callable[[], None]]] = {
-    "plan-digest all-gather (4 int64 a rank)": lambda world: functools.partial(
-        lambda outs, mine: dist.all_gather(outs, mine, async_op=True).wait(),
-        [torch.zeros(4, dtype=torch.int64) for _ in range(world)],
-        torch.zeros(4, dtype=torch.int64),
-    ),
-    "step scalars all-reduce (256 float64)": lambda world: functools.partial(
-        lambda t: dist.all_reduce(t, async_op=True).wait(), torch.zeros(256, dtype=torch.float64)
-    ),
-    "first gradient bucket all-reduce (1 MiB float32)": lambda world: functools.partial(
-        lambda t: dist.all_reduce(t, async_op=True).wait(), torch.zeros(262144)
-    ),
+    "plan-digest all-gather (4 int64 a rank)": _digest_all_gather,
+    "step scalars all-reduce (256 float64)": _all_reduce_of(torch.zeros(256, dtype=torch.float64)),
+    "first gradient bucket all-reduce (1 MiB float32)": _all_reduce_of(torch.zeros(262144)),
 }
 
 

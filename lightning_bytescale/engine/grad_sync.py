@@ -261,9 +261,8 @@ class BucketedGradSync:
     def prepare(self) -> None:
         """Point every gradient at its (zeroed) bucket view; an existing gradient is kept as its value."""
         if self.carrier is not None and self._grow_to > self.carrier.reserve:
-            self.carrier.reserve = (
-                self._grow_to
-            )  # room for the tail: a new buffer (the gradients are copied over)
+            # room for the tail: a new buffer below (the gradients are copied over)
+            self.carrier.reserve = self._grow_to
             self.carrier.buffer = None
         self._carried = 0
         for bucket in self.buckets:
@@ -284,7 +283,8 @@ class BucketedGradSync:
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                 p.grad = view
-            bucket.buffer[bucket.numel :].zero_()  # a carried tail's room
+            if bucket.reserve:
+                bucket.buffer[bucket.numel :].zero_()  # a carried tail's room
         self._produced = set()
         self._ready = [set() for _ in self.buckets]
         self._next = 0

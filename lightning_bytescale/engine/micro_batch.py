@@ -213,9 +213,13 @@ def probe_ring_item(plan: Plan) -> int | None:
     with the lowest id without offload.  A plan whose micro-batches are all rings (``static``)
     is checked that way, not only through local micro-batches.
     """
-    items = [mb.item for mbs in plan.ranks for mb in mbs if mb.ring is not None and mb.offload_ratio == 0]
-    items = [i for i in items if i is not None]
-    return min(items) if items else None
+    items = [
+        mb.item
+        for mbs in plan.ranks
+        for mb in mbs
+        if mb.ring is not None and mb.offload_ratio == 0 and mb.item is not None
+    ]
+    return min(items, default=None)
 
 
 def plan_digest(plan: Plan) -> str:
