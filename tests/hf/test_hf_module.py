@@ -149,8 +149,10 @@ def test_load_a_local_checkpoint_and_save_it_back(tmp_path):
     want = source.model.state_dict()
     for name, value in loaded.model.state_dict().items():
         assert torch.equal(value, want[name]), name
+    # the weights are a copy (bitwise above); the forwards run the same weights through BLAS
+    # kernels whose path can depend on memory alignment, so they agree to float64 rounding
     ids, pos = torch.randint(0, VOCAB, (7,)), torch.tensor([0, 1, 2, 0, 1, 2, 3])
-    assert torch.equal(loaded(ids, pos), source(ids, pos))
+    torch.testing.assert_close(loaded(ids, pos), source(ids, pos), rtol=1e-12, atol=1e-14)
 
 
 def test_empty_build_has_the_loaded_structure(tmp_path):
