@@ -18,7 +18,7 @@ about a given build.  So each is read from the installed torch itself:
   refuses a schema of another shape (a kernel reported unavailable with the reason, never a
   ``TypeError`` in the middle of a step).
 
-Everything is cached: a detection runs once per process.
+Detections are cached (the signature per function object, the schemas per op).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 import torch
@@ -82,10 +82,10 @@ def op_problem(adapter: str) -> str | None:
     if schema is None:
         return f"this torch has no aten.{ATEN_OPS[adapter]}"
     if len(schema.positional) != POSITIONAL[adapter] or not schema.keywords >= KEYWORDS:
+        shown = ", ".join([*schema.positional, *(["*", *sorted(schema.keywords)] if schema.keywords else [])])
         return (
-            f"this torch's {schema.name} takes ({', '.join(schema.positional)}; *, "
-            f"{', '.join(sorted(schema.keywords))}), not the {POSITIONAL[adapter]} positional arguments "
-            f"and keywords {sorted(KEYWORDS)} the adapter was written for"
+            f"this torch's {schema.name} takes ({shown}), not the {POSITIONAL[adapter]} positional arguments "
+            f"and the keywords {sorted(KEYWORDS)} the adapter passes"
         )
     return None
 
@@ -101,26 +101,35 @@ def bind(adapter: str, positional: Sequence[Any], **keywords: Any) -> dict[str, 
 
 
 @cache
-def varlen_attn() -> Callable[..., torch.Tensor] | None:
-    """``torch.nn.attention.varlen.varlen_attn``, or ``None`` when this torch has none."""
+def _varlen_module() -> Any:
     try:
-        module = importlib.import_module("torch.nn.attention.varlen")
+        return importlib.import_module("torch.nn.attention.varlen")
     except ImportError:
         return None
-    return getattr(module, "varlen_attn", None)
 
 
-@cache
-def varlen_attn_keywords() -> frozenset[str]:
-    """The keyword arguments the installed ``varlen_attn`` takes (empty when there is none)."""
-    fn = varlen_attn()
-    if fn is None:
-        return frozenset()
+def varlen_attn() -> Callable[..., torch.Tensor] | None:
+    """``torch.nn.attention.varlen.varlen_attn``, or ``None`` when this torch has none.
+
+    Looked up at each call (an attribute read), so the function in the module is the one used.
+    """
+    module = _varlen_module()
+    return None if module is None else getattr(module, "varlen_attn", None)
+
+
+@lru_cache(maxsize=8)
+def _keywords(fn: Callable[..., Any]) -> frozenset[str]:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return frozenset()
     return frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def varlen_attn_keywords() -> frozenset[str]:
+    """The keyword arguments the installed ``varlen_attn`` takes (empty when there is none)."""
+    fn = varlen_attn()
+    return frozenset() if fn is None else _keywords(fn)
 
 
 def varlen_attn_problem() -> str | None:
