@@ -40,6 +40,7 @@ from typing import ClassVar
 from unittest import mock
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -199,11 +200,23 @@ def _index(x: torch.Tensor, index) -> torch.Tensor:
     return x
 
 
+# What a CUDA device guard raises without a GPU: a CPU build has no CUDA guard at all; a CUDA
+# build (torch 2.11 +cu130 on a CPU machine) finds no driver.
+_GUARD_ERRORS = ("not linked with support for cuda", "CUDA driver", "NVIDIA driver", "no CUDA GPUs")
+
+
+def _is_guard_error(err: RuntimeError) -> bool:
+    return isinstance(err, getattr(torch, "AcceleratorError", ())) or any(
+        s in str(err) for s in _GUARD_ERRORS
+    )
+
+
 class _DeviceGuards(TorchFunctionMode):
     """Python bindings that take a CUDA device guard before they dispatch, made to work on fake CUDA.
 
-    A CPU build cannot give that guard ("not linked with support for cuda devices"): indexing,
-    ``copy_`` and a few operators take one.  Indexing and ``copy_`` run as their aten ops
+    Without a GPU that guard fails (a CPU build: "not linked with support for cuda devices"; a
+    CUDA build: no driver): indexing, ``copy_`` and a few operators take one.  Indexing and
+    ``copy_`` run as their aten ops
     (``copy_`` so that its host-device copies are still counted); any other binding that fails
     so runs on meta twins of its fake CUDA arguments, its fake outputs made CUDA again (fake
     tensors hold no data, so only shapes, dtypes and devices matter).
@@ -228,9 +241,7 @@ class _DeviceGuards(TorchFunctionMode):
         try:
             return func(*args, **kwargs)
         except RuntimeError as err:
-            if "not linked with support for cuda" not in str(err):
-                raise
-            if not any(_is_cuda(x) for x in tree_leaves((args, kwargs))):
+            if not _is_guard_error(err) or not any(_is_cuda(x) for x in tree_leaves((args, kwargs))):
                 raise
         args, kwargs = tree_map_only(
             FakeTensor, lambda t: self._twin(t, META) if _is_cuda(t) else t, (args, kwargs)
@@ -281,6 +292,9 @@ def fake_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[FakeCuda]:
                 cuda_kernels, "flash_attn_status", lambda: "flash-attn is not installed (fake CUDA)"
             ),
             mock.patch.object(comm, "comm_stream", lambda device: None),
+            # a fake CUDA tensor first makes a real one where CUDA "is available" (a CUDA build
+            # without a GPU, as torch 2.11 +cu130 here, would look for a driver)
+            mock.patch.object(fake_tensor, "init_gpu_context", lambda device: None),
         ]
         for p in patches:
             stack.enter_context(p)
