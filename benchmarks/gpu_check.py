@@ -920,7 +920,7 @@ SECTIONS: dict[str, Callable[[Report, torch.device, Sizes], None]] = {
 }
 
 
-def run(dry_run: bool, out: Path, only: list[str] | None = None, budget_s: float = 420.0) -> Report:
+def run(dry_run: bool, out: Path, only: list[str] | None = None, budget_s: float = 360.0) -> Report:
     """Run the sections in order; the JSON is rewritten after every subsection."""
     device = torch.device("cpu") if dry_run else torch.device("cuda", torch.cuda.current_device())
     sizes = DRY if dry_run else GPU
@@ -971,7 +971,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only", default="", help=f"comma-separated sections to run (default: all of {', '.join(SECTIONS)})"
     )
     ap.add_argument(
-        "--budget-s", type=float, default=420.0, help="skip subsections that would start after this"
+        "--budget-s", type=float, default=360.0, help="skip subsections that would start after this"
     )
     args = ap.parse_args(argv)
     problem = _package_problem()

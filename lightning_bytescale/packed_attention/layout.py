@@ -42,6 +42,8 @@ def _ints(values: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
 
 @dataclass
 class AttentionLayout:
+    """Where each sequence of a packed micro-batch sits, and its ring: host metadata (no tensor)."""
+
     # slot boundaries of each sequence in the packed tensor, n + 1 host ints (a tensor or any
     # sequence of ints is accepted and stored as a tuple)
     cu_seqlens: tuple[int, ...]

@@ -29,7 +29,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 # Runs a script with the modules a GPU machine lacks unimportable (a finder that refuses them).
 WITHOUT = """
 import importlib.abc, runpy, sys
-MISSING = {"hydra", "omegaconf", "wandb", "xxhash", "matplotlib"}
+MISSING = {"hydra", "omegaconf", "wandb", "xxhash", "matplotlib", "requests", "urllib3"}
 class Missing(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in MISSING:
