@@ -105,3 +105,13 @@ def run_parser(doc: str, name: str, *, steps: int, warmup: int, rounds: int) -> 
     )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / f"{name}.json"))
     return parser
+
+
+# A Trainer that only trains: no logger, checkpoints, progress bar, summary or sampler swap.
+QUIET_TRAINER = dict(
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    use_distributed_sampler=False,
+)

@@ -1,31 +1,43 @@
-"""One-GPU check of what CPU tests cannot see: the strategy under a CUDA Trainer, ring kernels, offload.
+"""One-GPU check of what CPU tests cannot see: kernels, host syncs, ring accuracy and speed, the Trainer, offload.
 
-Writes one JSON (``--out``) with four sections; each catches its own exception and records
-it, so one failing section does not lose the others:
+Run from the repository root, on a machine with torch, Lightning and numpy (and the pure-Python
+wheels of docs/install.md): the package is imported from this repository, not from what is
+installed.
 
+    python benchmarks/gpu_check.py                            # writes benchmarks/results/gpu_check.json
+    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check.json   # CPU, tiny sizes (CI)
+
+Sections, each made of subsections; a subsection that fails records its error and traceback
+next to what it had measured before it, and the others still run; the JSON is rewritten after
+every subsection, so a run cut short keeps what it finished:
+
+* ``kernels``: the torch features detected (``torch_features.report()``), the ring block kernel
+  ``select_kernel`` picks and the local kernel ``local_kernel`` picks for each dtype;
+* ``ring``: loopback rings (all members on this GPU, the P2P code path with in-memory transfers
+  on the communication stream) of 2, 4, 8 in bfloat16 / float32 / float64 against a dense
+  float64 reference; ring-flash-attention's reference varlen case (5 heads, head size 128,
+  ``cu_seqlens = [0, 128, 1248, 4240]``, bfloat16) against float64 and against local attention
+  on the same inputs, with the tolerances in :data:`REFERENCE_TOLERANCE`; throughput as a
+  fraction of local attention on the same tokens (one causal sequence, N x 8K tokens, forward
+  and backward; goal 0.85);
+* ``host_syncs``: host-device synchronisations counted (``torch.cuda.set_sync_debug_mode("warn")``)
+  in local attention and in the ring loop, forward and backward (goal and check: 0), and in one
+  whole micro-batch of our Llama under bf16 autocast after the strategy's ``batch_to_device``
+  (recorded with where they come from: torch's own kernels may synchronise);
 * ``trainer``: ``Trainer(strategy="bytescale", accelerator="gpu", devices=1)`` fits 20 steps
   in ``bf16-mixed`` (loss finite and falling) and in ``64-true``, where parameters must match
-  an independent single-process float64 loop (whole sequences, plain causal SDPA, the same
-  initial weights, SGD with momentum) to 1e-10; and the gradient finiteness flag (max-abs
-  norm) on NaN, inf and huge finite values in three dtypes, with no host synchronisation;
-* ``ring``: ring attention through the loopback ring (all members on this GPU, the P2P code
-  path with in-memory transfers on the communication stream), N = 2, 4, 8, in bfloat16 /
-  float32 / float64, max error of output and input gradients against a dense float64
-  reference; throughput as a fraction of local attention on the same tokens (one causal
-  sequence, N x 8K tokens, forward + backward; goal 0.85); and whether the ring loop runs
-  without a host synchronisation (``torch.cuda.set_sync_debug_mode("error")``);
-* ``offload``: activation offload on CUDA through ``benchmarks/gpu_offload_overlap.py``
-  (imported): gradients bit-identical to no offload at r = 0.25 / 0.5 / 1.0, raw copy/compute
-  overlap, step time and peak memory against r;
-* ``flash_attn``: flash-attn's kernels against PyTorch's (accuracy and time of one varlen
-  block, and the ring's throughput with each), or ``{"skipped": "flash-attn not installed"}``.
+  an independent single-process float64 loop to 1e-10; the gradient finiteness flag on NaN,
+  inf and huge values with no host synchronisation; and a larger Llama in ``bf16-mixed`` with
+  its MFU (``TelemetryCallback``: model FLOPs over step time and the device's peak);
+* ``offload``: activation offload on CUDA through ``benchmarks/gpu_offload_overlap.py``:
+  gradients bit-identical to no offload, raw copy/compute overlap, step time and peak memory
+  against the ratio;
+* ``flash_attn``: flash-attn's kernels against PyTorch's, or ``skipped`` when not installed.
 
-``--dry-run`` runs every section on the CPU with tiny sizes through the same code
-(``accelerator="cpu"``, the ``cpu`` block kernel); CUDA-only measurements are recorded as
-skipped.  It is what CI runs.
-
-    python benchmarks/gpu_check.py --out $OUT/gpu_check.json
-    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check.json
+Exit status: 0 when every section passed, 1 when one did not (an error, a check not met, or a
+subsection the time budget cut), 2 when the package cannot be imported or CUDA is missing.
+``--dry-run`` runs every section's code on the CPU with tiny sizes (``accelerator="cpu"``, the
+``cpu`` block kernel); what only CUDA can measure is recorded as skipped.
 """
 
 from __future__ import annotations
@@ -36,20 +48,24 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for gpu_offload_overlap
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the package of this repository, whatever else is installed
+sys.path.insert(1, str(ROOT / "benchmarks"))  # gpu_offload_overlap
 
-RESULTS = Path(__file__).resolve().parent / "results" / "gpu_check.json"
+RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
 
 
 @dataclass(frozen=True)
@@ -65,14 +81,109 @@ class Sizes:
     speed_heads: tuple[int, int, int]
     iters: int
     offload_lengths: tuple[int, ...]
+    reference_cu: tuple[int, ...]  # ring-flash-attention's varlen case
+    reference_heads: tuple[int, int]  # heads (key/value heads too), head size
+    mfu_preset: str
+    mfu_layers: int
+    mfu_capacity: int
+    mfu_steps: int
 
 
-GPU = Sizes(20, 1024, "small", (1531, 403, 64), (8, 2, 64), 8192, (32, 8, 128), 5, (4096, 16384))
-DRY = Sizes(4, 64, "tiny", (45, 13), (4, 2, 16), 64, (4, 2, 16), 1, ())
+GPU = Sizes(
+    20, 1024, "small", (1531, 403, 64), (8, 2, 64), 8192, (32, 8, 128), 5, (4096, 16384),
+    (0, 128, 1248, 4240), (5, 128), "1b", 8, 8192, 12,
+)  # fmt: skip
+DRY = Sizes(
+    4, 64, "tiny", (45, 13), (4, 2, 16), 64, (4, 2, 16), 1, (),
+    (0, 8, 78, 265), (5, 32), "tiny", 2, 64, 3,
+)  # fmt: skip
 RING_SIZES = (2, 4, 8)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 # float64: absolute error; bfloat16 / float32: error relative to the reference's largest magnitude
 TOLERANCE = {"bfloat16": 3e-2, "float32": 1e-3, "float64": 1e-10}
+# The reference varlen case in bfloat16, errors relative to the float64 reference's largest
+# magnitude.  A bf16 block output is rounded once per ring step (2**-8 relative) and merged in
+# float32, so the ring may sit a few roundings from float64, no more: out 2e-2, gradients 4e-2.
+# Against local attention on the same bf16 inputs (the one-device baseline the ring replaces),
+# the ring's own error may exceed local attention's by at most LOCAL_MARGIN x, plus 2e-3.
+# (ring-flash-attention's test prints these differences without thresholds.)
+REFERENCE_TOLERANCE = {"out": 2e-2, "dq": 4e-2, "dk": 4e-2, "dv": 4e-2}
+LOCAL_MARGIN = 2.0
+GOAL_FRACTION_OF_LOCAL = 0.85
+
+
+# ----------------------------------------------------------------------------- the report
+class Report:
+    """The JSON report: sections of subsections, rewritten after every subsection."""
+
+    def __init__(self, out: Path, header: dict, budget_s: float) -> None:
+        self.out, self.data, self.budget_s = out, dict(header), budget_s
+        self.start = time.perf_counter()
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+    def save(self) -> None:
+        self.data["wall_s"] = self.elapsed()
+        self.out.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+
+    def section(self, name: str) -> Section:
+        return Section(self, name)
+
+    def failed(self) -> list[str]:
+        """Sections that did not pass."""
+        return [name for name, sec in self.data.items() if isinstance(sec, dict) and sec.get("ok") is False]
+
+
+class Section:
+    """One section: its subsections run in order, each catching its own exception."""
+
+    def __init__(self, report: Report, name: str) -> None:
+        self.report, self.name = report, name
+        self.data: dict = report.data.setdefault(name, {})
+        self.t0 = time.perf_counter()
+
+    def run(self, name: str, fn: Callable[[Sub], None]) -> dict:
+        sub = Sub(self.report, self.data.setdefault(name, {}))
+        t0 = time.perf_counter()
+        if self.report.over_budget():
+            sub.out.update(
+                ok=False,
+                skipped=f"the time budget of {self.report.budget_s:.0f} s was spent before it started",
+            )
+        else:
+            try:
+                fn(sub)
+            except Exception as err:  # recorded next to what was measured; the next subsection runs
+                sub.out.update(
+                    ok=False, error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc()
+                )
+        sub.out["seconds"] = time.perf_counter() - t0
+        self.close()
+        status = sub.out.get("ok", "recorded")
+        print(f"[gpu_check] {self.name}.{name}: ok={status} in {sub.out['seconds']:.1f} s", flush=True)
+        return sub.out
+
+    def close(self) -> None:
+        subs = [v for v in self.data.values() if isinstance(v, dict)]
+        self.data["ok"] = all(s.get("ok", True) is not False for s in subs)
+        self.data["seconds"] = time.perf_counter() - self.t0
+        self.report.save()
+
+
+class Sub:
+    """What one subsection writes into: ``out``, with ``append`` saving the report after each row."""
+
+    def __init__(self, report: Report, out: dict) -> None:
+        self.report, self.out = report, out
+
+    def append(self, key: str, row: dict) -> None:
+        self.out.setdefault(key, []).append(row)
+        self.report.save()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -117,6 +228,332 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return _max_err(a, b) / max(float(b.detach().abs().max()), 1e-300)
 
 
+def _random(shapes, device: torch.device, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Normal tensors of ``shapes`` in ``dtype``, drawn on ``device`` (float64 draws for float64)."""
+    g = torch.Generator(device).manual_seed(seed)
+    draw = torch.float64 if dtype == torch.float64 else torch.float32
+    return [torch.randn(*s, generator=g, dtype=draw, device=device).to(dtype) for s in shapes]
+
+
+def count_host_syncs(fn: Callable[[], None], device: torch.device) -> dict:
+    """Host-device synchronisations in ``fn`` (after one warm-up run), from CUDA's sync debug mode.
+
+    On CPU ``fn`` runs (its code is exercised) and nothing is counted.
+    """
+    fn()
+    if device.type != "cuda":
+        return {"skipped": "counted on CUDA only (dry run)"}
+    _sync(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    _sync(device)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+    return {"count": len(syncs), "where": where[:20]}
+
+
+# ----------------------------------------------------------------------------- kernels
+def kernels_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    section = report.section("kernels")
+
+    def detected(sub: Sub) -> None:
+        from lightning_bytescale.packed_attention import torch_features
+        from lightning_bytescale.packed_attention.cuda_kernels import flash_attn_status
+
+        sub.out.update(torch_features.report())
+        status = flash_attn_status()
+        sub.out["flash_attn"] = status if isinstance(status, str) else "installed"
+        if device.type == "cuda":
+            sub.out["capability"] = list(torch.cuda.get_device_capability(device))
+
+    def chosen(sub: Sub) -> None:
+        from lightning_bytescale.packed_attention import select_kernel
+        from lightning_bytescale.packed_attention.local import local_kernel
+
+        dim = sizes.reference_heads[1]
+        for name, dtype in {"float16": torch.float16, **DTYPES}.items():
+            q = torch.empty(8, 2, dim, device=device, dtype=dtype)
+            sub.append(
+                "choices",
+                {"dtype": name, "ring": select_kernel(device, dtype, dim), "local": local_kernel(q)},
+            )
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+            by = {c["dtype"]: c for c in sub.out["choices"]}
+            sub.out["ok"] = (
+                by["bfloat16"]["ring"] in ("flash_attn", "flash")
+                and by["bfloat16"]["local"] in ("flash_attn", "varlen")
+                and by["float32"]["ring"] == "efficient"
+            )
+
+    section.run("detected", detected)
+    section.run("chosen", chosen)
+
+
+# ----------------------------------------------------------------------------- ring
+def _ring_errors(device: torch.device, sizes: Sizes, n: int, dtype_name: str) -> dict:
+    from lightning_bytescale.packed_attention import loopback_ring_attention, select_kernel
+    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard, zigzag_unshard
+
+    dtype = DTYPES[dtype_name]
+    heads, kv_heads, dim = sizes.error_heads
+    lens = sizes.error_lens
+    t = sum(lens)
+    low = _random(
+        [(t, heads, dim), (t, kv_heads, dim), (t, kv_heads, dim), (t, heads, dim)], device, dtype, n
+    )
+    # the reference sees the same rounded inputs, in float64
+    ref_in = [x.detach().double().clone().requires_grad_() for x in low[:3]]
+    ref_out = dense_attention(*ref_in, lens)
+    ref_grads = torch.autograd.grad(ref_out, ref_in, low[3].double())
+    layouts = ring_layouts(lens, n)
+    parts = [[p.requires_grad_() for p in zigzag_shard(x, layouts)] for x in low[:3]]
+    outs = loopback_ring_attention(*parts, layouts)
+    torch.autograd.backward(outs, zigzag_shard(low[3], layouts))
+    got = [zigzag_unshard(outs, layouts)] + [zigzag_unshard([p.grad for p in ps], layouts) for ps in parts]
+    pairs = list(zip(("out", "dq", "dk", "dv"), got, (ref_out, *ref_grads)))
+    errs = {name: _max_err(a, b) for name, a, b in pairs}
+    rel = {name: _rel_err(a, b) for name, a, b in pairs}
+    judged = errs if dtype == torch.float64 else rel
+    return {
+        "ring": n,
+        "dtype": dtype_name,
+        "kernel": select_kernel(device, dtype, dim),
+        "seq_lens": list(lens),
+        "max_err": errs,
+        "rel_err": rel,
+        "tolerance": TOLERANCE[dtype_name],
+        "judged_on": "max_err" if dtype == torch.float64 else "rel_err",
+        "ok": max(judged.values()) <= TOLERANCE[dtype_name],
+    }
+
+
+def _reference_case(device: torch.device, sizes: Sizes, rings: tuple[int, ...], sub: Sub) -> None:
+    """ring-flash-attention's varlen case: float64 and local attention on the same bf16 inputs as references."""
+    from lightning_bytescale.packed_attention import (
+        AttentionLayout,
+        attention,
+        attention_context,
+        loopback_ring_attention,
+        select_kernel,
+    )
+    from lightning_bytescale.packed_attention.local import local_kernel
+    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard, zigzag_unshard
+
+    cu = sizes.reference_cu
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    heads, dim = sizes.reference_heads
+    t = cu[-1]
+    q, k, v, dout = _random([(t, heads, dim)] * 4, device, torch.bfloat16, 4240)
+    names = ("out", "dq", "dk", "dv")
+
+    def grads_of(run, dtype: torch.dtype) -> list[torch.Tensor]:
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out = run(*leaves)
+        out.backward(dout.to(dtype))
+        return [out.detach(), *(x.grad for x in leaves)]
+
+    # the same bf16 inputs, in float64 (gradients in float64 too) and through local attention
+    ref = grads_of(lambda *x: dense_attention(*x, lens), torch.float64)
+
+    def local_run(*x):
+        with attention_context(AttentionLayout(cu, tuple(lens))):
+            return attention(*x)
+
+    local = grads_of(local_run, torch.bfloat16)
+    local_err = {n: _rel_err(a, b) for n, a, b in zip(names, local, ref)}
+    sub.out.update(
+        cu_seqlens=list(cu),
+        heads=heads,
+        head_dim=dim,
+        dtype="bfloat16",
+        tolerance=REFERENCE_TOLERANCE,
+        local_margin=LOCAL_MARGIN,
+        local={"kernel": local_kernel(q), "rel_err_vs_float64": local_err},
+    )
+    for n in rings:
+        layouts = ring_layouts(lens, n)
+        parts = [[p.requires_grad_() for p in zigzag_shard(x, layouts)] for x in (q, k, v)]
+        outs = loopback_ring_attention(*parts, layouts)
+        torch.autograd.backward(outs, zigzag_shard(dout, layouts))
+        got = [zigzag_unshard(outs, layouts).detach()] + [
+            zigzag_unshard([p.grad for p in ps], layouts) for ps in parts
+        ]
+        err = {name: _rel_err(a, b) for name, a, b in zip(names, got, ref)}
+        vs_local = {name: _rel_err(a, b) for name, a, b in zip(names, got, local)}
+        ok = all(
+            err[name] <= REFERENCE_TOLERANCE[name] and err[name] <= LOCAL_MARGIN * local_err[name] + 2e-3
+            for name in names
+        )
+        row = {
+            "ring": n,
+            "kernel": select_kernel(device, torch.bfloat16, dim),
+            "rel_err_vs_float64": err,
+            "rel_diff_vs_local": vs_local,
+            "ok": ok,
+        }
+        sub.append("rings", row)
+    sub.out["ok"] = all(r["ok"] for r in sub.out["rings"])
+
+
+def _ring_speed(
+    device: torch.device, sizes: Sizes, n: int, dtype: torch.dtype, impl: str | None = None
+) -> dict:
+    from lightning_bytescale.packed_attention import attention, loopback_ring_attention, select_kernel
+    from lightning_bytescale.packed_attention.local import local_kernel
+    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard
+
+    heads, kv_heads, dim = sizes.speed_heads
+    total = n * sizes.tokens_per_member
+    q, k, v, dout = _random(
+        [(total, heads, dim), (total, kv_heads, dim), (total, kv_heads, dim), (total, heads, dim)],
+        device,
+        dtype,
+        0,
+    )
+    layouts = ring_layouts([total], n)
+    parts = [zigzag_shard(x, layouts) for x in (q, k, v)]
+    douts = zigzag_shard(dout, layouts)
+
+    def local() -> None:
+        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+        attention(qq, kk, vv).backward(dout)
+
+    def ring() -> None:
+        ps = [[p.detach().requires_grad_() for p in xs] for xs in parts]
+        torch.autograd.backward(loopback_ring_attention(*ps, layouts, impl=impl), douts)
+
+    t_local = _timed(local, device, sizes.iters)
+    t_ring = _timed(ring, device, sizes.iters)
+    flops = 2 * 2 * total * total * heads * dim / 2 * 3.5  # causal: half the scores; fwd 1 + bwd 2.5
+    return {
+        "ring": n,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokens_per_member": sizes.tokens_per_member,
+        "heads": [heads, kv_heads, dim],
+        "ring_kernel": impl or select_kernel(device, dtype, dim),
+        "local_kernel": local_kernel(q),
+        "local_s": t_local,
+        "ring_s": t_ring,
+        "fraction_of_local": t_local / t_ring,
+        "ring_tflops": flops / t_ring / 1e12,
+        "local_tflops": flops / t_local / 1e12,
+    }
+
+
+def ring_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    section = report.section("ring")
+
+    def errors(sub: Sub) -> None:
+        for n in RING_SIZES:
+            for name in DTYPES:
+                sub.append("cases", _ring_errors(device, sizes, n, name))
+        sub.out["ok"] = all(c["ok"] for c in sub.out["cases"])
+
+    def throughput(sub: Sub) -> None:
+        speed_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        sub.out["goal_fraction_of_local"] = GOAL_FRACTION_OF_LOCAL
+        for n in RING_SIZES:
+            if report.over_budget():
+                sub.out.update(ok=False, cut=f"the time budget was spent before ring {n}")
+                return
+            sub.append("rings", _ring_speed(device, sizes, n, speed_dtype))
+        sub.out["meets_goal"] = all(
+            r["fraction_of_local"] >= GOAL_FRACTION_OF_LOCAL for r in sub.out["rings"]
+        )
+
+    section.run("errors", errors)
+    section.run("reference_varlen", lambda sub: _reference_case(device, sizes, RING_SIZES, sub))
+    section.run("throughput", throughput)
+
+
+# ----------------------------------------------------------------------------- host syncs
+def host_syncs_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    from lightning_bytescale.packed_attention import (
+        AttentionLayout,
+        attention,
+        attention_context,
+        loopback_ring_attention,
+    )
+    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard
+
+    section = report.section("host_syncs")
+    heads, kv_heads, dim = sizes.error_heads
+    half = torch.bfloat16
+    lens = list(sizes.error_lens)
+
+    def local_attention(sub: Sub) -> None:
+        t = sum(lens)
+        q, k, v = _random([(t, heads, dim), (t, kv_heads, dim), (t, kv_heads, dim)], device, half, 1)
+        layout = AttentionLayout((0, *torch.tensor(lens).cumsum(0).tolist()), tuple(lens))
+
+        def run() -> None:
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            with attention_context(layout):
+                out = attention(*leaves)
+            out.backward(torch.ones_like(out))
+
+        sub.out.update(count_host_syncs(run, device), goal=0)
+        if "count" in sub.out:
+            sub.out["ok"] = sub.out["count"] == 0
+
+    def ring_loop(sub: Sub) -> None:
+        layouts = ring_layouts(lens, 4)
+        t = sum(lens)
+        full = _random([(t, heads, dim), (t, kv_heads, dim), (t, kv_heads, dim)], device, half, 2)
+        parts = [zigzag_shard(x, layouts) for x in full]
+
+        def run() -> None:
+            ps = [[p.detach().requires_grad_() for p in xs] for xs in parts]
+            outs = loopback_ring_attention(*ps, layouts)
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+        sub.out.update(count_host_syncs(run, device), goal=0, ring=4)
+        if "count" in sub.out:
+            sub.out["ok"] = sub.out["count"] == 0
+
+    def micro_batch(sub: Sub) -> None:
+        from lightning_bytescale import ByteScaleStrategy
+        from lightning_bytescale.engine.executor import run_micro_batch
+        from lightning_bytescale.engine.micro_batch import build_step
+        from lightning_bytescale.models import LlamaConfig, LlamaModel
+        from lightning_bytescale.planner import make_plan
+
+        cfg = LlamaConfig.preset(sizes.preset)
+        torch.manual_seed(0)
+        model = LlamaModel(cfg).to(device)
+        seqs = _sequences(0, cfg.vocab, sizes.capacity)
+        plan = make_plan([len(s) for s in seqs], world_size=1, capacity=sizes.capacity)
+        step = ByteScaleStrategy().batch_to_device(build_step(plan, 0, lambda j: seqs[j]), device)
+        mb = step.micro_batches[0]
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+        def run() -> None:
+            with autocast:
+                run_micro_batch(model, mb)
+
+        layout = mb.layout
+        sub.out.update(
+            count_host_syncs(run, device),
+            sequences=len(layout.seq_lens),
+            tokens=layout.num_slots,
+            layout_on_host=isinstance(layout.cu_seqlens, tuple),
+            note="forward and backward of one micro-batch; torch's own kernels (embedding backward) may synchronise",
+        )
+        sub.out["ok"] = sub.out["layout_on_host"]
+        if "count" in sub.out:
+            sub.out["meets_goal"] = sub.out["count"] == 0
+
+    section.run("local_attention", local_attention)
+    section.run("ring_loop", ring_loop)
+    section.run("micro_batch", micro_batch)
+
+
 # ----------------------------------------------------------------------------- trainer
 def _sequences(step: int, vocab: int, capacity: int) -> list[torch.Tensor]:
     """Learnable sequences (arithmetic progressions mod vocab), lengths up to ``capacity``."""
@@ -131,35 +568,25 @@ def _sequences(step: int, vocab: int, capacity: int) -> list[torch.Tensor]:
     return out
 
 
-def trainer_section(device: torch.device, sizes: Sizes) -> dict:
+def _fit(device: torch.device, cfg, init, *, steps: int, capacity: int, precision: str, callbacks=()):
+    """``Trainer(strategy=ByteScaleStrategy)`` on one device; the LightningModule, with its losses."""
     import lightning.pytorch as pl
+    from _common import QUIET_TRAINER  # benchmarks/_common.py
     from torch.utils.data import Dataset
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from lightning_bytescale import ByteScaleStrategy, token_loss
     from lightning_bytescale.engine.micro_batch import build_step
-    from lightning_bytescale.models import LlamaConfig, LlamaModel
+    from lightning_bytescale.models import LlamaModel
     from lightning_bytescale.planner import make_plan
-
-    cfg = LlamaConfig.preset(sizes.preset)
-    torch.manual_seed(0)
-    init = {k: v.clone() for k, v in LlamaModel(cfg).state_dict().items()}
-
-    def optimizer(params, precision: str) -> torch.optim.Optimizer:
-        # bf16: AdamW, to see the loss fall; float64: SGD with momentum, linear in the gradient,
-        # so the exactness check compares gradients, not AdamW's amplification of rounding in
-        # near-zero components
-        if precision == "64-true":
-            return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-        return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
 
     class Steps(Dataset):
         def __len__(self) -> int:
-            return sizes.steps
+            return steps
 
         def __getitem__(self, k: int):
-            seqs = _sequences(k, cfg.vocab, sizes.capacity)
-            plan = make_plan([len(s) for s in seqs], world_size=1, capacity=sizes.capacity)
+            seqs = _sequences(k, cfg.vocab, capacity)
+            plan = make_plan([len(s) for s in seqs], world_size=1, capacity=capacity)
             return build_step(plan, 0, lambda j: seqs[j], step=k)
 
     class Data(pl.LightningDataModule):
@@ -167,85 +594,76 @@ def trainer_section(device: torch.device, sizes: Sizes) -> dict:
             return StatefulDataLoader(Steps(), batch_size=None, shuffle=False, num_workers=0)
 
     class LM(pl.LightningModule):
-        def __init__(self, precision: str) -> None:
+        def __init__(self) -> None:
             super().__init__()
-            self.precision_name = precision
             self.model = LlamaModel(cfg)
             self.model.load_state_dict(init)
             self.losses: list[float] = []
+            self.metrics: list[dict] = []
 
         def training_step(self, mb, batch_idx):
             return token_loss(self.model(mb.input_ids, mb.position_ids), mb.labels, mb.num_global_tokens)
 
+        def train_flops(self, lengths) -> float:
+            return float(sum(cfg.flops_per_token(s) * s for s in lengths))
+
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
             self.losses.append(float(outputs["loss"]))
+            for cb in callbacks:
+                if getattr(cb, "last_metrics", None) is not None:
+                    self.metrics.append(dict(cb.last_metrics))
 
         def configure_optimizers(self):
-            return optimizer(self.parameters(), self.precision_name)
+            # float64: SGD with momentum, linear in the gradient, so the exactness check compares
+            # gradients, not AdamW's amplification of rounding in near-zero components
+            if precision == "64-true":
+                return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
-    def fit(precision: str) -> LM:
-        module = LM(precision)
-        with tempfile.TemporaryDirectory() as tmp:
-            os.environ.pop("MASTER_PORT", None)
-            trainer = pl.Trainer(
-                accelerator="gpu" if device.type == "cuda" else "cpu",
-                devices=1,
-                strategy=ByteScaleStrategy(planner="balance", capacity=sizes.capacity),
-                precision=precision,
-                max_steps=sizes.steps,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                use_distributed_sampler=False,
-                num_sanity_val_steps=0,
-                default_root_dir=tmp,
-            )
-            trainer.fit(module, datamodule=Data())
-        return module
+    module = LM()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.pop("MASTER_PORT", None)
+        trainer = pl.Trainer(
+            accelerator="gpu" if device.type == "cuda" else "cpu",
+            devices=1,
+            strategy=ByteScaleStrategy(planner="balance", capacity=capacity),
+            precision=precision,
+            max_steps=steps,
+            num_sanity_val_steps=0,
+            default_root_dir=tmp,
+            callbacks=list(callbacks),
+            **QUIET_TRAINER,
+        )
+        trainer.fit(module, datamodule=Data())
+    return module
 
-    out: dict = {}
-    start = time.perf_counter()
-    mixed = fit("bf16-mixed")
-    losses = mixed.losses
-    k = max(1, len(losses) // 4)
-    out["bf16_mixed"] = {
-        "steps": len(losses),
-        "losses": losses,
-        "finite": all(math.isfinite(x) for x in losses),
-        "first_quarter_mean": sum(losses[:k]) / k,
-        "last_quarter_mean": sum(losses[-k:]) / k,
-        "seconds": time.perf_counter() - start,
-    }
-    out["bf16_mixed"]["falls"] = (
-        out["bf16_mixed"]["last_quarter_mean"] < out["bf16_mixed"]["first_quarter_mean"]
-    )
 
-    start = time.perf_counter()
-    exact = fit("64-true")
-    reference = _reference_fit(cfg, init, sizes, device, lambda params: optimizer(params, "64-true"))
-    got = {n: p.detach() for n, p in exact.model.named_parameters()}
-    errs = {n: _max_err(got[n], p) for n, p in reference.named_parameters()}
-    worst = max(errs, key=errs.get)
-    out["float64"] = {
-        "steps": len(exact.losses),
-        "max_param_diff": errs[worst],
-        "worst_param": worst,
-        "max_param_change": max(_max_err(got[n], init[n].to(got[n])) for n in got),
-        "param_device": str(next(iter(got.values())).device),
-        "seconds": time.perf_counter() - start,
-    }
-    out["ok"] = bool(
-        out["bf16_mixed"]["finite"]
-        and out["bf16_mixed"]["falls"]
-        and out["bf16_mixed"]["steps"] == sizes.steps
-        and out["float64"]["max_param_diff"] <= 1e-10
-        and out["float64"]["max_param_change"] > 1e-4  # the run really trained
-        and out["float64"]["steps"] == sizes.steps
-    )
-    out["finite_flags"] = _finite_flags(device)
-    out["ok"] = out["ok"] and out["finite_flags"]["ok"]
-    return out
+def _reference_fit(cfg, init, sizes: Sizes, device: torch.device):
+    """Single process, float64, whole sequences, plain causal SDPA (no plan, no strategy)."""
+    from lightning_bytescale.models import LlamaModel
+
+    def causal_sdpa(q, k, v):
+        g = q.shape[1] // k.shape[1]
+        qh, kh, vh = (
+            q.transpose(0, 1),
+            k.repeat_interleave(g, 1).transpose(0, 1),
+            v.repeat_interleave(g, 1).transpose(0, 1),
+        )
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(0, 1)
+
+    model = LlamaModel(cfg, attention_fn=causal_sdpa)
+    model.load_state_dict(init)
+    model = model.double().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for k in range(sizes.steps):
+        seqs = [s.to(device) for s in _sequences(k, cfg.vocab, sizes.capacity)]
+        n = sum(len(s) - 1 for s in seqs)
+        opt.zero_grad()
+        for s in seqs:
+            logits = model(s, torch.arange(len(s), device=device))
+            (F.cross_entropy(logits[:-1], s[1:], reduction="sum") / n).backward()
+        opt.step()
+    return model
 
 
 def _finite_flags(device: torch.device) -> dict:
@@ -282,162 +700,89 @@ def _finite_flags(device: torch.device) -> dict:
     return {"ok": ok, "flags": got}
 
 
-def _reference_fit(cfg, init, sizes: Sizes, device: torch.device, make_optimizer):
-    """Single process, float64, whole sequences, plain causal SDPA (no plan, no strategy)."""
-    from lightning_bytescale.models import LlamaModel
+def trainer_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    from lightning_bytescale.models import LlamaConfig, LlamaModel
 
-    def causal_sdpa(q, k, v):
-        g = q.shape[1] // k.shape[1]
-        qh, kh, vh = (
-            q.transpose(0, 1),
-            k.repeat_interleave(g, 1).transpose(0, 1),
-            v.repeat_interleave(g, 1).transpose(0, 1),
+    section = report.section("trainer")
+    cfg = LlamaConfig.preset(sizes.preset)
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in LlamaModel(cfg).state_dict().items()}
+
+    def bf16_mixed(sub: Sub) -> None:
+        losses = _fit(
+            device, cfg, init, steps=sizes.steps, capacity=sizes.capacity, precision="bf16-mixed"
+        ).losses
+        k = max(1, len(losses) // 4)
+        sub.out.update(
+            steps=len(losses),
+            losses=losses,
+            finite=all(math.isfinite(x) for x in losses),
+            first_quarter_mean=sum(losses[:k]) / k,
+            last_quarter_mean=sum(losses[-k:]) / k,
         )
-        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(0, 1)
+        sub.out["falls"] = sub.out["last_quarter_mean"] < sub.out["first_quarter_mean"]
+        sub.out["ok"] = bool(sub.out["finite"] and sub.out["falls"] and len(losses) == sizes.steps)
 
-    model = LlamaModel(cfg, attention_fn=causal_sdpa)
-    model.load_state_dict(init)
-    model = model.double().to(device)
-    opt = make_optimizer(model.parameters())
-    for k in range(sizes.steps):
-        seqs = [s.to(device) for s in _sequences(k, cfg.vocab, sizes.capacity)]
-        n = sum(len(s) - 1 for s in seqs)
-        opt.zero_grad()
-        for s in seqs:
-            logits = model(s, torch.arange(len(s), device=device))
-            (F.cross_entropy(logits[:-1], s[1:], reduction="sum") / n).backward()
-        opt.step()
-    return model
+    def float64(sub: Sub) -> None:
+        exact = _fit(device, cfg, init, steps=sizes.steps, capacity=sizes.capacity, precision="64-true")
+        reference = _reference_fit(cfg, init, sizes, device)
+        got = {n: p.detach() for n, p in exact.model.named_parameters()}
+        errs = {n: _max_err(got[n], p) for n, p in reference.named_parameters()}
+        worst = max(errs, key=errs.get)
+        sub.out.update(
+            steps=len(exact.losses),
+            max_param_diff=errs[worst],
+            worst_param=worst,
+            max_param_change=max(_max_err(got[n], init[n].to(got[n])) for n in got),
+            param_device=str(next(iter(got.values())).device),
+            tolerance=1e-10,
+        )
+        sub.out["ok"] = bool(
+            sub.out["max_param_diff"] <= 1e-10
+            and sub.out["max_param_change"] > 1e-4  # the run really trained
+            and sub.out["steps"] == sizes.steps
+        )
 
+    def mfu(sub: Sub) -> None:
+        from lightning_bytescale.lightning.telemetry import TelemetryCallback, peak_tflops_for_device
 
-# ----------------------------------------------------------------------------- ring
-def _ring_errors(device: torch.device, sizes: Sizes, n: int, dtype_name: str) -> dict:
-    from lightning_bytescale.packed_attention import loopback_ring_attention, select_kernel
-    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard, zigzag_unshard
+        big = LlamaConfig.preset(sizes.mfu_preset, layers=sizes.mfu_layers)
+        torch.manual_seed(1)
+        big_init = LlamaModel(big).state_dict()
+        telemetry = TelemetryCallback(charts_every_n_steps=0, prog_bar=False)
+        module = _fit(
+            device, big, big_init, steps=sizes.mfu_steps, capacity=sizes.mfu_capacity,
+            precision="bf16-mixed", callbacks=(telemetry,),
+        )  # fmt: skip
+        warm = module.metrics[2:] or module.metrics  # the first steps pay start-up costs
+        values = [m["perf/mfu"] for m in warm if "perf/mfu" in m]
+        sub.out.update(
+            preset=sizes.mfu_preset,
+            layers=sizes.mfu_layers,
+            params=big.num_params(),
+            capacity=sizes.mfu_capacity,
+            steps=len(module.losses),
+            losses=module.losses,
+            mfu_per_step=[m.get("perf/mfu") for m in module.metrics],
+            tokens_per_s_per_step=[m.get("perf/tokens_per_s") for m in module.metrics],
+            mfu_median=statistics.median(values) if values else None,
+            tflops_per_device_median=statistics.median(m["perf/tflops_per_device"] for m in warm)
+            if warm
+            else None,
+            peak_tflops=peak_tflops_for_device(device),
+            device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        )
+        sub.out["ok"] = bool(
+            len(module.losses) == sizes.mfu_steps
+            and all(math.isfinite(x) for x in module.losses)
+            and sub.out["mfu_median"] is not None
+            and sub.out["mfu_median"] > 0
+        )
 
-    dtype = DTYPES[dtype_name]
-    heads, kv_heads, dim = sizes.error_heads
-    lens = sizes.error_lens
-    g = torch.Generator().manual_seed(n)
-    q, k, v, dout = (
-        torch.randn(sum(lens), h, dim, generator=g, dtype=torch.float64).to(device)
-        for h in (heads, kv_heads, kv_heads, heads)
-    )
-    low = [x.to(dtype) for x in (q, k, v, dout)]
-    # the reference sees the same rounded inputs, in float64
-    ref_in = [x.detach().double().clone().requires_grad_() for x in low[:3]]
-    ref_out = dense_attention(*ref_in, lens)
-    ref_grads = torch.autograd.grad(ref_out, ref_in, low[3].double())
-    layouts = ring_layouts(lens, n)
-    parts = [[p.requires_grad_() for p in zigzag_shard(x, layouts)] for x in low[:3]]
-    outs = loopback_ring_attention(*parts, layouts)
-    torch.autograd.backward(outs, zigzag_shard(low[3], layouts))
-    got = [zigzag_unshard(outs, layouts)] + [zigzag_unshard([p.grad for p in ps], layouts) for ps in parts]
-    pairs = list(zip(("out", "dq", "dk", "dv"), got, (ref_out, *ref_grads)))
-    errs = {name: _max_err(a, b) for name, a, b in pairs}
-    rel = {name: _rel_err(a, b) for name, a, b in pairs}
-    judged = errs if dtype == torch.float64 else rel
-    return {
-        "ring": n,
-        "dtype": dtype_name,
-        "kernel": select_kernel(device, dtype, dim),
-        "seq_lens": list(lens),
-        "max_err": errs,
-        "rel_err": rel,
-        "tolerance": TOLERANCE[dtype_name],
-        "judged_on": "max_err" if dtype == torch.float64 else "rel_err",
-        "ok": max(judged.values()) <= TOLERANCE[dtype_name],
-    }
-
-
-def _ring_speed(
-    device: torch.device, sizes: Sizes, n: int, dtype: torch.dtype, impl: str | None = None
-) -> dict:
-    from lightning_bytescale.packed_attention import attention, loopback_ring_attention, select_kernel
-    from lightning_bytescale.packed_attention.local import local_kernel
-    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard
-
-    heads, kv_heads, dim = sizes.speed_heads
-    total = n * sizes.tokens_per_member
-    g = torch.Generator().manual_seed(0)
-    q, k, v, dout = (
-        torch.randn(total, h, dim, generator=g).to(device, dtype) for h in (heads, kv_heads, kv_heads, heads)
-    )
-    layouts = ring_layouts([total], n)
-    parts = [zigzag_shard(x, layouts) for x in (q, k, v)]
-    douts = zigzag_shard(dout, layouts)
-
-    def local() -> None:
-        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-        attention(qq, kk, vv).backward(dout)
-
-    def ring() -> None:
-        ps = [[p.detach().requires_grad_() for p in xs] for xs in parts]
-        torch.autograd.backward(loopback_ring_attention(*ps, layouts, impl=impl), douts)
-
-    t_local = _timed(local, device, sizes.iters)
-    t_ring = _timed(ring, device, sizes.iters)
-    flops = 2 * 2 * total * total * heads * dim / 2 * 3.5  # causal: half the scores; fwd 1 + bwd 2.5
-    return {
-        "ring": n,
-        "dtype": str(dtype).removeprefix("torch."),
-        "tokens_per_member": sizes.tokens_per_member,
-        "heads": [heads, kv_heads, dim],
-        "ring_kernel": impl or select_kernel(device, dtype, dim),
-        "local_kernel": local_kernel(q),
-        "local_s": t_local,
-        "ring_s": t_ring,
-        "fraction_of_local": t_local / t_ring,
-        "ring_tflops": flops / t_ring / 1e12,
-        "local_tflops": flops / t_local / 1e12,
-    }
-
-
-def _host_sync_free(device: torch.device, sizes: Sizes) -> dict:
-    """Run a loopback ring (after a warm-up) with synchronising CUDA calls turned into errors."""
-    from lightning_bytescale.packed_attention import loopback_ring_attention
-    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard
-
-    heads, kv_heads, dim = sizes.error_heads
-    layouts = ring_layouts([2048, 77], 4)
-    g = torch.Generator().manual_seed(1)
-    full = [
-        torch.randn(2125, h, dim, generator=g).to(device, torch.bfloat16) for h in (heads, kv_heads, kv_heads)
-    ]
-    parts = [zigzag_shard(x, layouts) for x in full]
-
-    def run() -> None:
-        ps = [[p.detach().requires_grad_() for p in xs] for xs in parts]
-        outs = loopback_ring_attention(*ps, layouts)
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-
-    run()
-    _sync(device)
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run()
-        result = {"ok": True}
-    except RuntimeError as err:
-        result = {"ok": False, "error": str(err)[:500]}
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    _sync(device)
-    return result
-
-
-def ring_section(device: torch.device, sizes: Sizes) -> dict:
-    errors = [_ring_errors(device, sizes, n, name) for n in RING_SIZES for name in DTYPES]
-    speed_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    speed = [_ring_speed(device, sizes, n, speed_dtype) for n in RING_SIZES]
-    out: dict = {"errors": errors, "throughput": speed, "goal_fraction_of_local": 0.85}
-    if device.type == "cuda":
-        out["host_sync_free"] = _host_sync_free(device, sizes)
-    else:
-        out["host_sync_free"] = {"skipped": "needs CUDA (dry run)"}
-    out["ok"] = all(e["ok"] for e in errors) and out["host_sync_free"].get("ok", True)
-    out["meets_goal"] = all(s["fraction_of_local"] >= 0.85 for s in speed)
-    return out
+    section.run("bf16_mixed", bf16_mixed)
+    section.run("float64", float64)
+    section.run("finite_flags", lambda sub: sub.out.update(_finite_flags(device)))
+    section.run("mfu", mfu)
 
 
 # ----------------------------------------------------------------------------- offload
@@ -445,13 +790,12 @@ def _offload_identity_cpu(sizes: Sizes) -> dict:
     """Dry run: the offloader's hooks on CPU leave gradients bit-identical at r = 0.25 / 0.5 / 1.0."""
     from lightning_bytescale.models import LlamaConfig, LlamaModel
     from lightning_bytescale.offload.offloader import ActivationOffloader
-    from lightning_bytescale.packed_attention import attention_context
-    from lightning_bytescale.packed_attention.layout import AttentionLayout
+    from lightning_bytescale.packed_attention import AttentionLayout, attention_context
 
     torch.manual_seed(0)
     model = LlamaModel(LlamaConfig.preset(sizes.preset, layers=4))
     ids = torch.randint(0, model.config.vocab, (48,))
-    layout = AttentionLayout(torch.tensor([0, 30, 48]), (30, 18))
+    layout = AttentionLayout((0, 30, 48), (30, 18))
     offloader = ActivationOffloader(model.blocks, keep_last=0, min_bytes=0)
 
     def grads(ctx) -> list[torch.Tensor]:
@@ -465,23 +809,32 @@ def _offload_identity_cpu(sizes: Sizes) -> dict:
         str(r): all(torch.equal(a, b) for a, b in zip(ref, grads(offloader.context(0, r))))
         for r in (0.25, 0.5, 1.0)
     }
-    return {"bit_identical": equal, "offloaded_bytes": offloader.stats.offloaded_bytes}
+    return {
+        "bit_identical": equal,
+        "offloaded_bytes": offloader.stats.offloaded_bytes,
+        "ok": all(equal.values()),
+    }
 
 
-def offload_section(device: torch.device, sizes: Sizes) -> dict:
+def offload_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    section = report.section("offload")
     if device.type != "cuda":
-        out = {"cpu_hooks": _offload_identity_cpu(sizes)}
-        out["cuda"] = {"skipped": "needs CUDA (dry run)"}
-        out["ok"] = all(out["cpu_hooks"]["bit_identical"].values())
-        return out
+        section.run("cpu_hooks", lambda sub: sub.out.update(_offload_identity_cpu(sizes)))
+        section.run("cuda", lambda sub: sub.out.update(skipped="needs CUDA (dry run)"))
+        return
     import gpu_offload_overlap as overlap  # benchmarks/gpu_offload_overlap.py
 
-    out = {"correctness": overlap.correctness()}  # r = 0.5 / 1.0 and 1.0 / 0.25 on two micro-batches
-    out["raw_overlap"] = overlap.raw_overlap()
-    out["model"] = overlap.model_sweep("1b", 4, list(sizes.offload_lengths), [0.0, 0.25, 0.5, 1.0])
-    c = out["correctness"]
-    out["ok"] = bool(c["bit_identical"] or not c["baseline_deterministic"])
-    return out
+    def correctness(sub: Sub) -> None:
+        sub.out.update(overlap.correctness())  # r = 0.5 / 1.0 and 1.0 / 0.25 on two micro-batches
+        sub.out["ok"] = bool(sub.out["bit_identical"] or not sub.out["baseline_deterministic"])
+
+    def model(sub: Sub) -> None:
+        for row in overlap.model_sweep("1b", 4, list(sizes.offload_lengths), [0.0, 0.25, 0.5, 1.0]):
+            sub.append("rows", row)
+
+    section.run("correctness", correctness)
+    section.run("raw_overlap", lambda sub: sub.out.update(overlap.raw_overlap()))
+    section.run("model", model)
 
 
 # ----------------------------------------------------------------------------- flash-attn
@@ -495,8 +848,9 @@ def _kernel_block(
     h, hkv, d = heads
     lens = [tokens // 2, tokens // 4, tokens - tokens // 2 - tokens // 4]
     seg = {"q_seg": Segments.of(lens), "k_seg": Segments.of(lens)}
-    g = torch.Generator().manual_seed(2)
-    q, k, v, dout = (torch.randn(tokens, x, d, generator=g).to(device, dtype) for x in (h, hkv, hkv, h))
+    q, k, v, dout = _random(
+        [(tokens, h, d), (tokens, hkv, d), (tokens, hkv, d), (tokens, h, d)], device, dtype, 2
+    )
     # accuracy on the two shorter sequences (math builds [H, T, T])
     seg_small = {"q_seg": Segments.of(lens[1:]), "k_seg": Segments.of(lens[1:])}
     ref, _ = kernels.block_forward(
@@ -521,96 +875,125 @@ def _kernel_block(
     return rows
 
 
-def flash_attn_section(device: torch.device, sizes: Sizes) -> dict:
+def flash_attn_section(report: Report, device: torch.device, sizes: Sizes) -> None:
     from lightning_bytescale.packed_attention.cuda_kernels import flash_attn_status
 
+    section = report.section("flash_attn")
     status = flash_attn_status()
     installed = not isinstance(status, str)
     if device.type != "cuda":
         # the comparison code on the CPU kernels, so a dry run exercises it
-        rows = _kernel_block(device, torch.float32, ["cpu", "math"], 96, (4, 2, 16))
-        return {
-            "skipped": "flash-attn not installed" if not installed else "needs CUDA (dry run)",
-            "dry_run_kernels": rows,
-        }
+        def dry(sub: Sub) -> None:
+            sub.out["skipped"] = "flash-attn not installed" if not installed else "needs CUDA (dry run)"
+            sub.out["dry_run_kernels"] = _kernel_block(device, torch.float32, ["cpu", "math"], 96, (4, 2, 16))
+
+        section.run("block", dry)
+        return
     if not installed:
-        return {"skipped": "flash-attn not installed", "reason": status}
+        section.run("block", lambda sub: sub.out.update(skipped="flash-attn not installed", reason=status))
+        return
     import flash_attn
 
-    names = ["flash_attn", "flash", "efficient"]
-    out = {
-        "version": getattr(flash_attn, "__version__", "?"),
-        "block": _kernel_block(device, torch.bfloat16, names, 8192, sizes.speed_heads),
-        "ring": [
-            _ring_speed(device, sizes, 4, torch.bfloat16, impl=name) for name in ("flash_attn", "flash")
-        ],
-    }
-    out["ok"] = all(r["rel_err_vs_math"] <= TOLERANCE["bfloat16"] for r in out["block"])
-    return out
+    def block(sub: Sub) -> None:
+        sub.out["version"] = getattr(flash_attn, "__version__", "?")
+        sub.out["rows"] = _kernel_block(
+            device, torch.bfloat16, ["flash_attn", "flash", "efficient"], 8192, sizes.speed_heads
+        )
+        sub.out["ok"] = all(r["rel_err_vs_math"] <= TOLERANCE["bfloat16"] for r in sub.out["rows"])
+
+    def ring(sub: Sub) -> None:
+        for name in ("flash_attn", "flash"):
+            sub.append("rings", _ring_speed(device, sizes, 4, torch.bfloat16, impl=name))
+
+    section.run("block", block)
+    section.run("ring", ring)
 
 
 # ----------------------------------------------------------------------------- main
-SECTIONS: dict[str, Callable[[torch.device, Sizes], dict]] = {
-    "trainer": trainer_section,
+SECTIONS: dict[str, Callable[[Report, torch.device, Sizes], None]] = {
+    "kernels": kernels_section,
     "ring": ring_section,
+    "host_syncs": host_syncs_section,
+    "trainer": trainer_section,
     "offload": offload_section,
     "flash_attn": flash_attn_section,
 }
 
 
-def run(dry_run: bool, out: Path, only: list[str] | None = None, budget_s: float = 420.0) -> dict:
-    """Run the sections in order; the JSON is rewritten after each one, so a killed run keeps the finished ones."""
+def run(dry_run: bool, out: Path, only: list[str] | None = None, budget_s: float = 360.0) -> Report:
+    """Run the sections in order; the JSON is rewritten after every subsection."""
     device = torch.device("cpu") if dry_run else torch.device("cuda", torch.cuda.current_device())
     sizes = DRY if dry_run else GPU
-    report: dict = {
+    import lightning_bytescale
+
+    header = {
         "dry_run": dry_run,
         "device": "cpu" if dry_run else torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "sizes": sizes.__dict__,
+        "package": str(Path(lightning_bytescale.__file__).resolve().parent),
+        "sizes": asdict(sizes),
         "budget_s": budget_s,
     }
-    start = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    report = Report(out, header, budget_s)
     for name, section in SECTIONS.items():
         if only and name not in only:
             continue
         t0 = time.perf_counter()
-        if t0 - start > budget_s:
-            report[name] = {"skipped": f"time budget of {budget_s:.0f} s spent before this section"}
-        else:
-            try:
-                report[name] = section(device, sizes)
-            except Exception as err:  # recorded; the other sections still run
-                report[name] = {
-                    "ok": False,
-                    "error": f"{type(err).__name__}: {err}",
-                    "traceback": traceback.format_exc(),
-                }
-        report[name]["seconds"] = time.perf_counter() - t0
-        report["wall_s"] = time.perf_counter() - start
-        out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-        print(
-            f"[gpu_check] {name}: ok={report[name].get('ok')} in {report[name]['seconds']:.1f} s", flush=True
-        )
+        try:
+            section(report, device, sizes)
+        except Exception as err:  # a section's own set-up failed: recorded, the next section runs
+            report.data.setdefault(name, {}).update(
+                ok=False, error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc()
+            )
+            report.data[name]["seconds"] = time.perf_counter() - t0
+            report.save()
+            print(f"[gpu_check] {name}: ok=False ({type(err).__name__}: {err})", flush=True)
+    report.data["ok"] = not report.failed()
+    report.save()
     return report
+
+
+def _package_problem() -> str | None:
+    try:
+        import lightning_bytescale  # noqa: F401
+        from lightning_bytescale import ByteScaleStrategy  # noqa: F401
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: every section but CUDA")
-    ap.add_argument("--only", default="", help="comma-separated sections to run (default: all)")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="skip sections that would start after this")
+    ap.add_argument(
+        "--only", default="", help=f"comma-separated sections to run (default: all of {', '.join(SECTIONS)})"
+    )
+    ap.add_argument(
+        "--budget-s", type=float, default=360.0, help="skip subsections that would start after this"
+    )
     args = ap.parse_args(argv)
+    problem = _package_problem()
+    if problem is not None:
+        print(
+            f"gpu_check: cannot import lightning_bytescale from {ROOT} ({problem}); run it from a checkout "
+            "with the dependencies docs/install.md lists",
+            file=sys.stderr,
+        )
+        return 2
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: CUDA is not available; use --dry-run on a CPU machine", file=sys.stderr)
         return 2
     if args.dry_run:
         torch.set_num_threads(1)
     report = run(args.dry_run, args.out, [s for s in args.only.split(",") if s] or None, args.budget_s)
-    print(f"[gpu_check] wrote {args.out} in {report['wall_s']:.1f} s")
-    return 0
+    failed = report.failed()
+    print(
+        f"[gpu_check] wrote {args.out} in {report.elapsed():.1f} s; "
+        + (f"FAILED: {failed}" if failed else "all passed")
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -42,8 +42,7 @@ def correctness() -> dict:
     model = LlamaModel(LlamaConfig.preset("small", layers=6)).cuda()
     batches = []
     for lens in ((700, 300), (512, 256, 256)):
-        cu = torch.tensor([0, *lens]).cumsum(0).cuda()
-        layout = AttentionLayout(cu, lens)
+        layout = AttentionLayout(torch.tensor([0, *lens]).cumsum(0), lens)  # host metadata
         ids = torch.randint(0, 512, (sum(lens),), device="cuda")
         batches.append((ids, layout.positions().cuda(), layout))
 
@@ -129,7 +128,7 @@ def model_sweep(preset: str, layers: int, lengths: list[int], ratios: list[float
     for s in lengths:
         ids = torch.randint(0, cfg.vocab, (s,), device="cuda")
         pos = torch.arange(s, device="cuda")
-        layout = AttentionLayout(torch.tensor([0, s], device="cuda"), (s,))
+        layout = AttentionLayout((0, s), (s,))
         base = None
         for r in ratios:
 

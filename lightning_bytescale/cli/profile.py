@@ -317,8 +317,8 @@ def measure_p2p_bandwidth(nbytes: int = 4 * 2**20, repeats: int = 5, timeout_s: 
     return P2PBandwidth(bandwidth=nbytes / took, latency_s=latency, nbytes=nbytes)
 
 
-def _layout(s: int, device: torch.device) -> AttentionLayout:
-    return AttentionLayout(cu_seqlens=torch.tensor([0, s], dtype=torch.long, device=device), seq_lens=(s,))
+def _layout(s: int) -> AttentionLayout:
+    return AttentionLayout(cu_seqlens=(0, s), seq_lens=(s,))
 
 
 def _model_loss(model: nn.Module, ids: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -373,7 +373,7 @@ def _prepare_length(
     ids = torch.randint(0, vocab, (s,), generator=gen).to(device)
     labels = torch.randint(0, vocab, (s,), generator=gen).to(device)
     pos = torch.arange(s, device=device)
-    layout = _layout(s, device)
+    layout = _layout(s)
     captured: dict[str, Any] = {}
 
     def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -73,17 +73,15 @@ def default_forward(model: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:
 
 
 def move_micro_batch(mb: PackedMicroBatch, device: torch.device | str) -> PackedMicroBatch:
-    """A copy of ``mb`` with its tensors (and the layout's ``cu_seqlens``) on ``device``."""
+    """A copy of ``mb`` with its tensors on ``device``; the layout is host metadata and stays."""
     device = torch.device(device)
     if mb.input_ids.device == device:
         return mb
-    layout = dataclasses.replace(mb.layout, cu_seqlens=mb.layout.cu_seqlens.to(device))
     return dataclasses.replace(
         mb,
         input_ids=mb.input_ids.to(device, non_blocking=True),
         labels=mb.labels.to(device, non_blocking=True),
         position_ids=mb.position_ids.to(device, non_blocking=True),
-        layout=layout,
     )
 
 

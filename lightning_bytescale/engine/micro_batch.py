@@ -184,9 +184,8 @@ def build_micro_batch(
         seq_lens.append(s)
         seq_ids.append(piece.seq)
 
-    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(slots)]).astype(np.int64))
     layout = AttentionLayout(
-        cu_seqlens=cu,
+        cu_seqlens=(0, *np.cumsum(slots).tolist()),
         seq_lens=tuple(seq_lens),
         ring=None if mb.ring is None else tuple(mb.ring),
         member=member,

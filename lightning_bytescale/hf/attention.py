@@ -28,6 +28,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -87,8 +88,7 @@ def layout_from_positions(position_ids: torch.Tensor | None, num_tokens: int) ->
         starts[1:] = pos[1:] != pos[:-1] + 1
         idx = torch.nonzero(starts).reshape(-1).cpu().tolist() + [num_tokens]
         lens = [b - a for a, b in zip(idx[:-1], idx[1:])]
-    cu = torch.tensor([0, *torch.tensor(lens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long)
-    return AttentionLayout(cu_seqlens=cu, seq_lens=tuple(int(s) for s in lens))
+    return AttentionLayout(cu_seqlens=(0, *accumulate(lens)), seq_lens=tuple(lens))
 
 
 def _refuse(what: str, fix: str) -> ConfigError:

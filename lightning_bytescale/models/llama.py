@@ -1,7 +1,8 @@
 """A Llama-style decoder for packed (THD) input, small enough to read in one sitting.
 
-RMSNorm, rotary position embeddings computed from ``position_ids``, grouped-query attention,
-a SwiGLU MLP, and tied or untied embeddings.  The model never sees sequence boundaries or
+RMSNorm, rotary position embeddings computed from ``position_ids`` (angles in float64, tables
+in the dtype the projections produce, so q, k and v reach attention in one dtype under autocast
+too), grouped-query attention, a SwiGLU MLP, and tied or untied embeddings.  The model never sees sequence boundaries or
 rings: it takes one packed micro-batch ``input_ids [T]`` with its ``position_ids [T]`` and calls
 the public :func:`lightning_bytescale.packed_attention.attention`, which reads the micro-batch's
 layout from the context the engine installed.  The same weights therefore run on whole local
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.packed_attention.input_dtype import autocast_dtype
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -133,6 +135,12 @@ def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: 
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def _rope_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype q and k come out of their projections in: autocast's under autocast (float64 stays), else ``x``'s."""
+    target = autocast_dtype(x.device.type)
+    return x.dtype if target is None or x.dtype == torch.float64 else target
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -214,7 +222,9 @@ class LlamaModel(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
         x = self.embed(input_ids)
-        cos, sin = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        # in the dtype the projections produce (autocast's, under autocast): a float32 table would
+        # turn q and k into float32 next to a half-precision v, and attention would cast them back
+        cos, sin = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta, _rope_dtype(x))
         for block in self.blocks:
             x = block(x, cos, sin, self.attention_fn)
         x = self.norm(x)

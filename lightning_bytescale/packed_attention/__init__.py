@@ -12,12 +12,14 @@ object), so a model can import it from either place.
 from lightning_bytescale.packed_attention.api import AttentionShapeError, attention
 from lightning_bytescale.packed_attention.comm import comm_stats, reset_comm_stats
 from lightning_bytescale.packed_attention.context import attention_context, current_layout
+from lightning_bytescale.packed_attention.input_dtype import AttentionDtypeError
 from lightning_bytescale.packed_attention.kernels import select_kernel
 from lightning_bytescale.packed_attention.layout import AttentionLayout
 from lightning_bytescale.packed_attention.loopback import LoopbackError, loopback_ring_attention
 from lightning_bytescale.packed_attention.ring import RingLayoutError, ring_attention, set_overlap
 
 __all__ = [
+    "AttentionDtypeError",
     "AttentionLayout",
     "AttentionShapeError",
     "LoopbackError",

@@ -6,6 +6,7 @@ import torch
 
 from lightning_bytescale.errors import ByteScaleError
 from lightning_bytescale.packed_attention.context import current_scope
+from lightning_bytescale.packed_attention.input_dtype import kernel_inputs
 from lightning_bytescale.packed_attention.local import varlen_attention
 from lightning_bytescale.packed_attention.ring import ring_attention
 
@@ -40,18 +41,19 @@ def attention(
     Inside :func:`attention_context`, attention is causal within each sequence of the
     current layout; a sharded layout runs zigzag ring attention with the ring's other
     members.  Outside any context, the ``T`` tokens are one causal sequence.  ``scale``
-    defaults to ``D ** -0.5``.
+    defaults to ``D ** -0.5``.  Under ``torch.autocast`` q, k and v are cast to the autocast
+    dtype first, as ``scaled_dot_product_attention`` does (:mod:`.input_dtype`); outside it they
+    must share one dtype (:class:`~.input_dtype.AttentionDtypeError`).
     """
     _check_shapes(q, k, v)
+    q, k, v = kernel_inputs(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     scope = current_scope()
     if scope is None:
         return varlen_attention(q, k, v, [q.shape[0]] if q.shape[0] else [], scale=scale)
     layout = scope.layout
     if layout.is_local:
-        total = sum(int(s) for s in layout.seq_lens)
-        # a device-resident cu_seqlens is not read back (that would synchronise the host)
-        end = total if layout.cu_seqlens.is_cuda else int(layout.cu_seqlens[-1])
+        total, end = sum(layout.seq_lens), layout.num_slots  # host ints: no synchronisation
         if end != q.shape[0] or total != q.shape[0]:
             raise AttentionShapeError(
                 f"the local layout holds {total} tokens (cu_seqlens ends at {end}) but q has "

@@ -20,6 +20,10 @@ varlen block, whatever the number of sequences in it:
   the merged output and log-sum-exp.  Needs flash-attn >= 2.6 (the ``[H, Tq]`` log-sum-exp
   and a keyword backward); older builds are reported unavailable.
 
+The ``flash`` and ``efficient`` adapters count as available only when the installed ops have the
+schema they were written for (:mod:`.torch_features`), so another torch is refused with the
+reason, not met with a ``TypeError``.
+
 Head sizes are zero-padded to a multiple of 8 (what the fused kernels require); zero columns
 change no score and are cut from outputs and gradients.  Nothing here synchronises the host:
 offsets come from :class:`~.segments.Segments` (copied once per layout from pinned memory).
@@ -36,12 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalVariant
 
+from lightning_bytescale.packed_attention import torch_features
 from lightning_bytescale.packed_attention.gqa import expand_kv, reduce_kv
 from lightning_bytescale.packed_attention.segments import Segments
 
 _ALIGN = 8
 
-# The PyTorch ops, called with their schemas' argument names (tests may swap in emulations).
+# The PyTorch ops, called with the argument names of the installed schemas, bound by position
+# (:func:`.torch_features.bind`: the names changed between torch releases, the order did not);
+# tests may swap in emulations.
 OPS: dict[str, Any] = {
     "flash_forward": torch.ops.aten._flash_attention_forward,
     "flash_backward": torch.ops.aten._flash_attention_backward,
@@ -76,14 +83,23 @@ def _sm80(device: torch.device) -> bool:
     return _capability(index) >= (8, 0)
 
 
-def torch_flash_available(device: torch.device) -> bool:
-    """PyTorch's flash kernel: built into this torch and an sm80+ device."""
+def _ops_callable(*adapters: str) -> bool:
+    return all(torch_features.op_problem(name) is None for name in adapters)
+
+
+def flash_device(device: torch.device) -> bool:
+    """PyTorch's flash kernel can run on ``device``: built into this torch, and an sm80+ device."""
     return torch.cuda.is_available() and torch.backends.cuda.is_flash_attention_available() and _sm80(device)
 
 
+def torch_flash_available(device: torch.device) -> bool:
+    """The ``flash`` block kernel: :func:`flash_device`, and its ops of the schema the adapters call."""
+    return flash_device(device) and _ops_callable("flash_forward", "flash_backward")
+
+
 def torch_efficient_available(device: torch.device) -> bool:
-    """PyTorch's memory-efficient kernel: in every CUDA build of torch."""
-    return torch.cuda.is_available()
+    """PyTorch's memory-efficient kernel: in every CUDA build of torch (its ops of the expected schema)."""
+    return torch.cuda.is_available() and _ops_callable("efficient_forward", "efficient_backward")
 
 
 @lru_cache(maxsize=1)
@@ -126,6 +142,10 @@ def why_unavailable(name: str, device: torch.device) -> str:
         return str(flash_attn_status())
     if name == "flash" and not torch.backends.cuda.is_flash_attention_available():
         return "this torch build has no flash attention"
+    if name in ("flash", "efficient"):
+        problems = [torch_features.op_problem(f"{name}_{part}") for part in ("forward", "backward")]
+        if any(problems):
+            return "; ".join(p for p in problems if p)
     if name in ("flash", "flash_attn") and not _sm80(device):
         return f"compute capability {torch.cuda.get_device_capability(device)} < 8.0"
     return "unknown reason"
@@ -163,14 +183,12 @@ def lse_to_padded(lse: torch.Tensor, seg: Segments, width: int) -> torch.Tensor:
     return flat.view(h, len(seg.lens), width).transpose(0, 1).contiguous()
 
 
-_ATEN_FLASH_NAMES = ("cum_seq_q", "cum_seq_k", "max_q", "max_k")
 _VARLEN_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
 
-def _varlen(q_seg: Segments, k_seg: Segments, device: torch.device, names=_VARLEN_NAMES) -> dict:
-    """The varlen keyword arguments (offsets on ``device``, longest sequences) under an API's names."""
-    values = (q_seg.cu_seqlens(device), k_seg.cu_seqlens(device), q_seg.max_len, k_seg.max_len)
-    return dict(zip(names, values))
+def _varlen(q_seg: Segments, k_seg: Segments, device: torch.device) -> tuple:
+    """The varlen arguments, in the order every kernel takes them: offsets on ``device``, longest sequences."""
+    return q_seg.cu_seqlens(device), k_seg.cu_seqlens(device), q_seg.max_len, k_seg.max_len
 
 
 def efficient_lse_width(max_q: int) -> int:
@@ -183,14 +201,11 @@ def flash_forward(q, k, v, q_seg: Segments, k_seg: Segments, causal: bool, scale
     d = q.shape[-1]
     qp, kp, vp = _contig(q, k, v)
     out, lse, *_ = OPS["flash_forward"](
-        query=qp,
-        key=kp,
-        value=vp,
-        **_varlen(q_seg, k_seg, q.device, _ATEN_FLASH_NAMES),
-        dropout_p=0.0,
-        is_causal=causal,
-        return_debug_mask=False,
-        scale=scale,
+        **torch_features.bind(
+            "flash_forward",
+            (qp, kp, vp, *_varlen(q_seg, k_seg, q.device), 0.0, causal, False),  # dropout 0, no debug mask
+            scale=scale,
+        )
     )
     return _cut(out, d), lse
 
@@ -200,18 +215,12 @@ def flash_backward(dout, q, k, v, out, lse, q_seg: Segments, k_seg: Segments, ca
     dp, qp, kp, vp, op = _contig(dout.to(q.dtype), q, k, v, out.to(q.dtype))
     rng_state, unused = _placeholders(str(q.device))
     dq, dk, dv = OPS["flash_backward"](
-        grad_out=dp,
-        query=qp,
-        key=kp,
-        value=vp,
-        out=op,
-        logsumexp=lse.float().contiguous(),
-        **_varlen(q_seg, k_seg, q.device, _ATEN_FLASH_NAMES),
-        dropout_p=0.0,
-        is_causal=causal,
-        rng_state=rng_state,
-        unused=unused,
-        scale=scale,
+        **torch_features.bind(
+            "flash_backward",
+            (dp, qp, kp, vp, op, lse.float().contiguous(), *_varlen(q_seg, k_seg, q.device), 0.0, causal)
+            + (rng_state, unused),
+            scale=scale,
+        )
     )
     return _cut(dq, d), _cut(dk, d), _cut(dv, d)
 
@@ -224,16 +233,14 @@ def _groups(q: torch.Tensor, k: torch.Tensor) -> int:
 def efficient_forward(q, k, v, q_seg: Segments, k_seg: Segments, causal: bool, scale: float):
     d, g = q.shape[-1], _groups(q, k)
     qp, kp, vp = _contig(q, expand_kv(k, g), expand_kv(v, g))
+    mask = _CAUSAL_TOP_LEFT if causal else _NO_MASK
     out, lse, *_ = OPS["efficient_forward"](
-        query=qp.unsqueeze(0),
-        key=kp.unsqueeze(0),
-        value=vp.unsqueeze(0),
-        bias=None,
-        **_varlen(q_seg, k_seg, q.device),
-        dropout_p=0.0,
-        custom_mask_type=_CAUSAL_TOP_LEFT if causal else _NO_MASK,
-        compute_log_sumexp=True,
-        scale=scale,
+        **torch_features.bind(
+            "efficient_forward",
+            (qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), None, *_varlen(q_seg, k_seg, q.device))
+            + (0.0, mask, True),  # dropout 0, the mask, compute the log-sum-exp
+            scale=scale,
+        )
     )
     return _cut(out.squeeze(0), d), lse_from_padded(lse, q_seg)
 
@@ -242,21 +249,15 @@ def efficient_backward(dout, q, k, v, out, lse, q_seg: Segments, k_seg: Segments
     d, g = q.shape[-1], _groups(q, k)
     dp, qp, kp, vp, op = _contig(dout.to(q.dtype), q, expand_kv(k, g), expand_kv(v, g), out.to(q.dtype))
     seed, offset = _philox()
+    padded_lse = lse_to_padded(lse, q_seg, efficient_lse_width(q_seg.max_len))
     dq, dk, dv, _ = OPS["efficient_backward"](
-        grad_out_=dp.unsqueeze(0),
-        query=qp.unsqueeze(0),
-        key=kp.unsqueeze(0),
-        value=vp.unsqueeze(0),
-        bias=None,
-        out=op.unsqueeze(0),
-        **_varlen(q_seg, k_seg, q.device),
-        logsumexp=lse_to_padded(lse, q_seg, efficient_lse_width(q_seg.max_len)),
-        dropout_p=0.0,
-        philox_seed=seed,
-        philox_offset=offset,
-        custom_mask_type=_CAUSAL_TOP_LEFT if causal else _NO_MASK,
-        bias_requires_grad=False,
-        scale=scale,
+        **torch_features.bind(
+            "efficient_backward",
+            (dp.unsqueeze(0), qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), None, op.unsqueeze(0))
+            + (*_varlen(q_seg, k_seg, q.device), padded_lse, 0.0, seed, offset)
+            + (_CAUSAL_TOP_LEFT if causal else _NO_MASK, False),  # the mask; no bias gradient
+            scale=scale,
+        )
     )
     return (
         _cut(dq.squeeze(0), d),
@@ -277,12 +278,11 @@ def flash_attn_forward(q, k, v, q_seg: Segments, k_seg: Segments, causal: bool, 
     forward, _, _ = flash_attn_functions()
     d = q.shape[-1]
     qp, kp, vp = _contig(q, k, v)
-    varlen = _varlen(q_seg, k_seg, q.device)
     out, lse, _ = forward(
         qp,
         kp,
         vp,
-        *varlen.values(),
+        *_varlen(q_seg, k_seg, q.device),
         dropout_p=0.0,
         softmax_scale=scale,
         causal=causal,
@@ -315,7 +315,7 @@ def flash_attn_backward(
         dq=dq,
         dk=dk,
         dv=dv,
-        **_varlen(q_seg, k_seg, q.device),
+        **dict(zip(_VARLEN_NAMES, _varlen(q_seg, k_seg, q.device))),
         dropout_p=0.0,
         softmax_scale=scale,
         causal=causal,

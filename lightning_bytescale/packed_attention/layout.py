@@ -1,4 +1,4 @@
-"""The layout of one packed micro-batch, as attention sees it.
+"""The layout of one packed micro-batch, as attention sees it: host metadata, never a device tensor.
 
 The engine builds one `AttentionLayout` per micro-batch and installs it with
 :func:`lightning_bytescale.packed_attention.attention_context`; the public
@@ -15,10 +15,17 @@ slots ``cu_seqlens[j]:cu_seqlens[j+1]``.
   (0, 1 or 2 slots: the padding is spread over the chunks, see :mod:`lightning_bytescale.planner.zigzag`).
   Slot positions come from :func:`lightning_bytescale.planner.zigzag.member_positions`;
   positions ``>= s_j`` are padding.
+
+Every field is a Python value (``cu_seqlens`` is a tuple of ints, whatever it was built from),
+so moving a batch to a device -- Lightning's ``batch_to_device`` goes into dataclasses and moves
+every tensor it finds -- leaves the layout where it is: on the host, readable without a
+host-device synchronisation.  The kernels' device copies of the offsets are made from it once
+per layout (:class:`~lightning_bytescale.packed_attention.segments.Segments`, from pinned memory).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,12 +33,29 @@ import torch
 from lightning_bytescale.planner import zigzag
 
 
+def _ints(values: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    """Host ints of a sequence or a tensor (a device tensor is read back once, here)."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    return tuple(int(x) for x in values)
+
+
 @dataclass
 class AttentionLayout:
-    cu_seqlens: torch.Tensor  # int64 [n + 1], slot boundaries of each sequence in the packed tensor
+    """Where each sequence of a packed micro-batch sits, and its ring: host metadata (no tensor)."""
+
+    # slot boundaries of each sequence in the packed tensor, n + 1 host ints (a tensor or any
+    # sequence of ints is accepted and stored as a tuple)
+    cu_seqlens: tuple[int, ...]
     seq_lens: tuple[int, ...]  # real (full) length of each sequence
     ring: tuple[int, ...] | None = None  # ordered global ranks of the ring, None for local work
     member: int = 0  # this rank's index in ``ring``
+
+    def __post_init__(self) -> None:
+        self.cu_seqlens = _ints(self.cu_seqlens)
+        self.seq_lens = _ints(self.seq_lens)
+        self.ring = None if self.ring is None else _ints(self.ring)
+        self.member = int(self.member)
 
     @property
     def ring_size(self) -> int:
@@ -41,8 +65,18 @@ class AttentionLayout:
     def is_local(self) -> bool:
         return self.ring is None
 
+    @property
+    def num_slots(self) -> int:
+        """Slots of the packed tensors the layout covers (``cu_seqlens[-1]``)."""
+        return self.cu_seqlens[-1] if self.cu_seqlens else 0
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """Slots of each sequence (``diff(cu_seqlens)``)."""
+        return tuple(b - a for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]))
+
     def positions(self, member: int | None = None) -> torch.Tensor:
-        """Position of every slot (for ``member``; default this rank), int64 ``[T]``."""
+        """Position of every slot (for ``member``; default this rank), int64 ``[T]`` on the host."""
         m = self.member if member is None else member
         if self.ring is None:
             return torch.cat([torch.arange(s, dtype=torch.long) for s in self.seq_lens])
@@ -52,9 +86,9 @@ class AttentionLayout:
         )
 
     def valid(self, member: int | None = None) -> torch.Tensor:
-        """True for real-token slots, False for padding, bool ``[T]``."""
+        """True for real-token slots, False for padding, bool ``[T]`` on the host."""
         pos = self.positions(member)
         bound = torch.repeat_interleave(
-            torch.tensor(self.seq_lens, dtype=torch.long), self.cu_seqlens.diff().long()
+            torch.tensor(self.seq_lens, dtype=torch.long), torch.tensor(self.slots, dtype=torch.long)
         )
         return pos < bound

@@ -5,7 +5,8 @@ the whole packed micro-batch where one exists:
 
 * CUDA, float16/bfloat16: flash-attn's ``flash_attn_varlen_func`` when the package is
   installed (an optional GPU extra), otherwise PyTorch's ``torch.nn.attention.varlen.varlen_attn``
-  (its flash kernel, sm80+, head size a multiple of 8 up to 256);
+  (its flash kernel, sm80+, head size a multiple of 8 up to 256), called with the keywords the
+  installed torch's function takes (:mod:`.torch_features`: ``enable_gqa`` from torch 2.13 on);
 * on a CPU: ``scaled_dot_product_attention`` with ``is_causal=True`` on *length groups*: the
   sequences, sorted by length, are cut into groups of similar lengths, and each group is one
   batched call over its sequences right-padded to the group's longest (:func:`length_groups`).
@@ -37,7 +38,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from lightning_bytescale.packed_attention import cuda_kernels
+from lightning_bytescale.packed_attention import cuda_kernels, torch_features
 from lightning_bytescale.packed_attention.segments import Segments
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -105,12 +106,20 @@ def flash_attn_available() -> bool:
 
 
 def local_kernel(q: torch.Tensor) -> str:
-    """The kernel :func:`varlen_attention` uses for ``q``: ``flash_attn``, ``varlen`` or ``sdpa``."""
+    """The kernel :func:`varlen_attention` uses for ``q``: ``flash_attn``, ``varlen`` or ``sdpa``.
+
+    ``varlen`` needs a ``varlen_attn`` this torch offers with the keywords the call passes
+    (:func:`.torch_features.varlen_attn_problem`); without one CUDA keeps the SDPA path.
+    """
     if not q.is_cuda or q.dtype not in _HALF or q.shape[-1] > 256:
         return "sdpa"
     if cuda_kernels.flash_attn_available(q.device):
         return "flash_attn"
-    if q.shape[-1] % 8 == 0 and cuda_kernels.torch_flash_available(q.device):
+    if (
+        q.shape[-1] % 8 == 0
+        and cuda_kernels.flash_device(q.device)
+        and torch_features.varlen_attn_problem() is None
+    ):
         return "varlen"
     return "sdpa"
 
@@ -129,20 +138,7 @@ def varlen_attention(
         if kind == "flash_attn":
             forward = cuda_kernels.flash_attn_functions()[0]
             return forward(q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True)
-        from torch.nn.attention.varlen import varlen_attn
-
-        return varlen_attn(
-            q,
-            k,
-            v,
-            cu,
-            cu,
-            longest,
-            longest,
-            scale=scale,
-            window_size=(-1, 0),
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        return torch_features.varlen_attn_call(q, k, v, cu, longest, scale=scale)
     gqa = q.shape[1] != k.shape[1]
     if len(set(lens)) == 1:  # one group without padding: views, no gather
         n, s = len(lens), lens[0]

@@ -23,12 +23,14 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
 from lightning_bytescale.errors import ByteScaleError
 from lightning_bytescale.packed_attention import kernels
 from lightning_bytescale.packed_attention.comm import hand_over, post_on_comm_stream
+from lightning_bytescale.packed_attention.input_dtype import kernel_inputs
 from lightning_bytescale.packed_attention.layout import AttentionLayout
 from lightning_bytescale.packed_attention.ring import Steps, backward_steps, forward_steps
 from lightning_bytescale.packed_attention.ring_plan import RingLayoutError, RingSetup, ring_setup
@@ -179,12 +181,16 @@ def loopback_ring_attention(
     ``[T_m, Hkv, D]``) and ``layouts[m]`` its layout (``member == m``, the same ring and lengths
     for all).  Returns member ``m``'s output for each ``m``; autograd reaches every input.
     ``scale`` defaults to ``D ** -0.5``; ``impl`` picks the block kernel as in
-    :func:`.ring.ring_attention`; pass ``mailboxes`` to count the transfers.
+    :func:`.ring.ring_attention`; pass ``mailboxes`` to count the transfers.  Each member's q, k
+    and v are brought to one dtype first (:func:`.input_dtype.kernel_inputs`).
     """
     if not (len(q_list) == len(k_list) == len(v_list)):
         raise RingLayoutError(
             f"got {len(q_list)} q, {len(k_list)} k and {len(v_list)} v tensors; pass one per member"
         )
+    # one dtype per member, as in attention(): the autocast dtype under autocast
+    members = [kernel_inputs(q, k, v) for q, k, v in zip(q_list, k_list, v_list)]
+    q_list, k_list, v_list = ([m[j] for m in members] for j in range(3))
     scale = q_list[0].shape[-1] ** -0.5 if scale is None else float(scale)
     spec = (tuple(layouts), scale, impl, mailboxes if mailboxes is not None else Mailboxes())
     return list(LoopbackRingAttention.apply(spec, *q_list, *k_list, *v_list))
@@ -193,7 +199,7 @@ def loopback_ring_attention(
 def ring_layouts(seq_lens: Sequence[int], ring_size: int) -> list[AttentionLayout]:
     """The layouts of all members of a ring of ``ring_size`` holding ``seq_lens`` (ranks ``0..N-1``)."""
     slots = [zigzag.slots_per_member(int(s), ring_size) for s in seq_lens]
-    cu = torch.tensor([0, *slots]).cumsum(0)
+    cu = [0, *accumulate(slots)]
     ring = tuple(range(ring_size))
     return [
         AttentionLayout(cu, tuple(int(s) for s in seq_lens), ring=ring, member=m) for m in range(ring_size)
@@ -204,7 +210,7 @@ def _slot_sources(layout: AttentionLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """For every slot of ``layout``: its row in the packed whole sequences (clamped) and whether it is real."""
     lens = torch.tensor(layout.seq_lens, dtype=torch.long)
     starts = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]])
-    seq = torch.repeat_interleave(torch.arange(len(lens)), layout.cu_seqlens.diff().long())
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(layout.slots, dtype=torch.long))
     pos = layout.positions()
     valid = pos < lens[seq]
     return starts[seq] + torch.minimum(pos, lens[seq] - 1), valid

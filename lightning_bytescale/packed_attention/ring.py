@@ -29,6 +29,7 @@ import torch
 
 from lightning_bytescale.packed_attention import kernels
 from lightning_bytescale.packed_attention.comm import Transfer
+from lightning_bytescale.packed_attention.input_dtype import kernel_inputs
 from lightning_bytescale.packed_attention.layout import AttentionLayout
 from lightning_bytescale.packed_attention.ring_plan import RingLayoutError, RingSetup, ring_setup
 
@@ -208,7 +209,10 @@ def ring_attention(
     """Zigzag ring attention of this member's slots; peers are the global ranks in ``layout.ring``.
 
     ``impl`` names the block kernel (:data:`.kernels.KERNELS`); ``None`` picks the fastest
-    that can run these tensors (:func:`.kernels.select_kernel`).
+    that can run these tensors (:func:`.kernels.select_kernel`).  q, k and v are brought to one
+    dtype first (the autocast dtype under autocast, :func:`.input_dtype.kernel_inputs`), so the
+    key/value blocks travel in the kernel's dtype.
     """
+    q, k, v = kernel_inputs(q, k, v)
     setup = ring_setup(layout, q.shape[0], q.device, group)
     return ZigzagRingAttention.apply(q, k, v, setup, scale, impl)

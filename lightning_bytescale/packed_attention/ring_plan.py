@@ -18,7 +18,9 @@ The plans of ``earlier`` and ``later`` blocks depend on the source member throug
 ``g_r``; a set-up holds one per source (:class:`BlockPlan`, one varlen kernel call each), equal
 plans shared, and sequences with no query or no key row left out of a block (a block with none
 is ``None``: nothing to compute).  Set-ups are cached by content, so the layers of a model share
-one (and its device tensors).
+one (and its device tensors).  Everything here is host work on the layout's host metadata; the
+device tensors (valid mask, offsets, gather indices) are copied once per set-up from pinned memory
+without a host synchronisation.
 """
 
 from __future__ import annotations
@@ -109,10 +111,17 @@ def ring_setup(
             _build_setup(layout, num_slots, device, group, check_rank=False), transport=transport
         )
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+    # host ints only (the layout holds no tensor): the key costs no host-device synchronisation
     key = (
-        tuple(layout.cu_seqlens.tolist()), tuple(layout.seq_lens), layout.ring, layout.member,
-        num_slots, str(device), id(group), rank,
-    )  # fmt: skip
+        layout.cu_seqlens,
+        layout.seq_lens,
+        layout.ring,
+        layout.member,
+        num_slots,
+        str(device),
+        id(group),
+        rank,
+    )
     cached = _LAST_SETUP.get(key)
     if cached is not None:
         return cached
@@ -150,7 +159,7 @@ def _build_setup(
         raise RingLayoutError(f"member {layout.member} is outside the ring {ranks}")
     if n > 1 and check_rank:
         _check_rank(ranks, layout.member)
-    cu = [int(x) for x in layout.cu_seqlens.tolist()]
+    cu = list(layout.cu_seqlens)
     if len(cu) != len(layout.seq_lens) + 1 or cu[0] != 0:
         raise RingLayoutError(
             f"cu_seqlens {cu} does not match {len(layout.seq_lens)} sequences; it needs n + 1 entries from 0"

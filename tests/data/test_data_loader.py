@@ -70,7 +70,7 @@ def reconstruct(batches: list[StepBatch]) -> dict[int, np.ndarray]:
         for mb in b.micro_batches:
             lay = mb.layout
             pos, valid = lay.positions(), lay.valid()
-            seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), lay.cu_seqlens.diff())
+            seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), torch.tensor(lay.slots))
             for s, p, t in zip(seq[valid].tolist(), pos[valid].tolist(), mb.input_ids[valid].tolist()):
                 assert p not in seen.setdefault(s, {}), f"token {p} of sequence {s} twice"
                 seen[s][p] = t

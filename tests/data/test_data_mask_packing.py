@@ -35,7 +35,7 @@ def trained_slots(batches) -> tuple[Counter, dict, set]:
     counts = set()
     for batch in batches:
         for mb in batch.micro_batches:
-            seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), mb.layout.cu_seqlens.diff())
+            seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), torch.tensor(mb.layout.slots))
             for j, p, label in zip(seq.tolist(), mb.position_ids.tolist(), mb.labels.tolist()):
                 if label != IGNORE:
                     seen[(j, p)] += 1

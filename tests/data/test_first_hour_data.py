@@ -45,7 +45,7 @@ def sequences(loader) -> list[tuple[int, ...]]:
         for mb in batch.micro_batches:
             lay = mb.layout
             pos, valid = lay.positions(), lay.valid()
-            seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), lay.cu_seqlens.diff())
+            seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), torch.tensor(lay.slots))
             for s, p, t in zip(seq[valid].tolist(), pos[valid].tolist(), mb.input_ids[valid].tolist()):
                 per_seq.setdefault(s, {})[p] = t
         for s in sorted(per_seq):

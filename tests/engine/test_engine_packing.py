@@ -43,7 +43,7 @@ def test_local_micro_batch_concatenates_whole_sequences():
     assert mb.input_ids.tolist() == [1001, 1002, 1003, 1004, 1005, 1, 2, 3]
     assert mb.labels.tolist() == [1002, 1003, 1004, 1005, -100, 2, 3, -100]
     assert mb.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
-    assert mb.layout.cu_seqlens.tolist() == [0, 5, 8]
+    assert mb.layout.cu_seqlens == (0, 5, 8)
     assert mb.layout.seq_lens == (5, 3)
     assert mb.layout.ring is None and mb.seq_ids == (1, 0)
     assert mb.num_global_tokens == 6 and mb.index == 2
@@ -67,7 +67,7 @@ def test_ring_micro_batch_takes_zigzag_slots_with_labels_from_the_full_sequence(
     assert m0.layout.ring == (3, 1) and m0.layout.member == 0 and m1.layout.member == 1
     assert m0.layout.valid().tolist() == [True, True, True, False]
     for m in (m0, m1):
-        assert m.layout.cu_seqlens.tolist() == [0, 4]
+        assert m.layout.cu_seqlens == (0, 4)
         assert torch.equal(m.layout.positions(), m.position_ids)
 
 
@@ -78,7 +78,7 @@ def test_ring_micro_batch_packs_several_sequences_each_padded_to_2c():
     mbs = [build_micro_batch(ring_mb([2, 0, 1], lengths, ring, m), r, tokens, 13) for m, r in enumerate(ring)]
     slots = [2 * zigzag.chunk_size(lengths[j], 3) for j in (2, 0, 1)]
     for m in mbs:
-        assert m.layout.cu_seqlens.diff().tolist() == slots
+        assert list(m.layout.slots) == slots
         assert m.layout.seq_lens == (2, 5, 9)
         pad = ~m.layout.valid()
         assert (m.input_ids[pad] == 0).all() and (m.labels[pad] == -100).all()

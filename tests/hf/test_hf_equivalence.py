@@ -94,7 +94,7 @@ class StepData(Dataset):
         if self.mask:
             n = trained_tokens(lengths, mask=True)
             for mb in batch.micro_batches:
-                seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), mb.layout.cu_seqlens.diff())
+                seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), torch.tensor(mb.layout.slots))
                 for i, (j, p) in enumerate(zip(seq.tolist(), mb.position_ids.tolist())):
                     if p < lengths[j] and masked(j, p, lengths[j]):
                         mb.labels[i] = -100

@@ -174,7 +174,7 @@ def test_packed_differs_from_one_long_sequence():
 
 def test_layout_from_positions():
     layout = layout_from_positions(torch.tensor([[0, 1, 2, 0, 0, 1, 5, 6]]), 8)
-    assert layout.seq_lens == (3, 1, 2, 2) and layout.cu_seqlens.tolist() == [0, 3, 4, 6, 8]
+    assert layout.seq_lens == (3, 1, 2, 2) and layout.cu_seqlens == (0, 3, 4, 6, 8)
     assert layout.is_local
     assert layout_from_positions(None, 5).seq_lens == (5,)
     assert layout_from_positions(torch.tensor([[4, 5, 6]]), 3).seq_lens == (3,)  # a continued sequence

@@ -49,7 +49,7 @@ def test_training_step_equals_sdpa_per_sequence(mask):
     if mask:  # a loss mask as the data side writes it: labels -100, num_global_tokens counts the rest
         n = sum(1 for j, s in enumerate(lengths) for p in range(s - 1) if (j, p) not in masked)
         for mb in step.micro_batches:
-            seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), mb.layout.cu_seqlens.diff())
+            seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), torch.tensor(mb.layout.slots))
             hit = torch.tensor([(int(j), int(p)) in masked for j, p in zip(seq, mb.position_ids)])
             mb.labels[hit] = -100
             mb.num_global_tokens = n

@@ -108,7 +108,7 @@ def test_plan_then_pack_covers_every_token_and_label_exactly_once(case):
             pos, valid = lay.positions(), lay.valid()
             assert torch.equal(pos, mb.position_ids)
             assert (mb.labels[~valid] == IGNORE_INDEX).all()
-            owner = torch.repeat_interleave(torch.tensor(mb.seq_ids), lay.cu_seqlens.diff())
+            owner = torch.repeat_interleave(torch.tensor(mb.seq_ids), torch.tensor(lay.slots))
             for j in set(mb.seq_ids):
                 here = valid & (owner == j)
                 p = pos[here]

@@ -40,7 +40,7 @@ class EvalModule(PretrainModule):
     def predict_step(self, mb, batch_idx):
         logits = self(mb.input_ids, mb.position_ids)
         valid = mb.layout.valid()
-        seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), mb.layout.cu_seqlens.diff())
+        seq = torch.repeat_interleave(torch.tensor(mb.seq_ids), torch.tensor(mb.layout.slots))
         return {
             "step": batch_idx,
             "seq": seq[valid],

@@ -85,3 +85,22 @@ def test_bf16_forward_runs():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     with pytest.raises(ValueError, match="packed"):
         model(torch.zeros(2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_q_k_v_reach_attention_in_the_autocast_dtype(weights):
+    """Under bf16 autocast the RoPE tables follow the projections: no float32 q/k next to a bf16 v."""
+    seen = []
+
+    def recording(q, k, v):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return causal_attention(q, k, v)
+
+    model = LlamaModel(LlamaConfig.preset("tiny"), attention_fn=recording).to(weights)
+    ids, pos = torch.randint(0, 64, (7,)), torch.arange(7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, pos)
+    assert seen == [(torch.bfloat16,) * 3] * model.config.layers
+    seen.clear()
+    model.double()(ids, pos)  # outside autocast: the weights' dtype
+    assert seen == [(torch.float64,) * 3] * model.config.layers

@@ -79,7 +79,7 @@ def ring_layout(seq_lens, ring, member):
 def shard_index(layout):
     """Index into the concatenated full sequences of each slot (padding clamped), and the valid mask."""
     starts = torch.tensor([0, *layout.seq_lens]).cumsum(0)[:-1]
-    counts = layout.cu_seqlens.diff()
+    counts = torch.tensor(layout.slots)
     seq_of_slot = torch.repeat_interleave(torch.arange(len(layout.seq_lens)), counts)
     valid = layout.valid()
     lens = torch.tensor(layout.seq_lens)[seq_of_slot]

@@ -1,58 +1,171 @@
-"""``benchmarks/gpu_check.py --dry-run``: the one-GPU check runs end to end on CPU and writes its JSON.
+"""``benchmarks/gpu_check.py``: a check that can fail, whose dry run covers its code on the CPU.
 
-The dry run takes every section's code path on the CPU with tiny sizes (``accelerator="cpu"``,
-the ``cpu`` block kernel), so a script that will run once on a lent GPU is known to work
-before it gets there.  Its own checks must pass: the float64 Trainer run equals the
-single-process reference, the loopback ring matches the dense reference in every dtype and
-ring size, offload hooks leave gradients bit-identical.
+* ``python benchmarks/gpu_check.py --dry-run`` from the repository root, as docs/install.md
+  says, with the packages a GPU machine lacks made unimportable (Hydra, OmegaConf, W&B, xxhash,
+  matplotlib: the machine has torch, Lightning and numpy, and the wheels of wrapt and
+  torchdata), imports the package from the repository and passes every section it can run
+  on a CPU; its own checks hold (float64 Trainer run against the single-process reference,
+  loopback rings against the dense reference, ring-flash-attention's varlen case within its
+  tolerances, bit-identical offload hooks);
+* with the package unimportable (a broken copy first on the path, as a checkout without its
+  dependencies would be) it exits 2 and says why, instead of recording the error and exiting 0;
+* a subsection that raises keeps what it recorded before the error, the report names the
+  failed section, and the exit status is 1.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+# Runs a script with the modules a GPU machine lacks unimportable (a finder that refuses them).
+WITHOUT = """
+import importlib.abc, runpy, sys
+MISSING = {"hydra", "omegaconf", "wandb", "xxhash", "matplotlib", "requests", "urllib3"}
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in MISSING:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Missing())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
-def test_gpu_check_dry_run_writes_every_section(tmp_path):
-    out = tmp_path / "x.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out)],
-        cwd=tmp_path,
+def _run(args, cwd, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PYTHONPATH")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT, *args],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["dry_run"] is True and report["device"] == "cpu"
-    for section in ("trainer", "ring", "offload", "flash_attn"):
-        assert "error" not in report[section], report[section].get("traceback")
 
-    trainer = report["trainer"]
-    assert trainer["ok"], trainer
-    assert trainer["float64"]["max_param_diff"] <= 1e-10
-    assert trainer["bf16_mixed"]["finite"] and trainer["bf16_mixed"]["steps"] == report["sizes"]["steps"]
+
+def test_dry_run_from_the_repository_root_passes_every_section(tmp_path):
+    out = tmp_path / "x.json"
+    proc = _run(["benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True and report["device"] == "cpu" and report["ok"] is True
+    assert Path(report["package"]) == ROOT / "lightning_bytescale"  # this checkout's package
+    for section in ("kernels", "ring", "host_syncs", "trainer", "offload", "flash_attn"):
+        assert report[section]["ok"], report[section]
+        for name, sub in report[section].items():
+            if isinstance(sub, dict):
+                assert "error" not in sub, (section, name, sub.get("traceback"))
+
+    kernels = report["kernels"]
+    assert kernels["detected"]["varlen_attn_problem"] is None and kernels["detected"]["aten_problems"] == {}
+    assert {c["dtype"]: c["ring"] for c in kernels["chosen"]["choices"]} == dict.fromkeys(
+        ("float16", "bfloat16", "float32", "float64"), "cpu"
+    )
 
     ring = report["ring"]
-    assert ring["ok"], ring
-    cells = {(e["ring"], e["dtype"]) for e in ring["errors"]}
+    cells = {(e["ring"], e["dtype"]) for e in ring["errors"]["cases"]}
     assert cells == {(n, d) for n in (2, 4, 8) for d in ("bfloat16", "float32", "float64")}
-    assert all(max(e["max_err"].values()) <= 1e-10 for e in ring["errors"] if e["dtype"] == "float64")
-    assert [s["ring"] for s in ring["throughput"]] == [2, 4, 8]
-    assert all(s["fraction_of_local"] > 0 for s in ring["throughput"])
+    assert all(
+        max(e["max_err"].values()) <= 1e-10 for e in ring["errors"]["cases"] if e["dtype"] == "float64"
+    )
+    ref = ring["reference_varlen"]
+    assert ref["heads"] == 5 and ref["dtype"] == "bfloat16" and [r["ring"] for r in ref["rings"]] == [2, 4, 8]
+    assert all(r["rel_err_vs_float64"]["out"] <= ref["tolerance"]["out"] for r in ref["rings"])
+    assert [s["ring"] for s in ring["throughput"]["rings"]] == [2, 4, 8]
+    assert all(s["fraction_of_local"] > 0 for s in ring["throughput"]["rings"])
+
+    syncs = report["host_syncs"]
+    assert syncs["micro_batch"]["layout_on_host"] is True
+    assert all("skipped" in syncs[k] for k in ("local_attention", "ring_loop", "micro_batch"))  # CUDA only
+
+    trainer = report["trainer"]
+    assert trainer["float64"]["max_param_diff"] <= 1e-10 and trainer["float64"]["max_param_change"] > 1e-4
+    assert trainer["bf16_mixed"]["finite"] and trainer["bf16_mixed"]["steps"] == report["sizes"]["steps"]
+    assert (
+        trainer["mfu"]["mfu_median"] > 0
+        and len(trainer["mfu"]["mfu_per_step"]) == report["sizes"]["mfu_steps"]
+    )
 
     offload = report["offload"]
-    assert offload["ok"] and all(offload["cpu_hooks"]["bit_identical"].values())
     assert set(offload["cpu_hooks"]["bit_identical"]) == {"0.25", "0.5", "1.0"}
+    assert all(offload["cpu_hooks"]["bit_identical"].values())
 
-    flash = report["flash_attn"]
+    flash = report["flash_attn"]["block"]
     assert "skipped" in flash and [r["kernel"] for r in flash["dry_run_kernels"]] == ["cpu", "math"]
     assert all(r["max_err_vs_math"] <= 1e-5 for r in flash["dry_run_kernels"])
+
+
+def test_dry_run_fails_when_the_package_cannot_be_imported(tmp_path):
+    """A checkout whose package does not import: exit 2, the reason on stderr, no report of passes."""
+    (tmp_path / "benchmarks").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "benchmarks" / "gpu_check.py")
+    broken = tmp_path / "lightning_bytescale"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("import a_dependency_this_machine_lacks\n")
+    out = tmp_path / "x.json"
+    proc = _run(["benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (
+        "cannot import lightning_bytescale" in proc.stderr
+        and "a_dependency_this_machine_lacks" in proc.stderr
+    )
+    assert not out.exists()
+
+
+def _load_script(monkeypatch):
+    """The script as a module (it puts the repository on ``sys.path``: restored after the test)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_failing_subsection_keeps_what_it_measured_and_fails_the_run(tmp_path, monkeypatch):
+    gpu_check = _load_script(monkeypatch)
+
+    def broken_section(report, device, sizes):
+        section = report.section("kernels")
+
+        def measure_then_fail(sub):
+            sub.append("rows", {"measured": 1})
+            sub.append("rows", {"measured": 2})
+            raise RuntimeError("the third measurement failed")
+
+        section.run("first", lambda sub: sub.out.update(ok=True, value=3))
+        section.run("second", measure_then_fail)
+        section.run("third", lambda sub: sub.out.update(ok=True))  # still runs
+
+    monkeypatch.setattr(gpu_check, "SECTIONS", {"kernels": broken_section})
+    out = tmp_path / "x.json"
+    assert gpu_check.main(["--dry-run", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    kernels = report["kernels"]
+    assert kernels["ok"] is False and report["ok"] is False
+    assert kernels["first"]["value"] == 3 and kernels["third"]["ok"] is True
+    assert kernels["second"]["rows"] == [{"measured": 1}, {"measured": 2}]
+    assert "RuntimeError: the third measurement failed" in kernels["second"]["error"]
+
+
+def test_a_spent_budget_fails_the_subsections_it_cuts(tmp_path, monkeypatch):
+    gpu_check = _load_script(monkeypatch)
+
+    def section(report, device, sizes):
+        report.section("kernels").run("late", lambda sub: sub.out.update(ok=True))
+
+    monkeypatch.setattr(gpu_check, "SECTIONS", {"kernels": section})
+    out = tmp_path / "x.json"
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--budget-s", "-1"]) == 1
+    late = json.loads(out.read_text())["kernels"]["late"]
+    assert late["ok"] is False and "time budget" in late["skipped"]

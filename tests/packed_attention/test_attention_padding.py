@@ -46,7 +46,7 @@ def _slots(rows: Rows, total: int) -> list[int]:
 def test_blocks_cover_every_causal_pair_once_and_no_padding_key(seq_lens, n):
     layouts = ring_layouts(seq_lens, n)
     num_slots = int(layouts[0].cu_seqlens[-1])
-    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), layouts[0].cu_seqlens.diff()).tolist()
+    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(layouts[0].slots)).tolist()
     positions = [lay.positions().tolist() for lay in layouts]
     pairs: Counter = Counter()
     for i, lay in enumerate(layouts):
