@@ -30,6 +30,7 @@ SUBPACKAGES = (
     "offload",
     "packed_attention",
     "planner",
+    "profiler",
     "recipes",
     "sim",
 )
