@@ -345,7 +345,7 @@ def _hydra_main() -> Any:
 
 def main() -> None:
     """Console script ``bytescale-train``: Hydra's command line over the packaged
-    ``lightning_bytescale/recipes/conf/pretrain.yaml``."""
+    ``conf/pretrain.yaml`` (``pkg://lightning_bytescale.recipes.conf``)."""
     from lightning_bytescale.recipes.config import ConfigError
 
     try:

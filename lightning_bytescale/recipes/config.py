@@ -1,9 +1,9 @@
 """Hydra config plumbing for the recipes: schema registration, finding the configs, readable errors.
 
-The YAML config groups ship inside the package (``lightning_bytescale/recipes/conf``, package
-data) and are read through Hydra's package config source,
-``pkg://lightning_bytescale.recipes.conf``, so ``bytescale-train`` works after any ``pip
-install`` from any folder.  ``BYTESCALE_CONF_DIR`` replaces them with a folder of your own;
+The YAML config groups live at the repository's top level (``conf/``) and ship in the wheel as
+the package ``lightning_bytescale.recipes.conf`` (``pyproject.toml`` maps it to ``conf/``); they
+are read through Hydra's package config source, ``pkg://lightning_bytescale.recipes.conf``, so
+``bytescale-train`` works after any ``pip install`` (editable or not) from any folder.  ``BYTESCALE_CONF_DIR`` replaces them with a folder of your own;
 Hydra's ``--config-dir`` adds a folder of new options (searched after them).  Importing this
 module registers the structured-config schemas of :mod:`lightning_bytescale.recipes.schema` in
 Hydra's ConfigStore.
