@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import glob as globlib
 import hashlib
-import inspect
 import json
 import mmap
 import os
@@ -36,6 +35,7 @@ import numpy as np
 import xxhash
 
 from lightning_bytescale.data.errors import DataError
+from lightning_bytescale.planner import distributions
 
 Document = str | np.ndarray
 
@@ -374,20 +374,7 @@ class JsonlSource(FileSourceMixin):
 
 
 def _sample_lengths(name: str, n: int, seed: int) -> np.ndarray:
-    try:
-        from lightning_bytescale.planner import distributions
-    except ImportError as err:  # pragma: no cover - the planner package always ships it
-        raise DataError("synthetic sources need lightning_bytescale.planner.distributions") from err
-    fn = getattr(distributions, "sample_lengths", None)
-    if fn is None:  # pragma: no cover
-        raise DataError("lightning_bytescale.planner.distributions has no sample_lengths()")
-    params = inspect.signature(fn).parameters
-    kwargs: dict = {}
-    if "seed" in params:
-        kwargs["seed"] = seed
-    elif "rng" in params:
-        kwargs["rng"] = np.random.default_rng(seed)
-    return np.asarray(fn(name, n, **kwargs), dtype=np.int64)
+    return np.asarray(distributions.sample_lengths(name, n, seed=seed), dtype=np.int64)
 
 
 @dataclass
@@ -409,10 +396,8 @@ class SyntheticSource:
     def lengths(self) -> np.ndarray:
         if self.num_samples < 1:
             raise DataError(f"synthetic source needs num_samples >= 1, got {self.num_samples}")
-        from lightning_bytescale.planner.distributions import REFERENCE_CONTEXT
-
         raw = _sample_lengths(self.name, self.num_samples, self.seed)
-        scale = self.scale if self.context is None else self.context / REFERENCE_CONTEXT
+        scale = self.scale if self.context is None else self.context / distributions.REFERENCE_CONTEXT
         return np.maximum(1, np.round(raw * scale)).astype(np.int64)
 
     @property
@@ -443,7 +428,7 @@ class HFSource:
     def rows(self) -> Iterator[dict]:
         """The dataset's rows (``datasets.load_dataset``)."""
         try:
-            import datasets
+            import datasets  # optional (the hf extra): only this source needs it
         except ImportError as err:
             raise DataError(
                 "the Hugging Face source needs the `datasets` package: pip install datasets "
