@@ -44,9 +44,8 @@ def plan_seed(seed: int, epoch: int, step: int) -> int:
 
 
 def _make_plan(lengths: tuple[int, ...], world_size: int, seed: int, options: dict):
-    return make_plan(  # make_plan checks the options (PlannerConfig)
-        lengths, world_size=world_size, seed=seed, **options
-    )
+    """One step's plan; ``make_plan`` checks the options (``PlannerConfig``)."""
+    return make_plan(lengths, world_size=world_size, seed=seed, **options)
 
 
 @dataclass
