@@ -113,11 +113,11 @@ def raw_overlap(copy_mb: int = 512, n: int = 8192, iters: int = 20) -> dict:
 
 
 def model_sweep(preset: str, layers: int, lengths: list[int], ratios: list[float]) -> list[dict]:
-    from lightning_bytescale.cli.profile import measure_bandwidth
     from lightning_bytescale.models import LlamaConfig, LlamaModel
     from lightning_bytescale.offload.offloader import OUTSIDE, ActivationOffloader
     from lightning_bytescale.packed_attention import attention_context
     from lightning_bytescale.packed_attention.layout import AttentionLayout
+    from lightning_bytescale.profiler import measure_bandwidth
 
     torch.manual_seed(0)
     cfg = LlamaConfig.preset(preset, layers=layers)

@@ -42,11 +42,11 @@ from torch.utils.data import Dataset
 
 import lightning_bytescale  # noqa: F401  (registers the strategies)
 from lightning_bytescale import ByteScaleStrategy
-from lightning_bytescale.cli.profile import run_profile
 from lightning_bytescale.engine.micro_batch import build_step
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 from lightning_bytescale.packed_attention import comm_stats
 from lightning_bytescale.planner import make_plan
+from lightning_bytescale.profiler import run_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import plan_options, run_parser  # noqa: E402

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import graphlib
 import json
 import re
 import subprocess
@@ -152,6 +153,38 @@ def test_every_import_stays_on_its_floor_or_goes_below():
         "imports from a higher floor (docs/architecture.md): move the code to the right floor, "
         "or import from the module that defines the name:\n" + "\n".join(violations)
     )
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (anywhere in it: top level, functions, ``TYPE_CHECKING``)."""
+    graph: dict[str, set[str]] = {}
+    for path in module_files():
+        me = module_name(path)
+        targets = {target_file(module) for _, module in imported_modules(path)}
+        graph[me] = {module_name(t) for t in targets if t is not None} - {me}
+    return graph
+
+
+def test_no_two_modules_import_each_other():
+    """The imports form no cycle, not even through an import inside a function: two modules that
+    need each other share a concept that wants a module of its own (or one of them is the
+    other's user and the dependency goes one way)."""
+    try:
+        graphlib.TopologicalSorter(import_graph()).prepare()
+    except graphlib.CycleError as err:
+        cycle = err.args[1]
+        pytest.fail(
+            "an import cycle: " + " -> ".join(cycle) + "; give what they share a module of its own, "
+            "or make the dependency go one way"
+        )
+
+
+def test_the_cycle_check_sees_a_cycle():
+    graph = import_graph()
+    graph[f"{PACKAGE}.planner.plan"].add(f"{PACKAGE}.planner.registry")
+    graph[f"{PACKAGE}.planner.registry"].add(f"{PACKAGE}.planner.plan")
+    with pytest.raises(graphlib.CycleError):
+        graphlib.TopologicalSorter(graph).prepare()
 
 
 def test_the_checker_sees_every_kind_of_import():

@@ -30,6 +30,7 @@ SUBPACKAGES = (
     "offload",
     "packed_attention",
     "planner",
+    "profiler",
     "recipes",
     "sim",
 )
@@ -65,6 +66,28 @@ def test_import_lightning_bytescale_and_the_pure_command_lines_load_neither_torc
             f"print({LOADED})"
         )
         assert fresh(code) == {"torch": False, "lightning": False}, f"bytescale-{cli} --help"
+
+
+def test_bytescale_train_answers_help_and_config_errors_without_torch_or_lightning():
+    """``bytescale-train --help`` and a config that does not compose answer in about a second:
+    torch and Lightning load only once a run is built (``cli/train.py``'s docstring)."""
+    for argv, fails in ((["--help"], False), (["strategy.plannr=balance"], True)):
+        out = fresh(
+            "import contextlib, io, json, sys\n"
+            f"sys.argv = ['bytescale-train', *{argv!r}]\n"
+            "from lightning_bytescale.cli.train import main\n"
+            "out, err = io.StringIO(), io.StringIO()\n"
+            "try:\n"
+            "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
+            "        main()\n"
+            "    code = 0\n"
+            "except SystemExit as e:\n"
+            "    code = e.code or 0\n"
+            "print(json.dumps({'torch': 'torch' in sys.modules, 'lightning': 'lightning' in sys.modules,\n"
+            "    'code': code, 'said': out.getvalue() + err.getvalue()}))"
+        )
+        assert (out["torch"], out["lightning"], out["code"] != 0) == (False, False, fails), (argv, out)
+    assert "plannr" in out["said"], out["said"]
 
 
 def test_attention_is_a_plain_function_from_import_lightning_bytescale_alone():

@@ -17,8 +17,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from lightning_bytescale.planner import distributions
 from lightning_bytescale.planner.config import PlannerConfig
 from lightning_bytescale.planner.errors import PlanError
+from lightning_bytescale.planner.planners import make_plan
 
 
 def load_lengths(path: str) -> list[int]:
@@ -27,8 +31,6 @@ def load_lengths(path: str) -> list[int]:
     if not p.is_file():
         raise PlanError(f"lengths file {path!r} does not exist")
     if p.suffix == ".npy":
-        import numpy as np
-
         try:
             arr = np.load(p, allow_pickle=False)
         except ValueError as err:
@@ -166,9 +168,6 @@ def _summary(stats: dict, plan_ms: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lightning_bytescale.planner import distributions
-    from lightning_bytescale.planner.planners import make_plan
-
     args = build_parser().parse_args(argv)
     try:
         for module in args.imports:

@@ -7,17 +7,33 @@ run the same :func:`train`.  With no overrides it is the CPU quickstart.  Exampl
     bytescale-train -m strategy.planner=static,naive,balance strategy=bytescale_spawn
     bytescale-train experiment=paper_7b_2m trainer.num_nodes=16
     bytescale-train logger=csv          # or logger=tensorboard; ~logger for none
+
+torch and Lightning load only once a run is built (:func:`build`, :func:`train`): ``--help``,
+``--cfg job`` and a config that does not compose answer in about a second instead of the
+seconds Lightning takes to import (``tests/test_public_api.py`` checks ``--help``).  So the
+imports of Lightning, torch and the floors that load them sit in the functions that need them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.types import RunMode
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue
+
+from lightning_bytescale.lightning.wandb_offline import find_run_files, wandb_offline_by_default
+from lightning_bytescale.recipes.config import PRIMARY, ConfigError, config_source
 
 log = logging.getLogger("lightning_bytescale.recipes")
 
@@ -25,9 +41,6 @@ __all__ = ["build", "main", "train"]
 
 
 def _is_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
@@ -43,8 +56,6 @@ def _devices_count(devices: Any) -> int:
 
 def _prepare(cfg: DictConfig) -> None:
     """Decisions the YAML leaves open: W&B online/offline, the launcher in sweeps."""
-    from lightning_bytescale.lightning.wandb_offline import wandb_offline_by_default
-
     with open_dict(cfg):
         logger = cfg.get("logger")
         if logger is not None and str(logger.get("_target_", "")).endswith("WandbLogger"):
@@ -53,8 +64,6 @@ def _prepare(cfg: DictConfig) -> None:
             if logger.get("name") is None:
                 logger.name = cfg.name
                 if _is_multirun():  # one run per sweep job, grouped by the sweep's name
-                    from hydra.core.hydra_config import HydraConfig
-
                     job = HydraConfig.get().job
                     logger.name = (
                         f"{cfg.name}/{job.get('num', 0)}:{job.get('override_dirname') or 'defaults'}"
@@ -76,17 +85,16 @@ def _prepare(cfg: DictConfig) -> None:
 
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate every component of the recipe without fitting (also used by the tests)."""
+    # here, not at the top: Lightning and torch load only when a run is built (module docstring)
     import lightning.pytorch as pl
-    from hydra.utils import instantiate
+    import torch
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
-    import lightning_bytescale  # noqa: F401  (registers the strategy names)
+    from lightning_bytescale.lightning.run_timer import RunTimer
 
     _prepare(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     if cfg.get("float32_matmul_precision"):
-        import torch
-
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
 
     datamodule = instantiate(_plain(cfg.data))
@@ -100,8 +108,6 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     trainer_cfg = _plain(cfg.trainer)
     max_time = trainer_cfg.pop("max_time", None)
     if max_time is not None:
-        from lightning_bytescale.lightning.run_timer import RunTimer
-
         # Lightning's own max_time restores the elapsed time on resume; this one bounds each run
         callbacks.append(RunTimer(duration=max_time, interval="step"))
     if logger is not None:
@@ -145,11 +151,8 @@ def _validate_data(datamodule: Any, strategy: Any, trainer: Any) -> None:
 def _before_launch_error(err: BaseException) -> str | None:
     """The one-line reason of a run that cannot start (raised while the recipe is built), printed
     instead of a traceback; None for anything else (a bug keeps its traceback)."""
-    from hydra.errors import InstantiationException
-    from omegaconf.errors import MissingMandatoryValue
-
+    # here, not at the top: the data package loads torch (module docstring)
     from lightning_bytescale.data.errors import DataError
-    from lightning_bytescale.recipes.config import ConfigError
 
     if isinstance(err, MissingMandatoryValue):
         key = err.full_key or "a key"
@@ -200,7 +203,7 @@ def _model_for_data(model_cfg: dict[str, Any], datamodule: Any) -> dict[str, Any
 
 def _model_vocab(model: Any) -> int | None:
     """The model's vocabulary size: a ``vocab_size`` attribute, or a Hugging Face model's config."""
-    from lightning_bytescale.lightning.datamodule import model_vocab_size
+    from lightning_bytescale.lightning.datamodule import model_vocab_size  # loads Lightning (see above)
 
     found = model_vocab_size(model)
     source = getattr(model, "source", None)
@@ -222,25 +225,16 @@ def _data_vocab(datamodule: Any) -> int | None:
 
 def _finish_wandb() -> None:
     """Close the W&B run (Lightning never does), so the offline file is complete and sweeps don't share a run."""
-    if "wandb" not in sys.modules:
-        return
-    import wandb
-
-    if wandb.run is not None:
+    wandb = sys.modules.get("wandb")  # only a run that imported it has one to close
+    if wandb is not None and wandb.run is not None:
         wandb.finish()
 
 
 def _discard_offline_wandb_run() -> None:
     """Finish and delete the offline W&B run of a run that never trained (Lightning starts it
     before the data module's ``setup``), and its ``wandb`` folder when nothing else is left there."""
-    if "wandb" not in sys.modules:
-        return
-    import shutil
-    from pathlib import Path
-
-    import wandb
-
-    run = wandb.run
+    wandb = sys.modules.get("wandb")  # only a run that imported it has one to discard
+    run = wandb.run if wandb is not None else None
     if run is None:
         return
     folder = Path(run.dir).parent  # <save_dir>/wandb/offline-run-<time>-<id>
@@ -259,7 +253,7 @@ def _one_line_per_log_message() -> None:
     Lightning adds its own console handler when it is imported before logging is configured;
     with Hydra's root handlers as well, every Lightning line would be printed twice.
     """
-    import lightning.pytorch  # noqa: F401  (its import decides whether it adds a handler)
+    import lightning.pytorch  # noqa: F401  (here, not at the top; its import decides whether it adds a handler)
 
     if not logging.getLogger().handlers:
         return
@@ -287,14 +281,14 @@ def train(cfg: DictConfig) -> float | None:
         raise SystemExit(2) from None
     trainer, logger = parts["trainer"], parts["logger"]
     if logger is not None:
-        from lightning_bytescale.lightning.config_logger import ConfigLogger
+        from lightning_bytescale.lightning.config_logger import ConfigLogger  # loads Lightning (see above)
 
         trainer.callbacks.append(ConfigLogger(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
     start = time.perf_counter()
     try:
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))
     except Exception as err:
-        from lightning_bytescale.data.errors import DataError
+        from lightning_bytescale.data.errors import DataError  # loads torch (see above)
 
         if not isinstance(err, DataError) or trainer.global_step > 0:
             raise
@@ -324,8 +318,6 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
         lines[0] += f", last loss {float(loss):.4f}"
     lines.append(f"  outputs: {cfg.run_dir}")
     if logger is not None and type(logger).__name__ == "WandbLogger":
-        from lightning_bytescale.lightning.wandb_offline import find_run_files
-
         runs = find_run_files(os.path.join(str(logger.save_dir), "wandb"))
         if runs and "offline-run" in runs[-1].parent.name:
             lines.append(f"  offline W&B run: {runs[-1].parent}")
@@ -334,10 +326,6 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
 
 
 def _hydra_main() -> Any:
-    import hydra
-
-    from lightning_bytescale.recipes.config import PRIMARY, config_source
-
     # pkg://lightning_bytescale.recipes.conf (the packaged YAML), or $BYTESCALE_CONF_DIR;
     # Hydra's --config-dir adds a folder of new options, searched after it
     return hydra.main(version_base="1.3", config_path=config_source(), config_name=PRIMARY)(train)
@@ -345,9 +333,7 @@ def _hydra_main() -> Any:
 
 def main() -> None:
     """Console script ``bytescale-train``: Hydra's command line over the packaged
-    ``lightning_bytescale/recipes/conf/pretrain.yaml``."""
-    from lightning_bytescale.recipes.config import ConfigError
-
+    ``conf/pretrain.yaml`` (``pkg://lightning_bytescale.recipes.conf``)."""
     try:
         entry = _hydra_main()
     except ConfigError as err:

@@ -14,13 +14,13 @@ from lightning_bytescale.data.errors import (
 from lightning_bytescale.data.policy import Samples, make_samples
 from lightning_bytescale.data.prune import PruneAction, prune_cache
 from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
+from lightning_bytescale.data.source_spec import make_source
 from lightning_bytescale.data.sources import (
     FileStamp,
     HFSource,
     JsonlSource,
     SyntheticSource,
     TextFilesSource,
-    make_source,
 )
 from lightning_bytescale.data.store import TokenStore, write_store
 from lightning_bytescale.data.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer

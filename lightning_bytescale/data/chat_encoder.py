@@ -143,6 +143,7 @@ class ChatEncoder:
         return text
 
     def _render(self, messages, add_generation_prompt, track, where) -> tuple[str, list]:
+        # optional dependency (the hf extra): only chat templates need it, not plain-text data
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:

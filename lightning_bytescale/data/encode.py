@@ -161,7 +161,7 @@ class BuildProgress:
             show = sys.stderr.isatty()
         self._bar = None
         if show:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # only on a terminal; tqdm is not one of this floor's dependencies
 
             self._bar = tqdm(total=total, desc=label, unit=" docs", dynamic_ncols=True, mininterval=0.5)
 

@@ -33,6 +33,8 @@ from lightning_bytescale.data.policy import Samples
 from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
 from lightning_bytescale.data.store import TokenStore
 from lightning_bytescale.engine.batch import StepBatch
+from lightning_bytescale.engine.micro_batch import build_step
+from lightning_bytescale.planner.planners import make_plan
 from lightning_bytescale.proc import LoaderWorkerInit
 
 
@@ -42,8 +44,7 @@ def plan_seed(seed: int, epoch: int, step: int) -> int:
 
 
 def _make_plan(lengths: tuple[int, ...], world_size: int, seed: int, options: dict):
-    from lightning_bytescale.planner import make_plan  # make_plan checks the options (PlannerConfig)
-
+    """One step's plan; ``make_plan`` checks the options (``PlannerConfig``)."""
     return make_plan(lengths, world_size=world_size, seed=seed, **options)
 
 
@@ -108,8 +109,6 @@ class StepDataset(Dataset):
         return plan
 
     def __getitem__(self, key: tuple[int, int]) -> StepBatch:
-        from lightning_bytescale.engine.micro_batch import build_step
-
         epoch, step = key
         ids = self.sample_ids(epoch, step)
         t0 = time.perf_counter()

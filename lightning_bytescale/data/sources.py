@@ -18,25 +18,24 @@ kept as ``__cause__``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import glob as globlib
 import hashlib
-import inspect
 import json
 import mmap
 import os
 import sysconfig
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import xxhash
 
 from lightning_bytescale.data.errors import DataError
+from lightning_bytescale.planner import distributions
 
 Document = str | np.ndarray
 
@@ -375,20 +374,7 @@ class JsonlSource(FileSourceMixin):
 
 
 def _sample_lengths(name: str, n: int, seed: int) -> np.ndarray:
-    try:
-        from lightning_bytescale.planner import distributions
-    except ImportError as err:  # pragma: no cover - the planner package always ships it
-        raise DataError("synthetic sources need lightning_bytescale.planner.distributions") from err
-    fn = getattr(distributions, "sample_lengths", None)
-    if fn is None:  # pragma: no cover
-        raise DataError("lightning_bytescale.planner.distributions has no sample_lengths()")
-    params = inspect.signature(fn).parameters
-    kwargs: dict = {}
-    if "seed" in params:
-        kwargs["seed"] = seed
-    elif "rng" in params:
-        kwargs["rng"] = np.random.default_rng(seed)
-    return np.asarray(fn(name, n, **kwargs), dtype=np.int64)
+    return np.asarray(distributions.sample_lengths(name, n, seed=seed), dtype=np.int64)
 
 
 @dataclass
@@ -410,10 +396,8 @@ class SyntheticSource:
     def lengths(self) -> np.ndarray:
         if self.num_samples < 1:
             raise DataError(f"synthetic source needs num_samples >= 1, got {self.num_samples}")
-        from lightning_bytescale.planner.distributions import REFERENCE_CONTEXT
-
         raw = _sample_lengths(self.name, self.num_samples, self.seed)
-        scale = self.scale if self.context is None else self.context / REFERENCE_CONTEXT
+        scale = self.scale if self.context is None else self.context / distributions.REFERENCE_CONTEXT
         return np.maximum(1, np.round(raw * scale)).astype(np.int64)
 
     @property
@@ -444,7 +428,7 @@ class HFSource:
     def rows(self) -> Iterator[dict]:
         """The dataset's rows (``datasets.load_dataset``)."""
         try:
-            import datasets
+            import datasets  # optional (the hf extra): only this source needs it
         except ImportError as err:
             raise DataError(
                 "the Hugging Face source needs the `datasets` package: pip install datasets "
@@ -475,68 +459,3 @@ FIELD_HOW = (
 PATTERN_HOW = (
     "data.pattern='*.md' on the bytescale-train command line, ByteScaleDataModule(pattern='*.md') in Python"
 )
-
-# the plain options of ByteScaleDataModule, and the sources that take each
-SOURCE_OPTIONS = {"pattern": "a folder of text files", "field": "JSONL files or a Hugging Face dataset"}
-
-
-def with_source_options(source: Source, spec: Any, **options: str | None) -> Source:
-    """``source`` with ``pattern=`` / ``field=`` (the data module's plain arguments) applied.
-
-    ``None`` leaves the source's own value.  An option the source does not take, or one that
-    contradicts the same key in a dict ``spec``, fails naming both.
-    """
-    for name, value in options.items():
-        if value is None:
-            continue
-        if not (dataclasses.is_dataclass(source) and name in {f.name for f in dataclasses.fields(source)}):
-            raise DataError(
-                f"{name}={value!r} is an option of {SOURCE_OPTIONS[name]}; this source ({type(source).__name__}) "
-                f"has no {name!r}: leave {name} unset (data.{name}=null)"
-            )
-        if isinstance(spec, Mapping) and name in spec and spec[name] != value:
-            raise DataError(
-                f"{name}={value!r} contradicts the source's own {name}={spec[name]!r}; give it once "
-                f"(data.{name}=... or in the source dict)"
-            )
-        source = dataclasses.replace(source, **{name: value})
-    return source
-
-
-def make_source(spec: str | dict | Source | None) -> Source:
-    """Build a source from a short spec.
-
-    * ``None``: Python's stdlib ``*.py`` files;
-    * ``"github"`` / ``"byted"``: synthetic (``{"kind": "synthetic", ...}`` for options);
-    * ``"hf:<name>"``: a Hugging Face dataset;
-    * a path ending in ``.jsonl`` (or a glob of them): JSONL with field ``text``;
-    * any other path or glob: text files;
-    * a dict with ``kind`` in ``text | jsonl | synthetic | hf | chat`` and that kind's options
-      (``chat``: chat or prompt/completion records from JSONL files, ``path``, or a Hugging Face
-      dataset, ``name``; see :mod:`.chat`).
-    """
-    if spec is None:
-        return TextFilesSource()
-    if isinstance(spec, Mapping):  # a dict, or a Hydra/OmegaConf mapping
-        opts = dict(spec)
-        kind = opts.pop("kind", None)
-        kinds = {"text": TextFilesSource, "jsonl": JsonlSource, "synthetic": SyntheticSource, "hf": HFSource}
-        if kind == "chat":
-            from lightning_bytescale.data.chat import make_chat_source
-
-            return make_chat_source(opts)
-        if kind not in kinds:
-            raise DataError(f"unknown source kind {kind!r}; use one of {sorted([*kinds, 'chat'])}")
-        try:
-            return kinds[kind](**opts)
-        except TypeError as err:
-            raise DataError(f"bad options for a {kind!r} source: {err}") from err
-    if isinstance(spec, str):
-        if spec in ("github", "byted"):
-            return SyntheticSource(name=spec)
-        if spec.startswith("hf:"):
-            return HFSource(name=spec[3:])
-        if spec.endswith(".jsonl"):
-            return JsonlSource(path=spec)
-        return TextFilesSource(path=spec)
-    return spec

@@ -132,7 +132,7 @@ def _texts(recs: Iterable[dict]) -> Iterator[str]:
 
 def train_tokenizer(recs: Iterable[dict], vocab_size: int = 1024):
     """A byte-level BPE tokenizer (``tokenizers``) with ChatML's special tokens, trained on ``recs``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # optional dependency
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -171,7 +171,7 @@ class JsonTokenizer(BackendTokenizer):
 
     def __init__(self, path: str | Path, eos_token: str | None = None, append_eos: bool = True) -> None:
         try:
-            from tokenizers import Tokenizer as HFTokenizer
+            from tokenizers import Tokenizer as HFTokenizer  # optional dependency
         except ImportError as err:  # pragma: no cover - tokenizers is a dev/hf dependency
             raise DataError(
                 "a tokenizer JSON file needs the `tokenizers` package: pip install tokenizers"
@@ -207,7 +207,7 @@ class HFTokenizer(BackendTokenizer):
         if not self.path.is_dir():
             raise DataError(f"tokenizer folder {self.path} does not exist")
         try:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # optional dependency (the hf extra)
         except ImportError as err:
             raise DataError(
                 "a tokenizer folder needs transformers: pip install 'lightning-bytescale[hf]' (or give the "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_bytescale.engine.loss import token_loss
 from lightning_bytescale.packed_attention.layout import AttentionLayout
 
 
@@ -39,8 +40,6 @@ class PackedMicroBatch:
         ``token_loss(logits, self.labels, self.num_global_tokens)``: the sum of token
         cross-entropies divided by the loss tokens of the *whole* global batch.
         """
-        from lightning_bytescale.engine.loss import token_loss
-
         return token_loss(logits, self.labels, self.num_global_tokens)
 
 

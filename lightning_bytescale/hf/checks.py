@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.hf.attention import ATTN_IMPLEMENTATION
@@ -52,8 +53,6 @@ def _rope_types(config: Any) -> list[tuple[str, str]]:
 
 def _causal_lm_class(config: Any) -> type | None:
     """The ``AutoModelForCausalLM`` class for ``config`` (``None`` for remote code or an unknown type)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except (KeyError, ValueError):

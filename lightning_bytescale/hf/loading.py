@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.initialization import no_init_weights
+from transformers.utils import is_accelerate_available
 
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.hf.attention import ATTN_IMPLEMENTATION
@@ -56,8 +59,6 @@ class ModelSource:
     model_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from transformers import PretrainedConfig
-
         self.config_overrides = dict(self.config_overrides or {})
         self.model_kwargs = dict(self.model_kwargs or {})
         if isinstance(self.name_or_path, (PretrainedConfig, dict)):
@@ -97,8 +98,6 @@ class ModelSource:
 
     def _read_config(self, overrides: dict[str, Any]) -> Any:
         """The config with ``overrides`` given at construction, so derived fields follow them."""
-        from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
-
         name = self.name_or_path
         if isinstance(name, (PretrainedConfig, dict)):
             fields = name.to_dict() if isinstance(name, PretrainedConfig) else dict(name)
@@ -154,9 +153,6 @@ class ModelSource:
         context the caller is in (transformers reads a device context as a ``device_map``,
         which needs ``accelerate``), and the strategy moves the model afterwards.
         """
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import is_accelerate_available
-
         kwargs = {**self._hub_kwargs(), **self._model_kwargs(dtype)}
         if device is not None and device.type != "cpu" and is_accelerate_available():
             kwargs.setdefault("device_map", {"": device})
@@ -166,15 +162,11 @@ class ModelSource:
 
     def build(self, config: Any, dtype: torch.dtype) -> nn.Module:
         """A freshly initialised model (``from_config``)."""
-        from transformers import AutoModelForCausalLM
-
         kw = {"trust_remote_code": self.trust_remote_code} if self.trust_remote_code else {}
         return AutoModelForCausalLM.from_config(config, **kw, **self._model_kwargs(dtype))
 
     def build_empty(self, config: Any, dtype: torch.dtype) -> nn.Module:
         """The same model with uninitialised weights (filled by rank 0's broadcast); ties kept."""
-        from transformers.initialization import no_init_weights
-
         with no_init_weights():
             model = self.build(config, dtype)
         model.tie_weights()

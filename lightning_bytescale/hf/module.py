@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PretrainedConfig
 
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.hf.attention import (
@@ -38,6 +39,7 @@ from lightning_bytescale.hf.checks import check_config, check_model
 from lightning_bytescale.hf.loading import ModelSource
 from lightning_bytescale.hf.optim import OptimizerOptions
 from lightning_bytescale.lightning import compat
+from lightning_bytescale.lightning.strategy import ByteScaleStrategy
 from lightning_bytescale.packed_attention import attention_context
 from lightning_bytescale.packed_attention.context import current_scope
 
@@ -117,8 +119,6 @@ class HFCausalLM(pl.LightningModule):
         min_lr_ratio: float = 0.0,
     ) -> None:
         super().__init__()
-        from transformers import PretrainedConfig
-
         if load_on not in LOAD_ON:
             raise ConfigError(f"load_on must be one of {LOAD_ON}, got {load_on!r}")
         self.source = ModelSource(
@@ -160,8 +160,6 @@ class HFCausalLM(pl.LightningModule):
             or self.load_on != "rank_zero"
         ):
             return False
-        from lightning_bytescale.lightning.strategy import ByteScaleStrategy
-
         return isinstance(trainer.strategy, ByteScaleStrategy)
 
     def configure_model(self) -> None:

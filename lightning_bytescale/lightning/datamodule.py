@@ -42,13 +42,12 @@ from lightning_bytescale.data.loader import PredictSteps, StepDataset, StepLoade
 from lightning_bytescale.data.policy import Samples, drop_untrained, make_samples
 from lightning_bytescale.data.prune import STORE_PREFIX, default_cache_dir, prune_cache
 from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
+from lightning_bytescale.data.source_spec import make_source, with_source_options
 from lightning_bytescale.data.sources import (
     FileSourceMixin,
     FileStamp,
     Source,
     changed_files,
-    make_source,
-    with_source_options,
 )
 from lightning_bytescale.data.store import (
     LAST_USED_FILE,

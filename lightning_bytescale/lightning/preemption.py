@@ -34,6 +34,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import fsspec
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
 
 from lightning_bytescale.errors import ConfigError
@@ -190,8 +192,6 @@ def _hpc_version(name: str) -> int | None:
 
 
 def _hpc_versions(root: str | os.PathLike[str]) -> list[int]:
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(str(root))
     if not fs.isdir(path):
         return []
@@ -238,8 +238,6 @@ def checkpoint_path(trainer: pl.Trainer) -> Path | str:
 
 
 def _resume_hint() -> str:
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
     if SLURMEnvironment.detect():
         return "On SLURM, Lightning resumes from it by itself when the job restarts (ckpt_path=None)."
     return (

@@ -73,6 +73,7 @@ from lightning_bytescale.engine.zero import (
 )
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.lightning import compat as compat
+from lightning_bytescale.offload.blocks import find_blocks
 from lightning_bytescale.planner.config import PlannerConfig
 
 if TYPE_CHECKING:
@@ -781,7 +782,7 @@ class ByteScaleStrategy(ParallelStrategy):
             return self._offloader
         from lightning_bytescale.offload.offloader import ActivationOffloader
 
-        self._offloader = ActivationOffloader(_find_blocks(self.lightning_module), **self.offloader_options)
+        self._offloader = ActivationOffloader(find_blocks(self.lightning_module), **self.offloader_options)
         return self._offloader
 
     def _forward_fn(
@@ -1183,21 +1184,6 @@ def _step_stats(batch: StepBatch, result: StepResult) -> dict[str, Any]:
         "plan_ms": float(plan.get("plan_ms", float("nan"))),
         "step": int(batch.step),
     }
-
-
-def _find_blocks(module: Module | None) -> list[Module] | None:
-    """The model's transformer blocks in forward order, for per-layer offload (``None``: fall back)."""
-    if module is None:
-        return None
-    custom = getattr(module, "offload_layers", None)
-    if callable(custom):
-        return list(custom())
-    for sub in module.modules():
-        for name in ("blocks", "layers"):
-            blocks = getattr(sub, name, None)
-            if isinstance(blocks, torch.nn.ModuleList) and len(blocks) > 0:
-                return list(blocks)
-    return None
 
 
 def _track_step_calls(optimizer: Optimizer) -> None:

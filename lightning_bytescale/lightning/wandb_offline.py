@@ -79,6 +79,8 @@ def _frames(data: bytes) -> Iterator[bytes]:
 
 def iter_records(path: str | os.PathLike[str]) -> Iterator[Any]:
     """Yield every ``wandb_internal_pb2.Record`` stored in a ``run-*.wandb`` file, in order."""
+    # here, not at the top: wandb takes about 0.4 s to import, and bytescale-train imports this
+    # module for wandb_offline_by_default / find_run_files before anything needs a record
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(path).read_bytes()

@@ -365,7 +365,7 @@ class CostModel:
 
 PAPER_PCIE_BANDWIDTH = 25e9
 
-#: The ``format`` tag of a ``bytescale-profile`` file (:mod:`lightning_bytescale.cli.profile`).
+#: The ``format`` tag of a ``bytescale-profile`` file (:mod:`lightning_bytescale.profiler`).
 PROFILE_FORMAT = "bytescale-profile/1"
 
 

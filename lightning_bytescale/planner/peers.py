@@ -39,6 +39,7 @@ from lightning_bytescale.planner.cost_model import CostModel, ranks_without_offl
 from lightning_bytescale.planner.errors import PlanError
 from lightning_bytescale.planner.packing import best_fit_decreasing
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
+from lightning_bytescale.planner.planners import static_cp_size
 from lightning_bytescale.planner.zigzag import all_member_ranges, slots_per_member
 
 
@@ -259,8 +260,6 @@ def plan_verl_kk(
 ) -> Plan:
     """veRL dynamic-batch reading (module docstring): static CP groups, KK across DP and micro-batches."""
     lens = _check(lengths, world_size, capacity)
-    from lightning_bytescale.planner.planners import static_cp_size
-
     cp = static_cp_size(lens, world_size, capacity) if cp_size is None else int(cp_size)
     if cp < 1 or world_size % cp:
         raise PlanError(f"cp_size {cp} must be >= 1 and divide world_size {world_size} (static DP x CP mesh)")

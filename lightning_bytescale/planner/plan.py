@@ -20,6 +20,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_bytescale.planner.cost_model import OffloadConfig, resident_tokens
 from lightning_bytescale.planner.errors import PlanError, PlanValidationError
 from lightning_bytescale.planner.zigzag import all_member_ranges
 
@@ -86,8 +87,6 @@ class Plan:
 
         Returns the plan, so ``plan = make_plan(...).validate()`` reads naturally.
         """
-        from lightning_bytescale.planner.cost_model import OffloadConfig, resident_tokens
-
         world, cap, lengths = self.world_size, self.capacity, self.lengths
         if len(self.ranks) != world:
             raise PlanValidationError(f"plan lists {len(self.ranks)} ranks but world_size is {world}")

@@ -1,9 +1,9 @@
 """Hydra config plumbing for the recipes: schema registration, finding the configs, readable errors.
 
-The YAML config groups ship inside the package (``lightning_bytescale/recipes/conf``, package
-data) and are read through Hydra's package config source,
-``pkg://lightning_bytescale.recipes.conf``, so ``bytescale-train`` works after any ``pip
-install`` from any folder.  ``BYTESCALE_CONF_DIR`` replaces them with a folder of your own;
+The YAML config groups live at the repository's top level (``conf/``) and ship in the wheel as
+the package ``lightning_bytescale.recipes.conf`` (``pyproject.toml`` maps it to ``conf/``); they
+are read through Hydra's package config source, ``pkg://lightning_bytescale.recipes.conf``, so
+``bytescale-train`` works after any ``pip install`` (editable or not) from any folder.  ``BYTESCALE_CONF_DIR`` replaces them with a folder of your own;
 Hydra's ``--config-dir`` adds a folder of new options (searched after them).  Importing this
 module registers the structured-config schemas of :mod:`lightning_bytescale.recipes.schema` in
 Hydra's ConfigStore.
@@ -12,13 +12,20 @@ Hydra's ConfigStore.
 from __future__ import annotations
 
 import os
+import sysconfig
 from collections.abc import Sequence
+from importlib.resources import files
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from lightning_bytescale.errors import ConfigError  # a recipe config that does not compose
+from lightning_bytescale.planner.registry import planner_names
 from lightning_bytescale.recipes.schema import (
     ChatDataConfig,
     CSVLoggerConfig,
@@ -69,8 +76,6 @@ def _store_schemas() -> None:
 
 def _stdlib_path(subdir: str = "") -> str:
     """``${stdlib:json}``: a folder of Python's standard library (real text on every machine)."""
-    import sysconfig
-
     return (
         os.path.join(sysconfig.get_paths()["stdlib"], subdir) if subdir else sysconfig.get_paths()["stdlib"]
     )
@@ -117,8 +122,6 @@ def _user_conf_dir() -> Path | None:
 
 def _packaged_conf_dir() -> Path:
     """The folder of the packaged configs, found the way Hydra's ``pkg://`` source finds it."""
-    from importlib.resources import files
-
     return Path(str(files(CONF_MODULE)))
 
 
@@ -170,8 +173,6 @@ HINT = (
 def check_planner(cfg: DictConfig) -> None:
     """``strategy.planner`` against the planner registry (the schema keeps it a plain string so
     that planners added with ``register_planner`` work from the recipes)."""
-    from lightning_bytescale.planner.registry import planner_names
-
     name = OmegaConf.select(cfg, "strategy.planner", default=None)
     if name is None or name in planner_names():
         return
@@ -195,11 +196,6 @@ def compose_pretrain(
     the reason and a hint.  With ``hydra_config`` the ``hydra`` node is included and registered,
     so ``${hydra:...}`` interpolations resolve.
     """
-    from hydra import compose, initialize_config_dir, initialize_config_module
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     source = str(Path(conf_dir).resolve()) if conf_dir is not None else config_source()
     if source == PKG_SOURCE:
         context = initialize_config_module(config_module=CONF_MODULE, version_base="1.3")

@@ -1,4 +1,4 @@
-"""Structured-config schemas for the Hydra groups under ``recipes/conf/`` (the packaged YAML).
+"""Structured-config schemas for the Hydra groups under ``conf/`` (the packaged YAML).
 
 Each group's YAML files start with ``defaults: [base_<group>, _self_]``, which attaches the
 dataclass below as the schema: an unknown key or a value of the wrong type then fails when the

@@ -15,7 +15,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from lightning_bytescale.planner import distributions
 from lightning_bytescale.planner.plan import Plan
+from lightning_bytescale.planner.planners import make_plan
 from lightning_bytescale.sim import costs
 from lightning_bytescale.sim.scenario import Scenario
 from lightning_bytescale.sim.timeline import (
@@ -112,8 +114,6 @@ def summarise(plan: Plan, tls: Sequence[RankTimeline], allreduce: float) -> Step
 
 def make_variant_plan(name: str, lengths: Sequence[int], scenario: Scenario, cost_model, seed: int) -> Plan:
     """Plan one global batch with simulator planner ``name``; records the planning CPU time."""
-    from lightning_bytescale.planner import make_plan
-
     if name not in VARIANTS:
         raise SimulationError(f"unknown planner {name!r}; choose from {sorted(VARIANTS)}")
     planner, extra = VARIANTS[name]
@@ -142,8 +142,6 @@ def draw_batch(scenario: Scenario, step: int) -> list[int]:
     """One global batch of ``tokens_per_step`` tokens (lengths capped at the context length)."""
     if scenario.dataset.startswith("fixed:"):
         return [int(x) for x in scenario.dataset[6:].split(",")]
-    from lightning_bytescale.planner import distributions
-
     rng = random.Random(scenario.seed * 1_000_003 + step)
     return distributions.sample_global_batch(
         scenario.dataset,

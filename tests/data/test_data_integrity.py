@@ -142,7 +142,7 @@ _TWO_RANKS = textwrap.dedent(
         '''Each rank stands for a node with its own copy of the corpus and its own cache.'''
 
         def setup(self, stage=None):
-            from lightning_bytescale.data.sources import make_source
+            from lightning_bytescale.data.source_spec import make_source
             r = self.trainer.global_rank
             self.source = make_source(os.path.join(root, f"node{r}.jsonl"))
             self.cache_dir = __import__("pathlib").Path(root) / f"cache{r}"

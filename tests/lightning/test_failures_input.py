@@ -150,7 +150,7 @@ def test_recipe_with_capacity_zero_fails_at_build_naming_the_option(tmp_path):
 
     cfg = compose_pretrain(
         [f"run_dir={tmp_path}", "strategy.capacity=0", "logger=csv"],
-        REPO / "lightning_bytescale" / "recipes" / "conf",
+        REPO / "conf",
     )
     start = time.monotonic()
     with pytest.raises(Exception, match=r"capacity must be .*got 0"):

@@ -26,7 +26,7 @@ from lightning_bytescale.planner.planners import plan_static
 from lightning_bytescale.planner.registry import _REGISTRY, available_planners
 
 REPO = Path(__file__).resolve().parents[2]
-CONF = REPO / "lightning_bytescale" / "recipes" / "conf"
+CONF = REPO / "conf"
 
 
 @pytest.fixture

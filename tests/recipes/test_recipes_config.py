@@ -22,7 +22,7 @@ from lightning_bytescale.recipes.config import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-CONF = REPO / "lightning_bytescale" / "recipes" / "conf"
+CONF = REPO / "conf"
 GPU_TRAINERS = {"gpu"}
 
 

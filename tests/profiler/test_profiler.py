@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
-from lightning_bytescale.cli.profile import (
-    Profile,
-    ProfileError,
-    load_cost_model,
-    load_profile,
-    main,
-    parse_bytes,
-    profile_model,
-    run_profile,
-)
 from lightning_bytescale.models import LlamaConfig, LlamaModel
-from lightning_bytescale.planner.cost_model import CostModel
+from lightning_bytescale.planner.cost_model import CostModel, load_cost_model
+from lightning_bytescale.profiler import Profile, ProfileError, load_profile, profile_model, run_profile
 
 LENGTHS = [64, 128, 256, 512]
 
@@ -36,7 +26,7 @@ def profile() -> Profile:
         LENGTHS,
         "cpu",
         num_layers=4,
-        memory_budget=parse_bytes("256MiB"),
+        memory_budget=256 * 2**20,
         repeats=3,
         bandwidth_probe_bytes=16 * 2**20,
         p2p=True,
@@ -164,24 +154,3 @@ def test_bad_input_is_reported():
     with pytest.raises(ProfileError, match="memory budget leaves room"):
         run_profile(model, [16, 32, 48], "cpu", memory_budget=1000, repeats=1, warmup=0, time_model=False,
                     bandwidth_probe_bytes=2**20)  # fmt: skip
-    assert parse_bytes("1.5GiB") == int(1.5 * 2**30) and parse_bytes("8e9") == 8 * 10**9
-
-
-def test_command_line(tmp_path, capsys):
-    out = tmp_path / "p.json"
-    rc = main(["--model", "tiny", "--lengths", "16,32,48", "--device", "cpu", "--repeats", "1",
-               "--warmup", "0", "--memory-budget", "64MiB", "--round-to", "8", "-o", str(out),
-               "--bandwidth-intra", "150GB", "--bandwidth-inter", "25GB", "--ranks-per-node", "8"])  # fmt: skip
-    assert rc == 0
-    text = capsys.readouterr().out
-    assert (
-        "Act(s)" in text and "capacity C" in text and "resid" in text and "ring links: intra 150.000" in text
-    )
-    prof = load_profile(out)
-    assert prof.capacity % 8 == 0 and math.isfinite(prof.cost_model.a)
-    cm = prof.cost_model
-    assert (cm.bandwidth_intra, cm.bandwidth_inter, cm.ranks_per_node) == (150e9, 25e9, 8)
-    assert "p2p" not in prof.notes  # measured only with --p2p
-    assert main(["--model", "tiny", "--lengths", "16,32", "-o", str(out)]) == 2
-    with pytest.raises(SystemExit):
-        main(["--memory-budget", "lots"])

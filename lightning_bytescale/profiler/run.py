@@ -1,0 +1,233 @@
+"""Fit the planner's cost model to a model on the device at hand: :func:`run_profile`.
+
+Every plan is only as good as its cost model.  The profiler measures, at several sequence
+lengths, on the current device:
+
+* ``T(s)``: one transformer layer's forward+backward seconds (the layer runs alone on inputs
+  captured from a real forward of the whole model, so whatever arguments it takes are real),
+  and the share of it that is the forward (:mod:`.layers`);
+* ``Act(s)``: the bytes one layer saves for backward, counted through
+  ``saved_tensors_hooks`` (:class:`~lightning_bytescale.offload.offloader.ActivationOffloader`
+  at ratio 0), plus the bytes saved outside the layers (embedding, head, loss);
+* the host-link bandwidth in both directions (timed pinned copies on CUDA, a memcpy on CPU;
+  :mod:`.links`);
+* optionally (``p2p=True``) the point-to-point link bandwidth between two gloo processes on
+  127.0.0.1: a timed ``batch_isend_irecv`` exchange in both directions at once, as a ring step
+  moves K/V.  It becomes the cost model's ``bandwidth_intra``/``bandwidth_inter`` and, with K/V
+  bytes per token per layer from the model shape, gives the cost model its communication term;
+
+then fits ``T(s) = a s^2 + b s + g`` and ``Act(s) = c s + d`` by least squares
+(:meth:`CostModel.fit`) and computes the token capacity ``C``: the most tokens one rank can hold
+in a micro-batch within a device memory budget.  The result is a :class:`~.record.Profile`,
+whose file holds the planner's :class:`CostModel` dict, the :class:`OffloadConfig` (layers and
+bandwidths for Eq. 3) and ``C``.
+
+The model contract is the engine's: ``model(input_ids [T], position_ids [T]) -> logits [T, V]``
+inside :func:`~lightning_bytescale.packed_attention.attention_context`, with its transformer
+blocks given as ``layers`` or found as the offloader finds them
+(:func:`~lightning_bytescale.offload.blocks.find_blocks`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lightning_bytescale.offload.blocks import find_blocks
+from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig
+from lightning_bytescale.profiler.errors import ProfileError
+from lightning_bytescale.profiler.layers import prepare_length, time_rounds
+from lightning_bytescale.profiler.links import measure_bandwidth, measure_p2p_bandwidth
+from lightning_bytescale.profiler.record import Profile
+
+
+def _capacity(cost: CostModel, outside: tuple[float, float], available: float, round_to: int) -> int:
+    """Largest ``s`` with ``L * Act(s) + Outside(s) <= available`` (rounded down to ``round_to``)."""
+    slope = cost.num_layers * cost.c + outside[0]
+    const = cost.num_layers * cost.d + outside[1]
+    if slope <= 0:
+        raise ProfileError("measured no activation bytes growing with length; cannot derive a capacity")
+    s = math.floor((available - const) / slope)
+    s -= s % max(1, round_to)
+    if s < 2:
+        raise ProfileError(
+            f"the memory budget leaves room for {max(s, 0)} tokens per rank after {const / 2**30:.2f} GiB "
+            "of fixed activations; raise --memory-budget or lower the static/reserve bytes"
+        )
+    return int(s)
+
+
+def _fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``y = slope * x + const`` (both kept >= 0, as memory cannot be negative)."""
+    slope, const = np.polyfit(np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64), 1)
+    return max(0.0, float(slope)), max(0.0, float(const))
+
+
+def model_from(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Module:
+    """``model_or_factory`` itself when it is a module, else what calling it returns (checked)."""
+    if isinstance(model_or_factory, nn.Module):
+        return model_or_factory
+    if callable(model_or_factory):
+        model = model_or_factory()
+        if not isinstance(model, nn.Module):
+            raise ProfileError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+        return model
+    raise ProfileError(
+        f"expected an nn.Module or a factory returning one, got {type(model_or_factory).__name__}"
+    )
+
+
+def run_profile(
+    model: nn.Module | Callable[[], nn.Module],
+    lengths: Sequence[int],
+    device: torch.device | str | None = None,
+    *,
+    layers: Sequence[nn.Module] | None = None,
+    dtype: torch.dtype | None = None,
+    vocab: int | None = None,
+    num_layers: int | None = None,
+    param_count: int | None = None,
+    memory_budget: int | None = None,
+    state_bytes_per_param: float | None = None,
+    reserve_bytes: int = 0,
+    round_to: int = 1,
+    kv_bytes_per_token_per_layer: float | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    bandwidth_probe_bytes: int = 64 * 2**20,
+    time_model: bool = True,
+    name: str | None = None,
+    p2p: bool = False,
+    p2p_bytes: int = 4 * 2**20,
+    bandwidth_intra: float | None = None,
+    bandwidth_inter: float | None = None,
+    ranks_per_node: int | None = None,
+) -> Profile:
+    """Measure and fit; see the module docstring.  Returns the full :class:`Profile`.
+
+    ``num_layers`` / ``param_count``: the *real* model's, when a shallower copy is profiled
+    (default: what ``model`` has).  ``memory_budget``: device bytes one rank may use; with it
+    ``C`` is computed after ``static = param_count * state_bytes_per_param`` (default: 2 x the
+    parameter dtype for weights and gradients + 8 for Adam's two fp32 states) and
+    ``reserve_bytes``.  ``round_to``: round ``C`` down to a multiple of this.
+
+    Communication: ``p2p=True`` measures the gloo link between two local processes
+    (:func:`measure_p2p_bandwidth`, ``p2p_bytes`` per exchange) and uses it for both
+    bandwidths unless ``bandwidth_intra`` / ``bandwidth_inter`` (bytes/s) are given; one host
+    cannot measure an inter-node link.  ``ranks_per_node`` is stored for ring placement.
+    Without a bandwidth the cost model has no communication term (the paper's model).
+    """
+    lengths = [int(s) for s in lengths]
+    if len(lengths) < 3 or any(s < 2 for s in lengths) or len(set(lengths)) != len(lengths):
+        raise ProfileError(
+            f"need at least 3 distinct sequence lengths >= 2 to fit T(s) = a s^2 + b s + g, got {lengths}"
+        )
+    if warmup < 0 or repeats < 1:
+        raise ProfileError(f"warmup must be >= 0 and repeats >= 1, got {warmup}, {repeats}")
+    device = (
+        torch.device(device)
+        if device is not None
+        else (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ProfileError("device cuda requested but CUDA is not available; use --device cpu")
+    net = model_from(model).to(device=device, dtype=dtype)
+    net.train()
+    blocks = list(layers) if layers is not None else find_blocks(net)
+    if not blocks:
+        raise ProfileError(
+            f"cannot find the transformer blocks of {type(net).__name__}: pass layers=[...] (the block "
+            "list in forward order, e.g. model.layers), or give the model an offload_layers() method "
+            "returning them"
+        )
+    config = getattr(net, "config", None)
+    if vocab is None:
+        vocab = getattr(config, "vocab", None) or getattr(config, "vocab_size", None)
+        if vocab is None:
+            raise ProfileError("cannot tell the vocabulary size; pass vocab=")
+    param_dtype = next(net.parameters()).dtype
+    runners = [prepare_length(net, blocks, s, int(vocab), device) for s in lengths]
+    fwd = time_rounds(runners, "forward", device, warmup, repeats)
+    t = time_rounds(runners, "forward_backward", device, warmup, repeats)
+    fwd = [min(f, b) for f, b in zip(fwd, t)]
+    whole = (
+        time_rounds(runners, "model_step", device, min(warmup, 1), max(1, repeats // 2))
+        if time_model
+        else [None] * len(runners)
+    )
+    net.zero_grad(set_to_none=True)
+    fwd_share = statistics.fmean(f / b for f, b in zip(fwd, t))
+    acts = [r.layer_bytes for r in runners]
+    d2h, h2d = measure_bandwidth(device, bandwidth_probe_bytes)
+    if kv_bytes_per_token_per_layer is None:
+        kv = getattr(config, "kv_heads", None)
+        hd = getattr(config, "head_dim", None)
+        elem = torch.tensor([], dtype=param_dtype).element_size()
+        kv_bytes_per_token_per_layer = float(2 * kv * hd * elem) if kv and hd else 0.0
+    n_layers = int(num_layers) if num_layers is not None else len(blocks)
+    notes: dict[str, Any] = {"profiled_layers": len(blocks), "warmup": warmup, "repeats": repeats}
+    if p2p:
+        link = measure_p2p_bandwidth(p2p_bytes, repeats=max(repeats, 3))
+        notes["p2p"] = asdict(link)
+        bandwidth_intra = link.bandwidth if bandwidth_intra is None else bandwidth_intra
+        if bandwidth_inter is None:
+            bandwidth_inter = link.bandwidth
+            notes["p2p"]["inter_node"] = "not measurable on one host: the loopback value is used"
+    cost = CostModel.fit(
+        lengths,
+        t,
+        act_lengths=lengths,
+        act_bytes=acts,
+        num_layers=n_layers,
+        kv_bytes_per_token_per_layer=kv_bytes_per_token_per_layer,
+        forward_fraction=min(1.0, max(1e-6, fwd_share)),
+        bandwidth_intra=bandwidth_intra,
+        bandwidth_inter=bandwidth_inter,
+        ranks_per_node=ranks_per_node,
+        name=name or f"profiled-{type(net).__name__}-{device.type}",
+    )
+    params = int(param_count) if param_count is not None else sum(p.numel() for p in net.parameters())
+    if state_bytes_per_param is None:
+        state_bytes_per_param = 2 * torch.tensor([], dtype=param_dtype).element_size() + 8
+    static = int(params * state_bytes_per_param)
+    capacity = None
+    if memory_budget is not None:
+        outside = _fit_line(lengths, [r.outside_bytes for r in runners])
+        capacity = _capacity(cost, outside, memory_budget - static - reserve_bytes, round_to)
+    offload = OffloadConfig(layers_per_rank=n_layers, bandwidth_d2h=d2h, bandwidth_h2d=h2d)
+    return Profile(
+        cost_model=cost,
+        offload=offload,
+        capacity=capacity,
+        device=str(device),
+        dtype=str(param_dtype).replace("torch.", ""),
+        lengths=lengths,
+        layer_seconds=t,
+        layer_forward_seconds=fwd,
+        act_bytes=acts,
+        outside_act_bytes=[r.outside_bytes for r in runners],
+        model_seconds=whole,
+        time_residuals=[m - cost.layer_time(s) for m, s in zip(t, lengths)],
+        act_residuals=[m - cost.act_bytes(s) for m, s in zip(acts, lengths)],
+        memory_budget_bytes=memory_budget,
+        static_bytes=static,
+        param_count=params,
+        notes=notes,
+    )
+
+
+def profile_model(
+    model: nn.Module | Callable[[], nn.Module],
+    lengths: Sequence[int],
+    device: torch.device | str | None = None,
+    **kwargs: Any,
+) -> CostModel:
+    """The fitted :class:`CostModel` of ``model`` (see :func:`run_profile` for the options)."""
+    return run_profile(model, lengths, device, **kwargs).cost_model
