@@ -29,6 +29,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -157,6 +158,7 @@ class ContractModule(pl.LightningModule):
         self.lr = LR  # what the LR finder sets
         self.zero_grads_in_hook, self.record_grads = zero_grads_in_hook, record_grads
         self.probe_collectives, self.uncaught_collective = probe_collectives, uncaught_collective
+        self.val_metric = torchmetrics.SumMetric()  # a torchmetrics.Metric syncs itself at the epoch's end
         self.rec: dict[str, list] = defaultdict(list)
         self.grads: list[dict[str, torch.Tensor | None]] = []
         self.probed: set[str] = set()
@@ -269,6 +271,9 @@ class ContractModule(pl.LightningModule):
         loss, ce, tokens = self._loss(batch)
         self.log(f"{stage}/ce_sum", ce, reduce_fx="sum", sync_dist=True, batch_size=1)
         self.log(f"{stage}/token_mean", ce / tokens, batch_size=int(tokens), sync_dist=True)
+        if stage == "val":
+            self.val_metric.update(ce.detach())
+            self.log("val/metric_sum", self.val_metric, on_step=False, on_epoch=True)
         if not self.hdp:  # ByteScaleStrategy logs <stage>/loss itself
             self.log(f"{stage}/loss", ce / tokens, batch_size=int(tokens), prog_bar=stage == "val")
         return loss
@@ -291,7 +296,7 @@ class ContractModule(pl.LightningModule):
         if self.trainer.sanity_checking:
             return
         metrics = self.trainer.callback_metrics
-        names = ("loss", "ce_sum", "token_mean", "ranks")
+        names = ("loss", "ce_sum", "token_mean", "ranks", "metric_sum")
         self.rec[f"{stage}_end"].append(
             {k: float(metrics[f"{stage}/{k}"]) for k in names if f"{stage}/{k}" in metrics}
         )

@@ -250,6 +250,7 @@ def test_epoch_values_logged_in_the_loops_are_reduced_over_ranks(fits):
         assert len(rec["val_end"]) == len(ref["val_end"]) > 0
         for got, want in zip(rec["val_end"], ref["val_end"]):
             assert close(got["ce_sum"], want["ce_sum"]) and close(got["token_mean"], want["token_mean"])
+            assert got["metric_sum"] == pytest.approx(want["metric_sum"], rel=1e-6)
 
 
 def test_sync_dist_in_once_per_step_hooks_reduces_over_ranks(fits):
@@ -525,6 +526,7 @@ def test_validate_and_test_match_one_process(entries):
     for rank in range(WORLD):
         (got,) = read(entries["lonely"], "lonely", "validate", rank)["val_end"]
         assert got["ranks"] == WORLD and got["token_mean"] == pytest.approx(got["loss"], rel=1e-12)
+        assert got["metric_sum"] == pytest.approx(got["ce_sum"], rel=1e-6)  # a torchmetrics.Metric too
 
 
 def test_predict_covers_the_global_batch(entries, fits):
