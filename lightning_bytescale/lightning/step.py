@@ -396,7 +396,7 @@ class StepLoop:
     def _forward_only(
         self, hook: str, batch: StepBatch, call: Callable[[PackedMicroBatch], Any], context: Any
     ) -> tuple[LocalResult, list[Any]]:
-        """``call(mb)`` for each micro-batch of this rank in the training loop, without a backward."""
+        """``call(mb)`` for each micro-batch of this rank in the engine's micro-batch loop, without a backward."""
         module = self.strategy.lightning_module
         assert module is not None
         outputs: list[Any] = []
