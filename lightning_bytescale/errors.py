@@ -34,6 +34,21 @@ class LossNormalizationError(ConfigError):
     """
 
 
+class GradientAccumulationError(ConfigError):
+    """Gradient accumulation over Lightning batches (``accumulate_grad_batches`` or a
+    ``GradientAccumulationScheduler``): one Lightning batch is already one optimizer step."""
+
+
+class CollectiveInMicroBatchError(ConfigError):
+    """A collective (``all_gather``, ``reduce``, ``barrier``, ``broadcast``, ``self.log(...,
+    sync_dist=True)`` on step) called inside a micro-batch loop, where ranks run different
+    numbers of micro-batches and the call would pair with another rank's next collective."""
+
+
+class PlannerOptionsConflictError(ConfigError):
+    """The data module was given planner options that differ from the strategy's ``planner_config``."""
+
+
 class CheckpointError(ByteScaleError, ValueError):
     """A checkpoint that cannot be written or read here, or that does not match the model or optimizer."""
 
@@ -75,13 +90,16 @@ __all__ = [
     "ByteScaleConfigError",
     "ByteScaleError",
     "CheckpointError",
+    "CollectiveInMicroBatchError",
     "ConfigError",
     "DivergentPlanError",
+    "GradientAccumulationError",
     "LossNormalizationError",
     "NonFiniteError",
     "ParameterDivergenceError",
     "PeerFailureError",
     "PlanDivergenceError",
+    "PlannerOptionsConflictError",
     "PlanWorldSizeError",
     "StepError",
 ]

@@ -222,7 +222,7 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stats = dict(trainer.strategy.step_stats)
-        offloader = trainer.strategy._offloader
+        offloader = trainer.strategy.offloader
         self.rows.append(
             {
                 "offloaded_bytes": offloader.stats.offloaded_bytes if offloader is not None else 0,

@@ -126,9 +126,6 @@ class StepDataset(Dataset):
         )
         stats = dict(batch.stats)
         stats.update(epoch=epoch, split=self.split, plan_ms=plan_ms, loss_tokens=batch.num_global_tokens)
-        stats.setdefault("lengths", list(plan.lengths))
-        stats.setdefault("num_sequences", len(plan.lengths))
-        stats.setdefault("world_size", plan.world_size)
         batch.stats = stats
         return batch
 

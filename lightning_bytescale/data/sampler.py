@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, SequentialSampler
 
 from lightning_bytescale.data.errors import DataError, ResumeMismatchError
 
@@ -185,3 +185,20 @@ class TokenBudgetBatchSampler(DistributedSampler):
         if not 0 <= step < max(1, self.batching.num_steps(epoch)):
             raise ResumeMismatchError(f"saved step {step} is outside epoch {epoch}")
         self.epoch, self.step = epoch, step
+
+
+class OrderedTokenBudgetBatchSampler(TokenBudgetBatchSampler, SequentialSampler):
+    """A :class:`TokenBudgetBatchSampler` over unshuffled batching: the same global batches, in order, every epoch.
+
+    It is also a ``SequentialSampler``, because that is how Lightning recognises a loader that
+    does not shuffle: ``Trainer(overfit_batches=...)`` re-creates any other loader with an index
+    sampler, which a step loader (keyed by ``(epoch, step)``) cannot take.
+    """
+
+
+def token_budget_sampler(
+    batching: GlobalBatching, num_replicas: int = 1, rank: int = 0
+) -> TokenBudgetBatchSampler:
+    """The sampler for ``batching``: :class:`OrderedTokenBudgetBatchSampler` when it does not shuffle."""
+    cls = TokenBudgetBatchSampler if batching.shuffle else OrderedTokenBudgetBatchSampler
+    return cls(batching, num_replicas, rank)

@@ -199,8 +199,9 @@ def run_micro_batch(
     sync_timing: bool = False,
     p2p_group: dist.ProcessGroup | None = None,
     probe: list[LossScaling] | None = None,
+    forward_only: bool = False,
 ) -> tuple[torch.Tensor, float]:
-    """Forward and backward of one micro-batch inside its attention layout.
+    """Forward and backward (none with ``forward_only``) of one micro-batch inside its attention layout.
 
     Returns the detached loss contribution and the wall time.  ``micro_batch_context(mb)``
     (e.g. activation offload) wraps forward and backward, outside the attention context.
@@ -227,7 +228,9 @@ def run_micro_batch(
             )
         if probe is not None and probed is not None:
             probe.append(verdict(float(loss.detach()), float(probed)))
-        if backward is None:
+        if forward_only:
+            pass
+        elif backward is None:
             loss.backward()
         else:
             backward(loss)
@@ -273,8 +276,12 @@ def run_micro_batches(
     grad_sync: BucketedGradSync | None = None,
     plan_check: StepCheck | None = None,
     locate_non_finite: bool = False,
+    forward_only: bool = False,
 ) -> LocalResult:
     """This rank's micro-batches in order, gradients accumulating locally, no barriers.
+
+    ``forward_only`` (evaluation and prediction): the same loop without any backward, gradient
+    check or gradient sync; ``forward`` still returns a 0-d tensor per micro-batch.
 
     Losses and token counts stay on the device until the loop ends (one host sync per step,
     not one per micro-batch), so the host can queue the next micro-batch's work early.
@@ -303,6 +310,8 @@ def run_micro_batches(
     loop: no P2P transfer or gradient collective of this rank runs on a divergent plan, and the
     check's round trip overlaps the local micro-batches before that point.
     """
+    if forward_only and (grad_sync is not None or check_loss_scaling):
+        raise ConfigError("forward_only runs no backward: pass neither grad_sync nor check_loss_scaling")
     checked = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
 
     def confirm_plan() -> None:
@@ -355,6 +364,7 @@ def run_micro_batches(
             sync_timing=sync_timing and events is None,
             p2p_group=p2p_group,
             probe=verdicts if probing else None,
+            forward_only=forward_only,
         )
         if events is not None:
             events[1].record()
@@ -362,7 +372,7 @@ def run_micro_batches(
         losses.append(loss.to(torch.float64))
         counts.append((mb.labels != IGNORE_INDEX).sum())
         seconds.append(sec)
-        if check_finite and (last or locate_non_finite):
+        if check_finite and not forward_only and (last or locate_non_finite):
             # After the last backward, buckets are being summed in place: the sync answers for
             # this rank's own values (recorded at launch), so a non-finite gradient is not blamed
             # on a rank whose buffer another rank's NaN has just reached.

@@ -334,6 +334,9 @@ def build_step(
     stats_fn = getattr(plan, "stats", None)
     stats = dict(stats_fn()) if callable(stats_fn) else {}
     stats.setdefault("world_size", plan.world_size)  # run_step and the strategy check it against the group
+    # every rank holds the whole plan: each sequence's length and ring size, for telemetry
+    stats.setdefault("lengths", [int(s) for s in lengths])
+    stats.setdefault("cp_degrees", Plan.cp_degrees(plan))
     return StepBatch(
         micro_batches=mbs,
         num_global_tokens=num_global,

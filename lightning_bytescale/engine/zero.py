@@ -2,7 +2,7 @@
 
 ``ByteScaleStrategy(zero=1)`` shards optimizer state with ``ZeroRedundancyOptimizer`` (each
 parameter's state lives on one rank; after the step that rank broadcasts the parameter).
-``zero=2`` also shards the *gradients*: the gradient sync reduces each parameter's gradient to
+:func:`shard_optimizers` does the wrapping.  ``zero=2`` also shards the *gradients*: the gradient sync reduces each parameter's gradient to
 the rank that owns its optimizer state (:class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync`
 with ``owners``) and the other ranks drop it.  Both levels share one optimizer-state layout
 (the ``ZeroRedundancyOptimizer`` partition) and so one checkpoint format.
@@ -14,6 +14,7 @@ one number (clipping by value needs nothing: each rank clips the gradients it ho
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from lightning_bytescale.errors import ConfigError
 
@@ -50,6 +52,47 @@ def resolve_zero_level(zero: Any, zero1: Any = None) -> int:
         f"zero1={zero1} contradicts zero={zero}: zero1=True is the older spelling of zero=1. Pass only zero "
         "(0, 1 or 2) and drop zero1."
     )
+
+
+def shard_optimizers(optimizers: Sequence[Optimizer], schedulers: Iterable[Any] = ()) -> list[Optimizer]:
+    """Each optimizer as a ``ZeroRedundancyOptimizer`` over the default group (ZeRO-1 and ZeRO-2 share it).
+
+    The wrapper keeps the optimizer's class, parameter groups and defaults (those its
+    constructor accepts); an optimizer that already is one is kept.  Every LR scheduler in
+    ``schedulers`` that steps a wrapped optimizer is pointed at its wrapper, and the wrapper's
+    ``step`` is marked the way schedulers expect (:func:`mark_step_calls`).
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    schedulers = list(schedulers)
+    wrapped: list[Optimizer] = []
+    for opt in optimizers:
+        if isinstance(opt, ZeroRedundancyOptimizer):
+            wrapped.append(opt)
+            continue
+        accepted = inspect.signature(type(opt).__init__).parameters
+        defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
+        zero = ZeroRedundancyOptimizer(
+            [dict(g) for g in opt.param_groups], optimizer_class=type(opt), **defaults
+        )
+        mark_step_calls(zero)
+        for scheduler in schedulers:
+            if getattr(scheduler, "optimizer", None) is opt:
+                scheduler.optimizer = zero
+        wrapped.append(zero)
+    return wrapped
+
+
+def mark_step_calls(optimizer: Optimizer) -> None:
+    """Mark ``optimizer.step`` the way LR schedulers expect, so they do not warn about call order."""
+    step = optimizer.step
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapped  # type: ignore[method-assign]
 
 
 def owner_ranks(optimizers: Iterable[Any]) -> dict[int, int]:
@@ -131,4 +174,12 @@ def clip_grad_norm_(
     return total
 
 
-__all__ = ["ZERO_LEVELS", "clip_grad_norm_", "drop_unowned_gradients", "owner_ranks", "resolve_zero_level"]
+__all__ = [
+    "ZERO_LEVELS",
+    "clip_grad_norm_",
+    "drop_unowned_gradients",
+    "mark_step_calls",
+    "owner_ranks",
+    "resolve_zero_level",
+    "shard_optimizers",
+]

@@ -17,7 +17,10 @@ Because optimizer state is keyed by name, loading reshards: each rank reads the 
 entries of the parameters it owns under the *current* partition, whatever the world size and
 ZeRO setting of the run that saved.  :func:`export_consolidated` turns a folder into the one
 file a consolidated save writes (``state_dict``, ``optimizer_states`` in PyTorch's indexed
-layout, the rest), for sharing a model or loading it anywhere without a process group.
+layout, the rest), for sharing a model or loading it anywhere without a process group, and
+``LightningModule.load_from_checkpoint`` reads a folder directly (:func:`load_for_module`).
+``torch.load`` cannot open a folder (``IsADirectoryError``): :func:`read_consolidated` is its
+counterpart for one.
 
 The metadata file keeps the name Lightning's FSDP and ModelParallel strategies give theirs
 (``meta.pt``).  Loading needs no process group: every rank reads what it needs on its own.
@@ -372,35 +375,65 @@ def load_sharded(
     return checkpoint
 
 
-def export_consolidated(folder: str | Path, out: str | Path) -> Path:
-    """Write the sharded checkpoint ``folder`` as one consolidated checkpoint file ``out``.
+def read_consolidated(
+    folder: str | Path, *, optimizer_states: bool = True, weights_only: bool | None = False
+) -> dict[str, Any]:
+    """The sharded checkpoint ``folder`` as the dict a consolidated save writes, in this process's memory.
 
-    The file is what a consolidated save writes: ``state_dict``, ``optimizer_states`` in
-    PyTorch's indexed layout (parameters in the order of the optimizer's groups) and Lightning's
-    other state, so ``torch.load``, ``LightningModule.load_from_checkpoint``,
-    ``optimizer.load_state_dict`` and ``Trainer.fit(ckpt_path=...)`` with any strategy read it.
-    Runs in one process (no process group) and holds the whole checkpoint in memory.
+    ``state_dict``, ``optimizer_states`` in PyTorch's indexed layout (parameters in the order of
+    the optimizer's groups; left out with ``optimizer_states=False``) and Lightning's other
+    state.  Runs in one process, without a process group; every tensor is read to the CPU.
     """
     folder = _check_local(folder)
-    meta, metadata = _load_meta(folder, weights_only=False)
+    meta, metadata = _load_meta(folder, weights_only=weights_only)
     info = meta.pop(INFO_KEY)
-    entries = _entries(metadata)
+    entries = [e for e in _entries(metadata) if optimizer_states or e.path[0] == MODEL_KEY]
     by_key = {e.key: e for e in entries}
     values = _read(folder, {e.key: _allocate(e, torch.device("cpu")) for e in entries})
     checkpoint: dict[str, Any] = dict(meta)
     checkpoint[MODEL_KEY] = {e.path[1]: values[e.key] for e in entries if e.path[0] == MODEL_KEY}
     layouts = info.get("optimizers")
-    if layouts is not None:
+    if optimizer_states and layouts is not None:
         states = []
         for i, layout in enumerate(layouts):
             keys = {e.key: values[e.key] for e in entries if e.path[0] == optimizer_key(i)}
             order = [list(g["params"]) for g in layout["param_groups"]]
             states.append(_indexed(_nest(keys, by_key), layout["param_groups"], order))
         checkpoint["optimizer_states"] = states
+    return checkpoint
+
+
+def export_consolidated(folder: str | Path, out: str | Path) -> Path:
+    """Write the sharded checkpoint ``folder`` as one consolidated checkpoint file ``out``.
+
+    The file is what a consolidated save writes (:func:`read_consolidated`), so ``torch.load``,
+    ``LightningModule.load_from_checkpoint``, ``optimizer.load_state_dict`` and
+    ``Trainer.fit(ckpt_path=...)`` with any strategy read it.  Runs in one process (no process
+    group) and holds the whole checkpoint in memory.
+    """
+    checkpoint = read_consolidated(folder)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, out)
     return out
+
+
+def load_for_module(
+    path: Any, map_location: Any = None, weights_only: bool | None = None
+) -> dict[str, Any] | None:
+    """What ``LightningModule.load_from_checkpoint`` reads from a sharded folder: the model and
+    Lightning's state, without optimizer state; ``None`` for anything that is not such a folder.
+
+    Installed as the loader of ``load_from_checkpoint`` (:func:`~lightning_bytescale.lightning.compat.load_checkpoint_folders_with`)
+    when the strategy module is imported.  ``map_location`` as a device or device string moves
+    the tensors there; otherwise they stay on the CPU.
+    """
+    if not isinstance(path, (str, Path)) or not is_sharded_checkpoint(path):
+        return None
+    checkpoint = read_consolidated(path, optimizer_states=False, weights_only=weights_only)
+    if isinstance(map_location, (str, torch.device)):
+        checkpoint[MODEL_KEY] = {k: v.to(map_location) for k, v in checkpoint[MODEL_KEY].items()}
+    return checkpoint
 
 
 def main(argv: Iterable[str] | None = None) -> int:

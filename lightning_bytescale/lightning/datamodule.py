@@ -8,7 +8,9 @@ cuts the token-budgeted global batches, and loads only its own share of each ste
 
 Planner options (one :class:`~lightning_bytescale.planner.config.PlannerConfig`) come from the
 strategy's ``planner_config`` when it has one (so the loader plans exactly what the strategy
-runs), else from this module's arguments.  The rank and world
+runs), else from this module's arguments; an argument given here that the strategy's config
+contradicts is refused (:class:`~lightning_bytescale.errors.PlannerOptionsConflictError`), not
+silently ignored.  The rank and world
 size come from the trainer, or from ``rank=`` / ``world_size=`` for standalone use.
 
 Data identity: the store folder is named after the content of the source (not file sizes and
@@ -41,7 +43,7 @@ from lightning_bytescale.data.errors import DataError, OutOfVocabularyError, Sto
 from lightning_bytescale.data.loader import PredictSteps, StepDataset, StepLoader
 from lightning_bytescale.data.policy import Samples, drop_untrained, make_samples
 from lightning_bytescale.data.prune import STORE_PREFIX, default_cache_dir, prune_cache
-from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSampler
+from lightning_bytescale.data.sampler import GlobalBatching, token_budget_sampler
 from lightning_bytescale.data.source_spec import make_source, with_source_options
 from lightning_bytescale.data.sources import (
     FileSourceMixin,
@@ -60,6 +62,7 @@ from lightning_bytescale.data.store import (
     write_store,
 )
 from lightning_bytescale.data.tokenizer import Tokenizer, load_tokenizer
+from lightning_bytescale.errors import PlannerOptionsConflictError
 from lightning_bytescale.planner.config import PlannerConfig
 from lightning_bytescale.planner.errors import PlanError
 
@@ -271,9 +274,13 @@ class ByteScaleDataModule(pl.LightningDataModule):
             planner=planner, capacity=capacity, cp_size=cp_size, offload=offload, slack=slack,
             cost_model=cost_model, comm_aware=comm_aware, ranks_per_node=ranks_per_node,
         )  # fmt: skip
-        self._own_planner_config = _planner_config(
-            planner_config, {**{k: v for k, v in given.items() if v is not None}, **(planner_options or {})}
-        )
+        explicit = {**{k: v for k, v in given.items() if v is not None}, **(planner_options or {})}
+        self._own_planner_config = _planner_config(planner_config, explicit)
+        # what this module was told about planning: refused under a strategy that plans otherwise
+        self._given_planner_fields = (
+            set(PlannerConfig.__dataclass_fields__) if planner_config is not None else set()
+        ) | {k for k in explicit if k in PlannerConfig.__dataclass_fields__}
+        self._checked_config: PlannerConfig | None = None
         self._checking_config: PlannerConfig | None = None  # validate()'s stand-in for the strategy's
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
@@ -367,25 +374,46 @@ class ByteScaleDataModule(pl.LightningDataModule):
         return getattr(self, "trainer", None)
 
     def _strategy_config(self) -> PlannerConfig | None:
-        """The strategy's ``planner_config`` (or a config from its ``planner_options()``), if any."""
+        """The trainer's strategy's ``planner_config`` (``ByteScaleStrategy``'s), if it has one."""
         trainer = self._trainer_or_none()
         strategy = getattr(trainer, "strategy", None) if trainer is not None else None
         config = getattr(strategy, "planner_config", None)
-        if isinstance(config, PlannerConfig):
-            return config
-        fn = getattr(strategy, "planner_options", None)
-        if not callable(fn):
-            return None
-        return _planner_config(None, {k: v for k, v in dict(fn()).items() if v is not None})
+        return config if isinstance(config, PlannerConfig) else None
 
     @property
     def planner_config(self) -> PlannerConfig:
-        """What every step is planned with: the strategy's ``planner_config`` if it has one, else
-        this module's (``seed`` ``None``: this module's ``seed`` is the planning seed)."""
+        """What every step is planned with: the strategy's ``planner_config`` under a strategy that
+        has one (this module's own planner arguments must then agree with it:
+        :meth:`check_planner_config`), else this module's (``seed`` ``None``: this module's ``seed``
+        is the planning seed)."""
         if self._checking_config is not None:
             return self._checking_config
         config = self._strategy_config()
-        return config if config is not None else self._own_planner_config
+        if config is None:
+            return self._own_planner_config
+        self.check_planner_config(config)
+        return config
+
+    def check_planner_config(self, config: PlannerConfig, owner: str = "ByteScaleStrategy") -> None:
+        """Refuse, naming both values and the fix, planner arguments of this module that ``config`` overrides.
+
+        Under ``ByteScaleStrategy`` the strategy's ``planner_config`` plans every step; an
+        option given here too must say the same, or this module's value would be silently
+        ignored.  ``ByteScaleStrategy`` calls this before it starts any process.
+        """
+        if config is self._checked_config:
+            return
+        own = self._own_planner_config
+        differ = sorted(k for k in self._given_planner_fields if getattr(own, k) != getattr(config, k))
+        if differ:
+            mine = ", ".join(f"{k}={getattr(own, k)!r}" for k in differ)
+            theirs = ", ".join(f"{k}={getattr(config, k)!r}" for k in differ)
+            raise PlannerOptionsConflictError(
+                f"ByteScaleDataModule({mine}) differs from {owner}'s planner_config ({theirs}); under {owner} "
+                f"the strategy's planner options plan every step. Give them to the strategy ({owner}({mine}), "
+                "or strategy.<option>=... in a recipe) and drop them from the data module."
+            )
+        self._checked_config = config
 
     def planner_options(self) -> dict:
         """:attr:`planner_config` as ``make_plan`` keyword options (without the seed and ``None`` values)."""
@@ -561,8 +589,11 @@ class ByteScaleDataModule(pl.LightningDataModule):
         is already built (opening its index is cheap), else by ``setup``.  Raises
         :class:`DataError` naming the option and the fix.
         """
-        if isinstance(planner_options, PlannerConfig) or planner_options is None:
-            config = planner_options if planner_options is not None else self._own_planner_config
+        if isinstance(planner_options, PlannerConfig):
+            self.check_planner_config(planner_options)
+            config = planner_options
+        elif planner_options is None:
+            config = self._own_planner_config
         else:
             config = _planner_config(None, {k: v for k, v in dict(planner_options).items() if v is not None})
         saved = (self._world_size, self._checking_config, self.store, self.max_length)
@@ -760,13 +791,17 @@ class ByteScaleDataModule(pl.LightningDataModule):
             self.store, samples, batching, self.rank, self.world_size,
             self.planner_options(), self.plan_seed(), self.validate_plans, split,
         )  # fmt: skip
-        sampler = TokenBudgetBatchSampler(batching, self.world_size, self.rank)
+        sampler = token_budget_sampler(batching, self.world_size, self.rank)
         return StepLoader(
             dataset, sampler, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor
         )
 
     def train_dataloader(self) -> StepLoader:
-        loader = self._loader(self.train_samples, self.shuffle, "train")
+        """This rank's steps of the training data: shuffled every epoch, unless the trainer overfits
+        (``Trainer(overfit_batches=n)``: the first ``n`` global batches, in order, every epoch)."""
+        trainer = self._trainer_or_none()
+        overfit = bool(getattr(trainer, "overfit_batches", 0)) if trainer is not None else False
+        loader = self._loader(self.train_samples, self.shuffle and not overfit, "train")
         if self._pending_state:
             loader.load_state_dict(self._pending_state)
             self._pending_state = None

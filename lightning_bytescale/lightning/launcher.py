@@ -190,6 +190,7 @@ class ByteScaleScriptLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         # Lightning's launch() with this module's observer in place of Lightning's.
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        _check_before_launch(trainer, args, kwargs)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
             self._observer = RankObserver(self)
@@ -319,6 +320,14 @@ class ForkCollectingLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        _check_before_launch(trainer, args, kwargs)
         if self._start_method == "fork":  # spawned ranks start from a fresh interpreter
             gc.collect()
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+def _check_before_launch(trainer: pl.Trainer | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The strategy's checks of the run (``ByteScaleStrategy.check_before_launch``), once, before any rank starts."""
+    check = getattr(getattr(trainer, "strategy", None), "check_before_launch", None)
+    if callable(check):
+        check(trainer, *args, **kwargs)

@@ -1,6 +1,7 @@
 """Step telemetry: turn the strategy's per-step statistics into dashboard metrics.
 
-`ByteScaleStrategy` leaves ``strategy.step_stats`` (a plain dict) after every optimizer step.
+`ByteScaleStrategy` leaves ``strategy.step_stats`` (a plain dict, :mod:`~lightning_bytescale.lightning.step_stats`)
+after every optimizer step.
 `TelemetryCallback` logs it through Lightning's logging, so every logger (W&B, CSV, TensorBoard)
 gets the scalars every step: loss, tokens/s, estimated MFU, planned and measured per-rank busy
 time, max/mean imbalance, bubble fraction, ring bytes, measured (blocked) and planned exposed ring
@@ -23,6 +24,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.lightning.step_stats import plan_facts
 
 __all__ = [
     "TelemetryCallback",
@@ -146,41 +148,32 @@ def step_metrics(
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
-def _finite(value: Any) -> bool:
-    try:
-        return value is not None and math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False
-
-
 def cp_degrees_of(plan: Any) -> list[int]:
-    """The ring size of every sequence of a plan (1: packed locally on one rank)."""
-    degree = [1] * len(plan.lengths)
-    for micro_batches in plan.ranks:
-        for mb in micro_batches:
-            if mb.ring is not None:
-                for piece in mb.pieces:
-                    degree[piece.seq] = max(degree[piece.seq], len(mb.ring))
-    return degree
+    """The ring size of every sequence of a plan (1: packed locally on one rank): ``Plan.cp_degrees``."""
+    from lightning_bytescale.planner.plan import Plan
+
+    return Plan.cp_degrees(plan)
 
 
 def merge_plan_stats(step_stats: dict[str, Any], plan_stats: dict[str, Any] | None) -> dict[str, Any]:
-    """``step_stats`` with gaps filled from the step's ``Plan.stats()`` (``StepBatch.stats``).
+    """``step_stats`` with gaps filled from the step's plan statistics (``StepBatch.stats``).
 
-    The plan's own names are mapped: ``rank_time`` -> ``planned_s``, ``max_over_mean`` ->
-    ``max_over_mean_planned``, ``cp_degree_histogram`` (ring size -> sequences) -> ``cp_degrees``.
+    The plan's own names are mapped once, by :data:`~lightning_bytescale.lightning.step_stats.PLAN_FACTS` (``rank_time`` -> ``planned_s``,
+    ``max_over_mean`` -> ``max_over_mean_planned``, ...); without per-sequence ring sizes a
+    ``cp_degree_histogram`` (ring size -> sequences) gives ``cp_degrees`` in size order.
+    ``ByteScaleStrategy``'s own ``step_stats`` already hold every plan fact, so for them this
+    changes nothing.
     """
     out = dict(step_stats)
     plan = plan_stats or {}
-    if not _floats(out.get("planned_s")) and plan.get("rank_time"):
-        out["planned_s"] = list(plan["rank_time"])
-    if not _finite(out.get("max_over_mean_planned")) and _finite(plan.get("max_over_mean")):
-        out["max_over_mean_planned"] = float(plan["max_over_mean"])
-    for key in ("plan_ms", "lengths", "num_sequences"):
-        if (out.get(key) is None or (key == "plan_ms" and not _finite(out[key])) or out.get(key) == []) and (
-            plan.get(key) is not None
+    for name, value in plan_facts(plan).items():
+        have = out.get(name)
+        if (
+            have is None
+            or (isinstance(have, (list, tuple)) and not have)
+            or (isinstance(have, float) and not math.isfinite(have))
         ):
-            out[key] = plan[key]
+            out[name] = value
     plan_obj = _as_plan(plan.get("plan"))
     if plan_obj is not None:
         if not out.get("lengths"):

@@ -109,6 +109,36 @@ def public_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return attention(q, k, v)
 
 
+INIT_STD = 0.02  # the normal initialisation of every projection and embedding (GPT-2 / Llama)
+
+
+class NormalLinear(nn.Linear):
+    """``nn.Linear`` without bias whose ``reset_parameters`` draws ``N(0, init_std)``, as the model's init.
+
+    Lightning materialises a model built on the meta device (``Trainer.init_module(empty_init=True)``,
+    ``configure_model``) by calling each module's own ``reset_parameters``; ``nn.Linear``'s would
+    give PyTorch's default (Kaiming uniform), not the model's initialisation.
+    """
+
+    def __init__(self, in_features: int, out_features: int, init_std: float = INIT_STD) -> None:
+        self.init_std = init_std
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+class NormalEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose ``reset_parameters`` draws ``N(0, init_std)`` (``nn.Embedding``'s: ``N(0, 1)``)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float = INIT_STD) -> None:
+        self.init_std = init_std
+        super().__init__(num_embeddings, embedding_dim)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -151,10 +181,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wq = NormalLinear(cfg.dim, cfg.heads * cfg.head_dim)
+        self.wk = NormalLinear(cfg.dim, cfg.kv_heads * cfg.head_dim)
+        self.wv = NormalLinear(cfg.dim, cfg.kv_heads * cfg.head_dim)
+        self.wo = NormalLinear(cfg.heads * cfg.head_dim, cfg.dim)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
@@ -169,9 +199,9 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w1 = NormalLinear(dim, hidden)
+        self.w3 = NormalLinear(dim, hidden)
+        self.w2 = NormalLinear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -203,18 +233,20 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.attention_fn: AttentionFn = attention_fn or public_attention
-        self.embed = nn.Embedding(config.vocab, config.dim)
+        # every parameter is initialised by its own module (normal(0, 0.02), norms ones), so a model
+        # built on the meta device gets the same initialisation when Lightning materialises it
+        self.embed = NormalEmbedding(config.vocab, config.dim)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab, bias=False)
-        self.reset_parameters()
+        self.lm_head = None if config.tie_embeddings else NormalLinear(config.dim, config.vocab)
 
-    def reset_parameters(self, std: float = 0.02) -> None:
+    def reset_parameters(self, std: float = INIT_STD) -> None:
+        """Initialise again: projections and embeddings ``N(0, std)``, norms ones."""
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, mean=0.0, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+            if isinstance(m, (NormalLinear, NormalEmbedding)):
+                m.init_std = std
+            if m is not self and callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 1:

@@ -283,6 +283,16 @@ class Plan:
             run_locals(r)
         return clock
 
+    def cp_degrees(self) -> list[int]:
+        """The ring size each sequence runs on, by sequence id (1: packed locally on one rank)."""
+        degree = [1] * len(self.lengths)
+        for micro_batches in self.ranks:
+            for mb in micro_batches:
+                if mb.ring is not None:
+                    for piece in mb.pieces:
+                        degree[piece.seq] = max(degree[piece.seq], len(mb.ring))
+        return degree
+
     def stats(self) -> dict:
         """Summary numbers (all JSON-ready).
 

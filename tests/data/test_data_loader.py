@@ -186,21 +186,21 @@ def test_a_whole_epoch_then_the_next(corpus):
 
 
 def test_planner_options_come_from_the_strategy(corpus):
-    seen = {}
+    from lightning_bytescale.errors import PlannerOptionsConflictError
+    from lightning_bytescale.lightning.strategy import ByteScaleStrategy
 
-    class Strategy:
-        def planner_options(self):
-            seen["called"] = True
-            return {"planner": "naive", "capacity": 32, "cp_size": None, "slack": 0.1, "seed": 11}
-
-    dm = ByteScaleDataModule(
-        source=corpus.path, cache_dir=corpus.cache, capacity=CAP, num_workers=0, context_length=10_000
-    )
-    dm.trainer = SimpleNamespace(global_rank=1, world_size=3, strategy=Strategy())
+    strategy = ByteScaleStrategy(planner="naive", capacity=32, slack=0.1, seed=11)
+    dm = ByteScaleDataModule(source=corpus.path, cache_dir=corpus.cache, num_workers=0, context_length=10_000)
+    dm.trainer = SimpleNamespace(global_rank=1, world_size=3, strategy=strategy)
     dm.prepare_data()
     with pytest.warns(UserWarning, match="pool"):
         dm.setup("fit")
-    assert seen and dm.rank == 1 and dm.world_size == 3 and dm.plan_seed() == 11
+    assert (
+        dm.planner_config is strategy.planner_config
+        and dm.rank == 1
+        and dm.world_size == 3
+        and dm.plan_seed() == 11
+    )
     assert dm.max_length == 3 * 32  # the strategy's capacity, not the DataModule's
     b = next(iter(dm.train_dataloader()))
     assert all(mb.num_slots <= 32 for mb in b.micro_batches)
@@ -208,6 +208,10 @@ def test_planner_options_come_from_the_strategy(corpus):
     clash.trainer = dm.trainer
     with pytest.raises(DataError, match=r"world_size=2\) disagrees with the trainer \(3\)"):
         clash.setup("fit")
+    own = ByteScaleDataModule(source=corpus.path, cache_dir=corpus.cache, capacity=CAP, num_workers=0)
+    own.trainer = dm.trainer  # its own capacity, which the strategy's planner_config overrides
+    with pytest.raises(PlannerOptionsConflictError, match=rf"capacity={CAP}\) differs"):
+        own.setup("fit")
 
 
 @pytest.mark.parametrize("policy", ["split", "truncate", "drop", "error"])

@@ -141,7 +141,7 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stats = trainer.strategy.step_stats
-        offloader = trainer.strategy._offloader
+        offloader = trainer.strategy.offloader
         offloaded = offloader.stats.offloaded_bytes if offloader is not None else 0
         self.rows.append(
             {"loss": float(outputs["loss"]), "cp_degrees": stats["cp_degrees"], "offloaded": offloaded}

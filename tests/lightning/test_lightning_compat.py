@@ -28,7 +28,6 @@ def test_private_functions_keep_their_call_shape():
     assert _params(compat._get_default_process_group_backend_for_device) == ["device"]
     assert _params(compat._materialize_distributed_module) == ["module", "device"]
     assert _params(compat._optimizers_to_device) == ["optimizers", "device"]
-    assert _params(compat._sync_ddp_if_available)[:2] == ["result", "group"]
     assert _params(compat.call_callback_hooks)[:2] == ["trainer", "hook_name"]
     assert _params(compat.call_module_hook)[:2] == ["trainer", "hook_name"]
     assert "start_method" in _params(compat._MultiProcessingLauncher.__init__)
@@ -60,6 +59,43 @@ def test_the_training_loop_keeps_its_result_collection_where_we_swap_it(tmp_path
         assert loop._results is not saved
     assert loop._results is saved
     assert compat.module_trainer(torch.nn.Module()) is None
+
+
+def test_logged_metrics_are_read_and_written_the_way_compat_does(tmp_path):
+    """``epoch_reduced_metrics`` / ``log_into_results`` on a real result collection: one key, logged again."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
+    assert isinstance(type(trainer).__dict__["_evaluation_loop"], property)
+    results = _ResultCollection(training=False)
+    trainer.fit_loop.epoch_loop._results = results
+    trainer.state.stage = "train"
+    trainer.state.fn = "fit"
+    assert trainer._results is results  # what compat reads
+    reduce = pl.strategies.SingleDeviceStrategy(torch.device("cpu")).reduce
+    results.log("validation_step", "acc", torch.tensor(2.0), on_step=False, on_epoch=True, sync_dist=True,
+                sync_dist_fn=reduce, batch_size=3)  # fmt: skip
+    results.log("validation_step", "local", torch.tensor(1.0), on_step=False, on_epoch=True, batch_size=3)
+    (found,) = compat.epoch_reduced_metrics(trainer)
+    assert (found.key, found.fx, found.name, found.is_tensor, found.dtype) == (
+        "validation_step.acc",
+        "validation_step",
+        "acc",
+        True,
+        "float32",
+    )
+    assert found.options["reduce_fx"] == "mean"
+    compat.log_into_results(trainer, found, torch.tensor(7.0), reduce)  # batch size 0: counts for nothing
+    assert float(results["validation_step.acc"].compute()) == 2.0
+
+
+def test_load_from_checkpoint_still_reads_through_the_loader_compat_wraps():
+    import lightning.pytorch.core.saving as saving
+
+    assert "pl_load(checkpoint_path" in inspect.getsource(saving._load_from_checkpoint)
+    assert getattr(
+        saving.pl_load, "loads_checkpoint_folders", False
+    )  # installed when the strategy is imported
 
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_bytescale"

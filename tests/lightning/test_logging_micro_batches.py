@@ -11,9 +11,10 @@ These tests pin that behaviour on one CPU process against micro-batch values com
 data itself, and on two ranks (fork launcher, unequal micro-batch counts) the documented ways to
 log a per-step sum: add up in the module and log in ``on_train_batch_end``, reduced over the
 ranks with ``trainer.strategy.reduce``, or read ``trainer.strategy.step_stats``.  They also
-check that ``self.log(..., sync_dist=True)`` reduces over the ranks in ``on_train_batch_end``
-and stays local (no collective, so no hang) inside ``training_step``, where ranks run different
-numbers of micro-batches.
+check that ``self.log(..., sync_dist=True)`` reduces over the ranks at the call in
+``on_train_batch_end`` and, inside ``training_step`` (where ranks run different numbers of
+micro-batches), with ``on_epoch=True`` once at the end of the epoch (on step it is refused:
+``tests/lightning/test_conformance.py``).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class MemoryLogger(Logger):
         self.rows.append(dict(metrics))
 
 
-PER_STEP_KEYS = ("step_sum", "step_sum_global", "step_sum_sync_dist", "stats_loss_tokens", "inner_sync_dist")
+PER_STEP_KEYS = ("step_sum", "step_sum_global", "step_sum_sync_dist", "stats_loss_tokens")
 
 
 class PerMicroBatchLogging(pl.LightningModule):
@@ -126,8 +127,8 @@ class PerMicroBatchLogging(pl.LightningModule):
         self.log("mean_weighted", n, on_step=False, on_epoch=True, batch_size=int(n))
         self.log("largest", n, on_step=False, on_epoch=True, reduce_fx="max")
         # ranks run different numbers of micro-batches: a collective per call here would pair with
-        # another rank's next collective; the strategy keeps sync_dist local inside the loop
-        self.log("inner_sync_dist", n, on_step=True, on_epoch=False, sync_dist=True)
+        # another rank's next collective, but the epoch's value is reduced once, when every rank is there
+        self.log("epoch_sync_dist", n, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
         if torch.is_grad_enabled():  # the strategy's loss probe runs a second forward without gradients
             self.step_sum += float(n)
         return token_loss(self.model(mb.input_ids, mb.position_ids), mb.labels, mb.num_global_tokens)
@@ -145,6 +146,7 @@ class PerMicroBatchLogging(pl.LightningModule):
         self.step_sum = 0.0
 
     def on_train_end(self):
+        self.records.append({"epoch_sync_dist": float(self.trainer.callback_metrics["epoch_sync_dist"])})
         if self.out is not None:
             (self.out / f"records_{self.global_rank}.json").write_text(json.dumps(self.records))
 
@@ -225,8 +227,8 @@ def test_per_step_sum_over_ranks_with_strategy_reduce_and_step_stats(two_ranks):
     counts = [[len(v) for v in micro_batch_values(WORLD, r)] for r in range(WORLD)]
     assert any(len(set(c)) > 1 for c in zip(*counts)), "the data must give ranks unequal micro-batch counts"
     for rank, records in enumerate(two_ranks):
-        assert len(records) == STEPS
-        for step, row in enumerate(records):
+        assert len(records) == STEPS + 1  # and the epoch's values at the end
+        for step, row in enumerate(records[:STEPS]):
             total = sum(per_rank[r][step] for r in range(WORLD))
             assert row["step_sum"] == per_rank[rank][step]  # this rank's own micro-batches
             assert row["step_sum_global"] == total  # trainer.strategy.reduce in on_train_batch_end
@@ -234,11 +236,10 @@ def test_per_step_sum_over_ranks_with_strategy_reduce_and_step_stats(two_ranks):
 
 
 @pytest.mark.multiprocess
-def test_sync_dist_reduces_over_ranks_outside_the_micro_batch_loop_only(two_ranks):
+def test_sync_dist_reduces_over_ranks_per_step_outside_the_loop_and_per_epoch_inside(two_ranks):
     per_rank = [[sum(v) for v in micro_batch_values(WORLD, r)] for r in range(WORLD)]
-    last = [[v[-1] if v else None for v in micro_batch_values(WORLD, r)] for r in range(WORLD)]
-    for rank, records in enumerate(two_ranks):
-        for step, row in enumerate(records):
+    for records in two_ranks:
+        for step, row in enumerate(records[:STEPS]):
             assert row["step_sum_sync_dist"] == sum(per_rank[r][step] for r in range(WORLD))
-            if last[rank][step] is not None:  # inside training_step: this rank's own last value
-                assert row["inner_sync_dist"] == last[rank][step]
+        # logged in training_step with on_epoch=True: every micro-batch of every rank, reduced at the end
+        assert records[STEPS]["epoch_sync_dist"] == sum(map(sum, per_rank))

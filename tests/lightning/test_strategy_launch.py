@@ -134,8 +134,9 @@ class _FailingLM(TinyLM):
             os.kill(os.getpid(), signal.SIGKILL)  # the other members wait for this rank's ring transfer
         return super().training_step(mb, batch_idx)
 
-    def on_after_backward(self):
-        # runs after this rank's micro-batches, right before the gradient all-reduce
+    def on_before_zero_grad(self, optimizer):
+        # runs after this rank's micro-batches, right before the gradient all-reduce (which the
+        # strategy's backward joins, before on_after_backward)
         if self.global_rank == self.trainer.world_size - 1 and self.trainer.global_step == 1:
             if self.scenario == "kill_allreduce":
                 os.kill(os.getpid(), signal.SIGKILL)

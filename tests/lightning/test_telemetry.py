@@ -228,3 +228,64 @@ def test_replan_returns_the_plan_only_when_the_digest_matches():
     assert replan(trainer, good) is plan
     assert replan(trainer, SimpleNamespace(digest="other", step=3, stats={})) is None
     assert replan(SimpleNamespace(train_dataloader=None, current_epoch=0), good) is None
+
+
+def test_step_stats_count_sequences_from_the_plan_on_masked_data(tmp_path):
+    """Loss-masked data (chat): the step telemetry counts the plan's sequences, not tokens minus loss tokens.
+
+    One process under ``ByteScaleStrategy`` (no launcher), 3 sequences each with half of its
+    tokens masked out of the loss; ``TelemetryCallback`` logs what ``strategy.step_stats`` holds.
+    """
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_bytescale import ByteScaleStrategy
+    from lightning_bytescale.engine.micro_batch import build_step
+    from lightning_bytescale.models import LlamaConfig, LlamaModel
+    from lightning_bytescale.planner import make_plan
+
+    lengths = [12, 20, 30]
+    seqs = [torch.arange(n) % 50 for n in lengths]
+    masks = [torch.arange(n) >= n // 2 for n in lengths]  # the second half of each sequence is trained
+    plan = make_plan(lengths, world_size=1, capacity=32, planner="balance")
+
+    class Steps(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, k):
+            return build_step(plan, 0, lambda j: seqs[j], step=k, loss_mask=lambda j: masks[j].numpy())
+
+    class LM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = LlamaModel(LlamaConfig.preset("tiny"))
+            self.stats = []
+
+        def training_step(self, mb, batch_idx):
+            return mb.loss(self.model(mb.input_ids, mb.position_ids))
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.stats.append(dict(self.trainer.strategy.step_stats))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    telemetry = TelemetryCallback(charts_every_n_steps=0)
+    module = LM()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=ByteScaleStrategy(capacity=32, timeout=30), max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=[telemetry], default_root_dir=tmp_path,
+    )  # fmt: skip
+    had_group = torch.distributed.is_initialized()
+    try:
+        trainer.fit(module, train_dataloaders=DataLoader(Steps(), batch_size=None))
+    finally:
+        if not had_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert telemetry.last_metrics["data/num_sequences"] == len(lengths)
+    assert telemetry.last_metrics["data/seq_len_mean"] == pytest.approx(sum(lengths) / len(lengths))
+    for stats in module.stats:
+        assert stats["num_sequences"] == 3 and stats["lengths"] == lengths
+        assert stats["cp_degrees"] == [1, 1, 1] and stats["loss_tokens"] < stats["tokens"] - 3

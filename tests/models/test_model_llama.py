@@ -104,3 +104,25 @@ def test_q_k_v_reach_attention_in_the_autocast_dtype(weights):
     seen.clear()
     model.double()(ids, pos)  # outside autocast: the weights' dtype
     assert seen == [(torch.float64,) * 3] * model.config.layers
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_meta_device_model_materialises_with_the_model_init(tied):
+    """``Trainer.init_module(empty_init=True)`` / ``configure_model``: the strategy's meta-device build,
+    materialised the way Lightning does (each module's ``reset_parameters``), equals the eager model."""
+    from lightning_bytescale.lightning import compat
+    from lightning_bytescale.lightning.strategy import ByteScaleStrategy
+
+    cfg = LlamaConfig.preset("tiny", tie_embeddings=tied)
+    torch.manual_seed(11)
+    eager = LlamaModel(cfg)
+    torch.manual_seed(11)
+    with ByteScaleStrategy().tensor_init_context(empty_init=True):
+        lazy = LlamaModel(cfg)
+    assert all(p.is_meta for p in lazy.parameters())
+    compat._materialize_distributed_module(lazy, torch.device("cpu"))
+    for (name, a), (_, b) in zip(eager.state_dict().items(), lazy.state_dict().items()):
+        assert torch.equal(a, b), name  # the same draws in the same order
+    std = float(lazy.embed.weight.std())
+    assert abs(std - 0.02) < 0.002, std  # the model's N(0, 0.02), not nn.Embedding's N(0, 1)
+    assert torch.equal(lazy.norm.weight, torch.ones_like(lazy.norm.weight))

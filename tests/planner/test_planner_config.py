@@ -339,3 +339,46 @@ def test_a_registered_planner_trains_one_rank(mine, tmp_path):
     trainer.fit(Tiny(), datamodule=dm)
     calls = mine.read_text().splitlines()
     assert len(calls) >= 2 and all(c.endswith(" 1 64") for c in calls)
+
+
+def test_data_module_planner_arguments_that_differ_are_refused(tmp_path):
+    """Planner options have one door under the strategy: its ``planner_config``; the data module's own
+    arguments must agree with it, or the run stops before any rank starts, naming both values."""
+    import lightning.pytorch as pl
+
+    from lightning_bytescale.errors import PlannerOptionsConflictError
+    from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
+    from lightning_bytescale.lightning.strategy import ByteScaleStrategy
+
+    strategy = ByteScaleStrategy(capacity=8192, start_method="fork", timeout=30)
+    source = {"kind": "synthetic", "name": "github", "num_samples": 40, "scale": 1 / 256}
+    dm = ByteScaleDataModule(source=source, capacity=512, planner="static", cache_dir=tmp_path, num_workers=0)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+
+    class Nothing(pl.LightningModule):
+        def training_step(self, mb, batch_idx):
+            raise AssertionError("no step may run")
+
+    os.environ.pop("MASTER_PORT", None)
+    with pytest.raises(PlannerOptionsConflictError) as info:
+        trainer.fit(Nothing(), datamodule=dm)
+    message = str(info.value)
+    assert "capacity=512" in message and "capacity=8192" in message and "planner='static'" in message
+    assert "planner='balance'" in message and "ByteScaleStrategy(" in message
+    assert not list(tmp_path.glob("store-*"))  # refused before anything was built or launched
+    # the data module's planner_config under the strategy: refused too (one rank, a trainer stand-in)
+    from types import SimpleNamespace
+
+    dm.trainer = SimpleNamespace(global_rank=0, world_size=2, strategy=strategy)
+    with pytest.raises(PlannerOptionsConflictError):
+        dm.planner_config  # noqa: B018
+    # the same values, or none, plan with the strategy's config
+    same = ByteScaleDataModule(capacity=8192, planner="balance", num_workers=0)
+    same.trainer = dm.trainer
+    assert same.planner_config is strategy.planner_config
+    silent = ByteScaleDataModule(num_workers=0)
+    silent.trainer = dm.trainer
+    assert silent.planner_config is strategy.planner_config

@@ -1,0 +1,151 @@
+"""The checks of ``ByteScaleStrategy``'s arguments, each failing with a ``ConfigError`` that names the fix.
+
+The strategy's planner arguments are ``PlannerConfig``'s fields (:func:`strategy_planner_config`
+builds the one config the strategy and the data module plan with, :func:`planner_view` keeps
+the strategy's attributes views of it); the other arguments are checked here too, so the
+strategy's ``__init__`` only stores what passed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.planner.config import PlannerConfig
+
+#: DistributedDataParallel's own options: refused by name (the model is not wrapped in DDP).
+DDP_ONLY = frozenset(
+    {
+        "find_unused_parameters",
+        "static_graph",
+        "gradient_as_bucket_view",
+        "broadcast_buffers",
+        "ddp_comm_hook",
+        "ddp_comm_state",
+        "ddp_comm_wrapper",
+        "model_averaging_period",
+    }
+)
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def as_timedelta(timeout: float | int | timedelta | None) -> timedelta | None:
+    """The process-group timeout from seconds or a ``timedelta`` (``None``: the backend's default)."""
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+    return timedelta(seconds=float(timeout))
+
+
+def strategy_planner_config(
+    planner: str | PlannerConfig, defaults: dict[str, Any], **given: Any
+) -> PlannerConfig:
+    """The strategy's :class:`PlannerConfig`: ``planner`` itself when it is one (the other
+    planner arguments then stay at their ``defaults``), else one built from the arguments.
+
+    ``offload=None`` means off here (the strategy offloads only when asked), and an
+    ``ActivationOffloader`` means on; the strategy runs no pipeline stages.
+    """
+    offloader = hasattr(given["offload"], "micro_batch_context")
+    if isinstance(planner, PlannerConfig):
+        clash = sorted(
+            k
+            for k, v in given.items()
+            if v is not defaults[k] and v != defaults[k] and not (k == "offload" and offloader)
+        )
+        if clash:
+            raise ConfigError(
+                f"ByteScaleStrategy got planner=PlannerConfig(...) and also {', '.join(clash)}; give the planner "
+                f"options one way: inside the PlannerConfig (config.replace({clash[0]}=...)) or as keyword arguments"
+            )
+        config = planner
+        if offloader or planner.offload is None:
+            config = planner.replace(offload=offloader)
+    else:
+        if offloader:  # an ActivationOffloader: the planner only needs "on"
+            given["offload"] = True
+        elif given["offload"] is None:
+            given["offload"] = False
+        given["options"] = given["options"] or {}
+        config = PlannerConfig.from_options(planner=planner, **given)
+    if config.pipeline_degree != 1:
+        raise ConfigError(
+            f"pipeline_degree={config.pipeline_degree}: ByteScaleStrategy runs no pipeline stages, so it plans with "
+            "pipeline_degree=1; pipelines are for bytescale-plan and bytescale-sim"
+        )
+    return config
+
+
+def planner_view(name: str) -> property:
+    """A strategy attribute that reads ``planner_config.<name>`` and, when set, replaces the config."""
+
+    def get(self: Any) -> Any:
+        return getattr(self.planner_config, name)
+
+    def set_(self: Any, value: Any) -> None:
+        self.planner_config = self.planner_config.replace(**{name: value})
+
+    return property(get, set_, doc=f"``planner_config.{name}`` (setting it validates a new config).")
+
+
+def refuse_unknown_options(unknown: dict[str, Any], valid: Iterable[str]) -> None:
+    """A ``ConfigError`` for keyword arguments the strategy does not take, naming the closest valid one."""
+    if not unknown:
+        return
+    ddp_only = sorted(DDP_ONLY & unknown.keys())
+    if ddp_only:
+        raise ConfigError(
+            f"{ddp_only} are DistributedDataParallel options; ByteScaleStrategy does not wrap the model in DDP "
+            "(it all-reduces gradients itself), so remove them."
+        )
+    valid = list(valid)
+    parts = []
+    for key in sorted(unknown):
+        close = difflib.get_close_matches(key, valid, n=1)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ConfigError(
+        f"ByteScaleStrategy got unknown option(s) {', '.join(parts)}; valid options: {', '.join(valid)}"
+    )
+
+
+def check_step_options(
+    *,
+    check_parameters_every_n_steps: Any,
+    start_method: Any,
+    offloader_options: Any,
+    gradient_sync: Any,
+    bucket_cap_mb: Any,
+    watchdog: Any,
+) -> None:
+    """The strategy's other arguments: each refused with the values it takes."""
+    if not isinstance(check_parameters_every_n_steps, int) or check_parameters_every_n_steps < 0:
+        raise ConfigError(
+            "check_parameters_every_n_steps must be a non-negative integer (0 turns the check off), "
+            f"got {check_parameters_every_n_steps!r}"
+        )
+    if start_method not in START_METHODS:
+        raise ConfigError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}")
+    if offloader_options is not None and not isinstance(offloader_options, dict):
+        raise ConfigError(f"offloader_options must be a dict, got {type(offloader_options).__name__}")
+    if gradient_sync not in ("bucketed", "flat"):
+        raise ConfigError(f"gradient_sync must be 'bucketed' or 'flat', got {gradient_sync!r}")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+        raise ConfigError(f"bucket_cap_mb must be a positive number of megabytes, got {bucket_cap_mb!r}")
+    if not isinstance(watchdog, bool) and not (isinstance(watchdog, (int, float)) and watchdog > 0):
+        raise ConfigError(f"watchdog must be True, False or a positive number of seconds, got {watchdog!r}")
+
+
+__all__ = [
+    "DDP_ONLY",
+    "START_METHODS",
+    "as_timedelta",
+    "check_step_options",
+    "planner_view",
+    "refuse_unknown_options",
+    "strategy_planner_config",
+]
