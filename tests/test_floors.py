@@ -155,12 +155,24 @@ def test_every_import_stays_on_its_floor_or_goes_below():
     )
 
 
+def type_checking_lines(code: str) -> set[int]:
+    """The lines of the imports under ``if TYPE_CHECKING:`` (for annotations only, never run)."""
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                lines.update(n.lineno for n in ast.walk(inner) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return lines
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports (anywhere in it: top level, functions, ``TYPE_CHECKING``)."""
+    """Module -> the package modules it imports when it runs (top level and functions; not the
+    ``TYPE_CHECKING`` imports, which only name types for annotations)."""
     graph: dict[str, set[str]] = {}
     for path in module_files():
         me = module_name(path)
-        targets = {target_file(module) for _, module in imported_modules(path)}
+        typing_only = type_checking_lines(path.read_text())
+        targets = {target_file(module) for line, module in imported_modules(path) if line not in typing_only}
         graph[me] = {module_name(t) for t in targets if t is not None} - {me}
     return graph
 
@@ -285,3 +297,15 @@ def test_torch_floor_never_loads_lightning():
 def test_pure_command_lines_load_no_torch(command):
     (found,) = loaded_top_level(f"{PACKAGE}.cli.{command}").values()
     assert not found & {"torch", "lightning", "pytorch_lightning"}, f"cli/{command}.py loads {sorted(found)}"
+
+
+def test_only_type_checking_imports_are_left_out_of_the_cycle_graph():
+    code = (
+        "from typing import TYPE_CHECKING\n"
+        "import lightning_bytescale.errors\n"
+        "if TYPE_CHECKING:\n"
+        "    from lightning_bytescale.planner import plan\n"
+        "def f():\n"
+        "    import lightning_bytescale.proc\n"
+    )
+    assert type_checking_lines(code) == {4}
