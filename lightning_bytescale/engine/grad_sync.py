@@ -31,11 +31,14 @@ into it in place, and the all-reduce runs on the buffer itself (DDP's
 ``gradient_as_bucket_view``); a parameter of a bucket's size or more is a bucket of its own and
 its gradient tensor is all-reduced in place.  So nothing is copied, and beyond the gradients
 themselves only autograd's transient gradients of small parameters (less than a bucket each)
-exist.  Parameters narrower than float32 (bf16/fp16) are summed in a float32 copy made at
-launch, so a sum over many ranks does not drift; at most ``staging_copies`` such copies are in
-flight at once (a bucket that needs one when none is free first completes the oldest: waits
-for its collective and writes its sum back), so the extra memory is at most the
-``staging_copies`` largest float32 copies, not one for every narrow bucket.
+exist.  Parameters narrower than float32 (bf16/fp16) are summed in float32, so a sum over many
+ranks does not drift: at launch a narrow bucket is copied into one of at most
+``staging_copies`` float32 staging buffers (each the size of the largest narrow bucket on its
+device, allocated in the step's first launches and dropped by :meth:`finish`), and a bucket
+that finds none free first completes the oldest one in flight (waits for its collective and
+writes its sum back), whose buffer it then reuses.  So the extra memory is at most
+``staging_copies`` float32 copies of the largest narrow bucket, however many there are (one
+per bucket, all in flight at once, was up to twice the bf16 gradients).
 
 ZeRO-2 (``owners``): a parameter whose optimizer state lives on one rank (the
 ``ZeroRedundancyOptimizer`` partition, :mod:`~lightning_bytescale.engine.zero`) needs its
@@ -86,7 +89,8 @@ class _Bucket:
             self.allocate()
         self.widen = params[0].dtype in (torch.bfloat16, torch.float16)  # sum in float32
         self.work: Any = None
-        self.wide: torch.Tensor | None = None  # the float32 staging copy of a narrow bucket, in flight
+        self.wide: torch.Tensor | None = None  # a narrow bucket's float32 copy, in flight (a staging view)
+        self.staging: torch.Tensor | None = None  # the staging buffer ``wide`` is a view of
         self.done = False  # its collective waited for and its sum in place (this step)
         self.finite_at_launch: torch.Tensor | None = (
             None  # this rank's own values, read before the collective
@@ -100,11 +104,6 @@ class _Bucket:
         for j, p in enumerate(self.params):
             self.views[j] = self.buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes a float32 staging copy of this bucket takes (0 for a bucket summed in place)."""
-        return 4 * self.numel if self.widen else 0
 
     def release(self) -> None:
         """Drop the gradients and the buffer (a non-owner after the reduce: ZeRO-2)."""
@@ -168,7 +167,14 @@ class BucketedGradSync:
         self.launched_in_backward = 0  # buckets launched during the last backward (telemetry)
         self.track_finite = False  # record each bucket's local finiteness when it is launched
         self._staged: deque[_Bucket] = deque()  # narrow buckets whose float32 copy is in flight, oldest first
-        self.peak_staging_bytes = 0  # the most bytes of float32 staging copies alive at once (since prepare)
+        self._free_staging: dict[torch.device, list[torch.Tensor]] = {}  # staging buffers not in use
+        self._staging_made: dict[torch.device, int] = {}  # staging buffers allocated this step
+        self._staging_numel: dict[torch.device, int] = {}  # the largest narrow bucket, per device
+        for bucket in self.buckets:
+            if bucket.widen:
+                device = bucket.params[0].device
+                self._staging_numel[device] = max(self._staging_numel.get(device, 0), bucket.numel)
+        self.peak_staging_bytes = 0  # the most bytes of float32 staging buffers allocated at once (a step)
 
     def _make_buckets(self) -> list[_Bucket]:
         """Last parameters first (backward computes them first); one dtype, device and owner per bucket.
@@ -211,8 +217,8 @@ class BucketedGradSync:
 
     @property
     def extra_bytes(self) -> int:
-        """Memory this sync holds beyond the gradients themselves (float32 copies of narrow buckets)."""
-        return sum(b.wide.numel() * b.wide.element_size() for b in self.buckets if b.wide is not None)
+        """Memory this sync holds beyond the gradients themselves (float32 staging buffers of narrow buckets)."""
+        return sum(4 * self._staging_numel[device] * made for device, made in self._staging_made.items())
 
     @property
     def gradient_bytes(self) -> int:
@@ -252,7 +258,7 @@ class BucketedGradSync:
         self._next = 0
         self.launched_in_backward = 0
         self._armed = False
-        self._staged.clear()
+        self._drop_staging()
         self.peak_staging_bytes = 0
         for bucket in self.buckets:
             bucket.finite_at_launch = None
@@ -319,7 +325,7 @@ class BucketedGradSync:
         self.launch()
         for bucket in self.buckets:
             self._complete(bucket)
-        self._staged.clear()
+        self._drop_staging()
 
     # ---------------------------------------------------------------- buckets
     @torch.no_grad()
@@ -340,13 +346,11 @@ class BucketedGradSync:
         if self.track_finite:
             bucket.finite_at_launch = all_finite([target])
         if bucket.widen:
-            while len(self._staged) >= self.staging_copies:  # no free staging copy: complete the oldest
-                self._complete(self._staged.popleft())
-            bucket.wide = target.float()
+            bucket.staging = self._staging_buffer(target.device)
+            bucket.wide = bucket.staging[: bucket.numel]
+            bucket.wide.copy_(target.reshape(-1))
             target = bucket.wide
             self._staged.append(bucket)
-            live = sum(b.staging_bytes for b in self._staged)
-            self.peak_staging_bytes = max(self.peak_staging_bytes, live)
         if not (dist.is_available() and dist.is_initialized()):
             return
         if bucket.owner is None:
@@ -366,18 +370,42 @@ class BucketedGradSync:
             bucket.work = None
         if bucket.owner is not None and bucket.owner != self.rank:
             bucket.release()  # ZeRO-2: another rank owns these gradients
-            return
-        if bucket.solo:
+        elif bucket.solo:
             p = bucket.params[0]
             if bucket.wide is not None and p.grad is not None:
                 p.grad.copy_(bucket.wide.view_as(p.grad))
-            bucket.wide = None
-            return
-        if bucket.wide is not None and bucket.buffer is not None:
-            bucket.buffer.copy_(bucket.wide)
-            bucket.wide = None
-        for p, view in zip(bucket.params, bucket.views):
-            p.grad = view
+        else:
+            if bucket.wide is not None and bucket.buffer is not None:
+                bucket.buffer.copy_(bucket.wide)
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+        if bucket.staging is not None:  # the sum is written back: the staging buffer is free again
+            self._free_staging.setdefault(bucket.staging.device, []).append(bucket.staging)
+            if bucket in self._staged:
+                self._staged.remove(bucket)
+        bucket.wide = bucket.staging = None
+
+    def _staging_buffer(self, device: torch.device) -> torch.Tensor:
+        """A free float32 staging buffer on ``device``; completes the oldest bucket in flight if none is.
+
+        On NCCL completing a bucket is a stream wait, so the host does not block; on gloo it
+        waits for that all-reduce.  Either way only in a backward without ring exchanges (the
+        cross-communicator rule, module docstring), and only for a bucket every rank launches
+        before this one.
+        """
+        while not self._free_staging.get(device) and self._staging_made.get(device, 0) >= self.staging_copies:
+            self._complete(self._staged[0])
+        free = self._free_staging.get(device)
+        if free:
+            return free.pop()
+        self._staging_made[device] = self._staging_made.get(device, 0) + 1
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self.extra_bytes)
+        return torch.empty(self._staging_numel[device], dtype=torch.float32, device=device)
+
+    def _drop_staging(self) -> None:
+        self._staged.clear()
+        self._free_staging.clear()
+        self._staging_made.clear()
 
     def close(self) -> None:
         """Remove the hooks and drop any collective left in flight (the sync is unusable afterwards).
@@ -391,8 +419,8 @@ class BucketedGradSync:
         self._hooks = []
         for bucket in self.buckets:
             bucket.work = None
-            bucket.wide = None
-        self._staged.clear()
+            bucket.wide = bucket.staging = None
+        self._drop_staging()
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_STAGING_COPIES", "BucketedGradSync"]
