@@ -153,7 +153,9 @@ class IssueOrder:
         for name in ("all_gather", "batch_isend_irecv", "all_reduce", "reduce"):
             original = getattr(dist, name)
 
-            def wrapped(*args: Any, __name: str = name, __orig: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            def wrapped(
+                *args: Any, __name: str = name, __orig: Callable[..., Any] = original, **kwargs: Any
+            ) -> Any:
                 if self.recording:
                     self.log.append(self._kind(__name, kwargs.get("group")))
                 return __orig(*args, **kwargs)
