@@ -21,9 +21,10 @@ two communicators must be used in an order every rank agrees on.  Hooks launch b
 a last backward *without* ring exchanges (:meth:`arm`); after a last backward with one, every
 bucket is launched at once when it returns (:meth:`launch`).  So on every rank each ring
 transfer of the step is issued before any bucket collective, and the ranks' issue orders
-never cross.  For the same reason a hook may wait (for a float32 staging copy, below): it runs
-in a backward with no ring transfer, after this rank's last one, so nothing it waits for can
-be waiting for this rank's ring traffic.
+never cross.  For the same reason a hook may wait (for a float32 staging buffer, below): it
+runs in a backward with no ring transfer, after this rank's last one, and waits only for an
+earlier bucket, which every rank launches first, so nothing it waits for can be waiting for
+this rank.
 
 Memory: the gradients *are* the buckets.  :meth:`prepare` (at the start of a step) points each
 small parameter's ``p.grad`` at a zeroed view of its bucket's flat buffer, autograd accumulates
