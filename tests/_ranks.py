@@ -134,6 +134,55 @@ class DistCalls:
         return dict(self.calls)
 
 
+class IssueOrder:
+    """Records, in this rank, the order in which a step's communication is *issued*, by kind.
+
+    Wraps ``dist.all_gather`` (``"plan"``: the plan-digest check), ``dist.batch_isend_irecv``
+    (``"p2p"``: ring transfers), and ``dist.all_reduce`` / ``dist.reduce`` (``"bucket"`` on
+    ``bucket_group``, the gradient sync's own group; ``"scalars"`` on any other group).  Start
+    a step's record with :meth:`start` (until :meth:`stop`); :attr:`log` lists the kinds in
+    issue order.
+    """
+
+    PHASES = ("plan", "p2p", "bucket", "scalars")
+
+    def __init__(self, bucket_group: Any) -> None:
+        self.bucket_group = bucket_group
+        self.log: list[str] = []
+        self.recording = False
+        for name in ("all_gather", "batch_isend_irecv", "all_reduce", "reduce"):
+            original = getattr(dist, name)
+
+            def wrapped(
+                *args: Any, __name: str = name, __orig: Callable[..., Any] = original, **kwargs: Any
+            ) -> Any:
+                if self.recording:
+                    self.log.append(self._kind(__name, kwargs.get("group")))
+                return __orig(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+
+    def _kind(self, name: str, group: Any) -> str:
+        if name == "all_gather":
+            return "plan"
+        if name == "batch_isend_irecv":
+            return "p2p"
+        return "bucket" if group is not None and group is self.bucket_group else "scalars"
+
+    def start(self) -> None:
+        """Record from here on, into a fresh :attr:`log`."""
+        self.log, self.recording = [], True
+
+    def stop(self) -> None:
+        self.recording = False
+
+    @classmethod
+    def follows_the_rule(cls, log: list[str]) -> bool:
+        """Every kind is issued after every kind before it in :data:`PHASES` (plan, p2p, bucket, scalars)."""
+        ranks = [cls.PHASES.index(kind) for kind in log]
+        return all(a <= b for a, b in zip(ranks, ranks[1:]))
+
+
 # ------------------------------------------------------- per-rank JSON reports of a worker
 def save_report(outdir: str | Path, rank: int, report: dict) -> None:
     """Write rank ``rank``'s report as ``outdir/rank{rank}.json`` (read back by :func:`gather_reports`)."""

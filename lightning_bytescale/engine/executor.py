@@ -16,7 +16,11 @@ exact loss-token count, per-rank reports (busy time, ring traffic, the first non
 micro-batch), stop requests, the verdict of the loss-normalisation probe and, every few
 steps, parameter fingerprints.  Because every micro-batch's loss is already divided by the
 global token count (:func:`~lightning_bytescale.engine.loss.token_loss`), that sum is the
-gradient of the global token-mean loss.
+gradient of the global token-mean loss.  With the bucketed sync (the strategy's default,
+:mod:`~lightning_bytescale.engine.grad_sync`) the gradients are summed in buckets launched
+during or right after the last backward, and the scalars in one float64 all-reduce after
+them, on every backend alike: every rank issues the plan check first, then its ring
+transfers, then the buckets, then the scalars (the cross-communicator rule, docs/engine.md).
 
 :func:`run_step` composes the three.  ``ByteScaleStrategy`` calls the same
 :func:`run_micro_batches` (with the precision plugin's backward as ``backward``) in its
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -299,9 +304,12 @@ def run_micro_batches(
     device time: with CUDA events on a GPU (no host synchronisation inside the loop), with
     synchronised wall time elsewhere.  ``on_phase(text)`` is called before each micro-batch
     with where the rank is (for a watchdog and error messages).  ``grad_sync`` points the
-    gradients at its buckets before the first micro-batch and is armed right before the last
-    micro-batch's backward (after the plan check), so that backward launches the buckets as
-    they become final (call :func:`sync_step` with the same ``grad_sync`` afterwards).
+    gradients at its buckets before the first micro-batch; the last micro-batch's backward
+    (after the plan check) launches the buckets as they become final when it exchanges nothing
+    point-to-point (a local micro-batch), and every bucket not launched yet is launched right
+    after it returns -- all of them after a ring's backward, so every ring transfer of the step
+    is issued before any bucket collective (docs/engine.md, the cross-communicator rule).  Call
+    :func:`sync_step` with the same ``grad_sync`` afterwards.
 
     ``plan_check`` (from :func:`check_step` with ``wait=False``) is waited for -- and raises on
     every rank if the ranks' plans or data differ -- before the first micro-batch with a ring
@@ -320,17 +328,23 @@ def run_micro_batches(
                 on_phase(f"the plan digest check of step {step} (waits on every rank)")
             plan_check.wait()
 
-    last_backward = backward
-    if grad_sync is not None:
+    def last_backward(loss: torch.Tensor, *, exchanges: bool) -> None:
+        """The step's last backward on this rank; the gradient buckets launch in it or right after.
 
-        def last_backward(loss: torch.Tensor) -> None:
-            confirm_plan()  # this backward launches the gradient buckets: the plan must agree first
-            grad_sync.track_finite = check_finite
+        The cross-communicator rule (docs/engine.md): hooks launch buckets only in a backward
+        without ring exchanges (``exchanges``); after one with them every bucket is launched
+        once it has returned, so every ring transfer of the step is issued before any bucket.
+        """
+        assert grad_sync is not None
+        confirm_plan()  # this backward launches the gradient buckets: the plan must agree first
+        grad_sync.track_finite = check_finite
+        if not exchanges:
             grad_sync.arm()
-            if backward is None:
-                loss.backward()
-            else:
-                backward(loss)
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
+        grad_sync.launch()  # every gradient is final: the buckets not launched yet go now
 
     losses: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
@@ -359,7 +373,11 @@ def run_micro_batches(
             model,
             mb,
             forward=forward,
-            backward=last_backward if last else backward,
+            backward=(
+                functools.partial(last_backward, exchanges=mb.layout.ring is not None)
+                if last and grad_sync is not None
+                else backward
+            ),
             micro_batch_context=micro_batch_context,
             sync_timing=sync_timing and events is None,
             p2p_group=p2p_group,
@@ -537,58 +555,6 @@ def _start_scalars(
     return _PendingScalars(flat, work, floats.numel(), counts.numel(), bits)
 
 
-class _CarriedScalars:
-    """The step's scalars as a tail of the last gradient bucket (``dtype``: its dtype), and back.
-
-    Summed in a float32 bucket, floats would lose what float32 cannot hold, so they travel
-    where each element has one writer: the loss in a slot per rank (like the reports; the extra
-    telemetry has one writer per element), each float64 value as a float32 pair ``hi + lo``
-    (exact for integers below 2**48, about 2**-48 relative otherwise; magnitudes outside
-    float32's range, below 1e-38 or above 3e38, read as 0 or inf), since adding the other
-    ranks' zeros changes neither.  The counts travel as limbs small enough to sum exactly
-    (:func:`_limb_bits`).  :meth:`decode` returns what :meth:`_PendingScalars.wait` does:
-    ``[loss sum | reports | extra | counts]`` in float64, the loss summed over ranks on the host.
-    """
-
-    def __init__(
-        self,
-        floats: list[torch.Tensor],
-        counts: torch.Tensor,
-        world: int,
-        rank: int,
-        dtype: torch.dtype | None,
-    ) -> None:
-        self.world, self.n_counts = world, counts.numel()
-        self.dtype = dtype if dtype in (torch.float32, torch.float64) else None
-        if self.dtype is None:
-            return
-        loss, *rest = floats
-        slots = torch.zeros(world, dtype=torch.float64)
-        slots[rank] = loss.reshape(())
-        values = torch.cat([slots, *(f.reshape(-1) for f in rest)])
-        self.n_values = values.numel()
-        parts = [values.to(self.dtype)]
-        if self.dtype != torch.float64:
-            parts.append((values - parts[0].to(torch.float64)).to(self.dtype))
-        self.bits = _limb_bits(self.dtype, world)
-        self.tail = torch.cat([*parts, _encode_counts(counts, self.bits).to(self.dtype)])
-
-    def decode(self, summed: torch.Tensor) -> torch.Tensor:
-        flat = summed.to("cpu", torch.float64)
-        pairs = 1 if self.dtype == torch.float64 else 2
-        n = self.n_values
-        values = flat[:n].clone()
-        if pairs == 2:
-            values += flat[n : 2 * n]
-        loss = values[: self.world].sum().reshape(1)
-        counts = _decode_counts(flat[pairs * n :], self.n_counts, self.bits)
-        return torch.cat([loss, values[self.world :], counts])
-
-
-def _is_nccl(group: dist.ProcessGroup | None) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
-
-
 def _group_shape(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group), dist.get_rank(group)
@@ -683,9 +649,11 @@ def sync_step(
     Without ``grad_sync`` everything is ONE all-reduce of one flat buffer (every gradient copied
     into it).  With a :class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync` (armed by
     :func:`run_micro_batches`), the gradients were summed in buckets overlapped with the last
-    backward (this waits for the rest), and the scalars travel in one small float64 all-reduce
-    (with gloo started before waiting for the buckets, so its round trip hides behind theirs;
-    with NCCL after them, since two communicators' collectives must keep one order everywhere).
+    backward (this launches any left and waits), and the scalars travel in one small float64
+    all-reduce on ``group`` once the buckets are done -- one order on every rank and every
+    backend, the last of the step's communication, and never two communicators at once (the
+    cross-communicator rule of docs/engine.md).  On NCCL waiting for the buckets is a stream
+    wait, so the host does not block before it issues the scalars.
     """
     named = [(item if isinstance(item, tuple) else (f"param{i}", item)) for i, item in enumerate(params)]
     named = [(n, p) for n, p in named if p.requires_grad]
@@ -713,24 +681,10 @@ def sync_step(
         reduced = allreduce_gradients(plist, group=group, extra=torch.cat(floats), counts=torch.cat(counts))
     else:
         device = plist[0].device if plist else torch.device("cpu")
-        small, ints_in = torch.cat(floats), torch.cat(counts)
-        if _is_nccl(group):
-            # collectives of two communicators must be issued in one order on every rank, and
-            # the buckets are launched at different points on different ranks: scalars after
-            grad_sync.finish()  # the buckets' all-reduces, started during the last backward
-            reduced = _start_scalars(small, ints_in, group, device).wait()
-        else:
-            carried = _CarriedScalars(floats, ints_in, world, me, grad_sync.carrier_dtype)
-            if carried.dtype is not None and grad_sync.can_carry(carried.tail.numel()):
-                # gloo: the scalars ride in the last bucket's all-reduce, one collective fewer
-                grad_sync.finish(carried.tail)
-                reduced = carried.decode(grad_sync.carried())
-            else:
-                # gloo: the groups progress independently, so the scalars' round trip runs while
-                # the last buckets are still being summed instead of after them
-                pending = _start_scalars(small, ints_in, group, device)
-                grad_sync.finish()
-                reduced = pending.wait()
+        # One order on every rank and every backend: the buckets not launched yet (all of them
+        # on a rank without micro-batches), their completion, then the scalars.
+        grad_sync.finish()
+        reduced = _start_scalars(torch.cat(floats), torch.cat(counts), group, device).wait()
     allreduce_s = time.perf_counter() - t0
     assert reduced is not None
     n_float = 1 + world * SLOT + (0 if extra is None else extra.numel())

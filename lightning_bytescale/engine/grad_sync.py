@@ -11,10 +11,20 @@ the small first bucket of the last layers' gradients is summed during the rest o
 strictly in bucket order on every rank -- collectives must be issued in the same order
 everywhere, and ranks' backwards differ -- so a bucket with a parameter that got no gradient in
 the last backward (used only by earlier micro-batches, or not at all) waits for
-:meth:`BucketedGradSync.finish`, which launches the rest after the loop and waits for all.  A
-rank without micro-batches launches every bucket there, with zeros.  Nothing ever *waits*
-inside a hook: a rank blocked in its backward could hold up a ring peer that the collective is
-waiting for.
+:meth:`BucketedGradSync.launch`, which launches the rest right after that backward.  A rank
+without micro-batches launches every bucket in :meth:`BucketedGradSync.finish`, with zeros.
+
+The cross-communicator rule (docs/engine.md, "The order of a step's communication").  The
+buckets run on their own process group, while ring attention exchanges point-to-point on the
+global one; with NCCL a kernel of one communicator can keep another's from progressing, so
+two communicators must be used in an order every rank agrees on.  Hooks launch buckets only in
+a last backward *without* ring exchanges (:meth:`arm`); after a last backward with one, every
+bucket is launched at once when it returns (:meth:`launch`).  So on every rank each ring
+transfer of the step is issued before any bucket collective, and the ranks' issue orders
+never cross.  For the same reason a hook may wait (for a float32 staging buffer, below): it
+runs in a backward with no ring transfer, after this rank's last one, and waits only for an
+earlier bucket, which every rank launches first, so nothing it waits for can be waiting for
+this rank.
 
 Memory: the gradients *are* the buckets.  :meth:`prepare` (at the start of a step) points each
 small parameter's ``p.grad`` at a zeroed view of its bucket's flat buffer, autograd accumulates
@@ -22,9 +32,14 @@ into it in place, and the all-reduce runs on the buffer itself (DDP's
 ``gradient_as_bucket_view``); a parameter of a bucket's size or more is a bucket of its own and
 its gradient tensor is all-reduced in place.  So nothing is copied, and beyond the gradients
 themselves only autograd's transient gradients of small parameters (less than a bucket each)
-exist.  Parameters narrower than float32 (bf16/fp16) are summed in a float32 copy made at
-launch, so a sum over many ranks does not drift; that copy is the only extra memory, one per
-such bucket in flight.
+exist.  Parameters narrower than float32 (bf16/fp16) are summed in float32, so a sum over many
+ranks does not drift: at launch a narrow bucket is copied into one of at most
+``staging_copies`` float32 staging buffers (each the size of the largest narrow bucket on its
+device, allocated in the step's first launches and dropped by :meth:`finish`), and a bucket
+that finds none free first completes the oldest one in flight (waits for its collective and
+writes its sum back), whose buffer it then reuses.  So the extra memory is at most
+``staging_copies`` float32 copies of the largest narrow bucket, however many there are (one
+per bucket, all in flight at once, was up to twice the bf16 gradients).
 
 ZeRO-2 (``owners``): a parameter whose optimizer state lives on one rank (the
 ``ZeroRedundancyOptimizer`` partition, :mod:`~lightning_bytescale.engine.zero`) needs its
@@ -34,26 +49,11 @@ the other ranks drop those gradients and free the bucket's buffer (it is allocat
 at the next :meth:`BucketedGradSync.prepare`).  So from the end of the sync to the next step's
 backward each rank holds only the gradients of its own shard.  Parameters without an owner
 (not in a sharded optimizer) are all-reduced as before.
-
-The all-reduces run on their own process group (created once, at set-up), so they can be in
-flight while the last micro-batch's ring exchanges run point-to-point on the global group:
-with NCCL, operations of one group are ordered on one stream, and a bucket all-reduce queued
-before another rank's ring receive would deadlock.
-
-The step's scalars (loss, token counts, per-rank reports: :func:`~lightning_bytescale.engine.executor.sync_step`)
-can ride in the last bucket instead of a collective of their own (the *carrier*, on gloo only:
-there each collective, however small, costs a rank a worker thread's round trip -- about 1.5 ms
-of CPU with 4 ranks on 2 cores -- while on NCCL a small all-reduce is cheap and the last bucket
-is better launched from its hook).  The carrier is the last bucket in launch order when it is
-all-reduced in place (not a solo parameter, not ZeRO-2, not widened): its buffer has ``reserve``
-elements after the gradients' views, it is never launched from a hook but by :meth:`finish`,
-which writes the tail into that room first -- the last bucket becomes final at the very end of
-the backward, so little overlap is given up.  The same choice is made on every rank (it
-depends only on the parameters and the group), so the collectives keep one order everywhere.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -66,6 +66,7 @@ from lightning_bytescale.errors import ConfigError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed's first DDP bucket
+DEFAULT_STAGING_COPIES = 2  # float32 copies of narrow buckets in flight: one summed while the next is filled
 
 
 class _Bucket:
@@ -82,15 +83,16 @@ class _Bucket:
         self.params = params
         self.solo = solo
         self.owner = owner
-        self.numel = sum(p.numel() for p in params)  # the gradients' elements (the buffer's front)
-        self.reserve = 0  # elements after them, for a carried tail (the carrier bucket only)
+        self.numel = sum(p.numel() for p in params)  # the gradients' elements (the buffer)
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor | None] = [None] * len(params)
         if not solo:
             self.allocate()
         self.widen = params[0].dtype in (torch.bfloat16, torch.float16)  # sum in float32
         self.work: Any = None
-        self.wide: torch.Tensor | None = None
+        self.wide: torch.Tensor | None = None  # a narrow bucket's float32 copy, in flight (a staging view)
+        self.staging: torch.Tensor | None = None  # the staging buffer ``wide`` is a view of
+        self.done = False  # its collective waited for and its sum in place (this step)
         self.finite_at_launch: torch.Tensor | None = (
             None  # this rank's own values, read before the collective
         )
@@ -98,16 +100,11 @@ class _Bucket:
     def allocate(self) -> None:
         """A zeroed flat buffer and the parameters' views into it."""
         first = self.params[0]
-        self.buffer = torch.zeros(self.numel + self.reserve, dtype=first.dtype, device=first.device)
+        self.buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
         offset = 0
         for j, p in enumerate(self.params):
             self.views[j] = self.buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-
-    @property
-    def grads(self) -> torch.Tensor | None:
-        """The part of the buffer the gradients are views of (without a carried tail's room)."""
-        return None if self.buffer is None else self.buffer[: self.numel]
 
     def release(self) -> None:
         """Drop the gradients and the buffer (a non-owner after the reduce: ZeRO-2)."""
@@ -121,9 +118,11 @@ class _Bucket:
 class BucketedGradSync:
     """Sum ``params``' gradients over the ranks of ``group`` in buckets overlapped with backward.
 
-    Per step: :meth:`prepare` before the first micro-batch, :meth:`arm` right before the last
-    one (its backward then launches buckets as they become final), :meth:`finish` after the
-    loop on every rank (it launches the rest and waits); afterwards every ``p.grad`` holds the
+    Per step: :meth:`prepare` before the first micro-batch; :meth:`arm` right before the last
+    one when its backward exchanges nothing point-to-point (that backward then launches buckets
+    as they become final); :meth:`launch` right after the last backward (it launches the rest,
+    without waiting); :meth:`finish` on every rank (it launches what is left -- everything on a
+    rank without micro-batches -- and waits); afterwards every ``p.grad`` holds the
     sum over ranks -- with ``owners`` (ZeRO-2: ``id(parameter) -> global rank`` of the rank
     that keeps its optimizer state), only on the owner, and the other ranks hold ``None``.
     :meth:`produced` tells which parameters got a gradient on this rank (a prepared gradient
@@ -138,7 +137,13 @@ class BucketedGradSync:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         owners: Mapping[int, int] | None = None,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+        staging_copies: int = DEFAULT_STAGING_COPIES,
     ) -> None:
+        if isinstance(staging_copies, bool) or not isinstance(staging_copies, int) or staging_copies < 1:
+            raise ConfigError(
+                f"staging_copies must be an integer >= 1 (float32 copies of bf16/fp16 buckets in flight), "
+                f"got {staging_copies!r}"
+            )
         if bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if first_bucket_bytes <= 0:
@@ -148,6 +153,7 @@ class BucketedGradSync:
         self.bucket_bytes = int(bucket_bytes)
         self.first_bucket_bytes = min(int(first_bucket_bytes), self.bucket_bytes)
         self.owners = dict(owners) if owners is not None else None
+        self.staging_copies = staging_copies
         initialised = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if initialised else 0  # global rank: owners are global ranks
         self.buckets = self._make_buckets()
@@ -161,19 +167,15 @@ class BucketedGradSync:
         self._next = 0
         self.launched_in_backward = 0  # buckets launched during the last backward (telemetry)
         self.track_finite = False  # record each bucket's local finiteness when it is launched
-        last = self.buckets[-1] if self.buckets else None
-        carries = (
-            initialised
-            and dist.get_backend(group) == "gloo"
-            and last is not None
-            and not last.solo
-            and last.owner is None
-            and not last.widen
-        )
-        self.carrier: _Bucket | None = last if carries else None
-        self._hook_launchable = len(self.buckets) - (1 if self.carrier is not None else 0)
-        self._carried = 0  # elements of the tail carried in the last finish()
-        self._grow_to = 0  # the carrier's room from the next prepare() on (a tail that did not fit)
+        self._staged: deque[_Bucket] = deque()  # narrow buckets whose float32 copy is in flight, oldest first
+        self._free_staging: dict[torch.device, list[torch.Tensor]] = {}  # staging buffers not in use
+        self._staging_made: dict[torch.device, int] = {}  # staging buffers allocated this step
+        self._staging_numel: dict[torch.device, int] = {}  # the largest narrow bucket, per device
+        for bucket in self.buckets:
+            if bucket.widen:
+                device = bucket.params[0].device
+                self._staging_numel[device] = max(self._staging_numel.get(device, 0), bucket.numel)
+        self.peak_staging_bytes = 0  # the most bytes of float32 staging buffers allocated at once (a step)
 
     def _make_buckets(self) -> list[_Bucket]:
         """Last parameters first (backward computes them first); one dtype, device and owner per bucket.
@@ -216,8 +218,8 @@ class BucketedGradSync:
 
     @property
     def extra_bytes(self) -> int:
-        """Memory this sync holds beyond the gradients themselves (float32 copies of narrow buckets)."""
-        return sum(b.wide.numel() * b.wide.element_size() for b in self.buckets if b.wide is not None)
+        """Memory this sync holds beyond the gradients themselves (float32 staging buffers of narrow buckets)."""
+        return sum(4 * self._staging_numel[device] * made for device, made in self._staging_made.items())
 
     @property
     def gradient_bytes(self) -> int:
@@ -230,41 +232,10 @@ class BucketedGradSync:
                 total += b.params[0].grad.numel() * b.params[0].grad.element_size()
         return total
 
-    def can_carry(self, n: int) -> bool:
-        """Whether :meth:`finish` can carry a tail of ``n`` elements in the last bucket this step.
-
-        A tail that does not fit makes room for the next steps (the carrier's buffer grows at the
-        next :meth:`prepare`, with some headroom); this step's caller sends it on its own.  The
-        answer depends only on ``n`` and earlier calls, so ranks asking the same keep agreeing.
-        """
-        carrier = self.carrier
-        if carrier is None:
-            return False
-        if n <= carrier.reserve:
-            return True
-        self._grow_to = max(self._grow_to, n + n // 4 + 64)
-        return False
-
-    @property
-    def carrier_dtype(self) -> torch.dtype | None:
-        """The dtype a carried tail is summed in (``None``: this sync carries nothing)."""
-        return None if self.carrier is None else self.carrier.params[0].dtype
-
-    def carried(self) -> torch.Tensor:
-        """The tail carried by the last :meth:`finish`, summed over the ranks (a view; copy to keep)."""
-        carrier = self.carrier
-        assert carrier is not None and carrier.buffer is not None and self._carried
-        return carrier.buffer[carrier.numel : carrier.numel + self._carried]
-
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
     def prepare(self) -> None:
         """Point every gradient at its (zeroed) bucket view; an existing gradient is kept as its value."""
-        if self.carrier is not None and self._grow_to > self.carrier.reserve:
-            # room for the tail: a new buffer below (the gradients are copied over)
-            self.carrier.reserve = self._grow_to
-            self.carrier.buffer = None
-        self._carried = 0
         for bucket in self.buckets:
             if bucket.solo:  # autograd's own gradient tensor is reduced in place
                 continue
@@ -283,18 +254,31 @@ class BucketedGradSync:
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                 p.grad = view
-            if bucket.reserve:
-                bucket.buffer[bucket.numel :].zero_()  # a carried tail's room
         self._produced = set()
         self._ready = [set() for _ in self.buckets]
         self._next = 0
         self.launched_in_backward = 0
+        self._armed = False
+        self._drop_staging()
+        self.peak_staging_bytes = 0
         for bucket in self.buckets:
             bucket.finite_at_launch = None
+            bucket.done = False
 
     def arm(self) -> None:
-        """The next backward is the step's last on this rank: launch buckets as they become final."""
+        """The next backward is the step's last on this rank: launch buckets as they become final.
+
+        Only for a backward without ring exchanges (the cross-communicator rule, module
+        docstring); after one with them, call :meth:`launch` once it has returned.
+        """
         self._armed = True
+
+    def launch(self) -> None:
+        """The last backward is over: launch every bucket not launched yet, in order, without waiting."""
+        self._armed = False
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
 
     @torch.no_grad()
     def local_grads_finite(self) -> torch.Tensor | None:
@@ -330,33 +314,19 @@ class BucketedGradSync:
         if where is None:
             return
         self._ready[where[0]].add(id(p))
-        while self._next < self._hook_launchable and len(self._ready[self._next]) == len(
+        while self._next < len(self.buckets) and len(self._ready[self._next]) == len(
             self.buckets[self._next].params
         ):
             self._launch(self._next)
             self._next += 1
             self.launched_in_backward += 1
 
-    def finish(self, tail: torch.Tensor | None = None) -> None:
-        """Launch the buckets not launched yet (in order), then wait for all of them.
-
-        ``tail`` (1-d, at most the carrier's room: :meth:`can_carry`) rides in the last bucket
-        and is summed with it; :meth:`carried` reads the sum afterwards.
-        """
-        self._armed = False
-        if tail is not None:
-            carrier = self.carrier
-            if carrier is None or tail.numel() > carrier.reserve or carrier.buffer is None:
-                raise ValueError("this gradient sync has no room for the tail: ask can_carry(n) first")
-            if self._next == len(self.buckets):
-                raise RuntimeError("the last bucket was already launched: the tail cannot ride in it")
-            carrier.buffer[carrier.numel : carrier.numel + tail.numel()].copy_(tail.reshape(-1))
-            self._carried = tail.numel()
-        while self._next < len(self.buckets):
-            self._launch(self._next)
-            self._next += 1
+    def finish(self) -> None:
+        """Launch the buckets not launched yet (in order), then wait for all of them."""
+        self.launch()
         for bucket in self.buckets:
             self._complete(bucket)
+        self._drop_staging()
 
     # ---------------------------------------------------------------- buckets
     @torch.no_grad()
@@ -375,10 +345,13 @@ class BucketedGradSync:
             assert bucket.buffer is not None
             target = bucket.buffer
         if self.track_finite:
-            bucket.finite_at_launch = all_finite([target if bucket.solo else bucket.grads])
+            bucket.finite_at_launch = all_finite([target])
         if bucket.widen:
-            bucket.wide = target.float()
+            bucket.staging = self._staging_buffer(target.device)
+            bucket.wide = bucket.staging[: bucket.numel]
+            bucket.wide.copy_(target.reshape(-1))
             target = bucket.wide
+            self._staged.append(bucket)
         if not (dist.is_available() and dist.is_initialized()):
             return
         if bucket.owner is None:
@@ -390,23 +363,50 @@ class BucketedGradSync:
 
     @torch.no_grad()
     def _complete(self, bucket: _Bucket) -> None:
+        if bucket.done:
+            return
+        bucket.done = True
         if bucket.work is not None:
             bucket.work.wait()
             bucket.work = None
         if bucket.owner is not None and bucket.owner != self.rank:
             bucket.release()  # ZeRO-2: another rank owns these gradients
-            return
-        if bucket.solo:
+        elif bucket.solo:
             p = bucket.params[0]
             if bucket.wide is not None and p.grad is not None:
                 p.grad.copy_(bucket.wide.view_as(p.grad))
-            bucket.wide = None
-            return
-        if bucket.wide is not None and bucket.buffer is not None:
-            bucket.buffer.copy_(bucket.wide)
-            bucket.wide = None
-        for p, view in zip(bucket.params, bucket.views):
-            p.grad = view
+        else:
+            if bucket.wide is not None and bucket.buffer is not None:
+                bucket.buffer.copy_(bucket.wide)
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+        if bucket.staging is not None:  # the sum is written back: the staging buffer is free again
+            self._free_staging.setdefault(bucket.staging.device, []).append(bucket.staging)
+            if bucket in self._staged:
+                self._staged.remove(bucket)
+        bucket.wide = bucket.staging = None
+
+    def _staging_buffer(self, device: torch.device) -> torch.Tensor:
+        """A free float32 staging buffer on ``device``; completes the oldest bucket in flight if none is.
+
+        On NCCL completing a bucket is a stream wait, so the host does not block; on gloo it
+        waits for that all-reduce.  Either way only in a backward without ring exchanges (the
+        cross-communicator rule, module docstring), and only for a bucket every rank launches
+        before this one.
+        """
+        while not self._free_staging.get(device) and self._staging_made.get(device, 0) >= self.staging_copies:
+            self._complete(self._staged[0])
+        free = self._free_staging.get(device)
+        if free:
+            return free.pop()
+        self._staging_made[device] = self._staging_made.get(device, 0) + 1
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self.extra_bytes)
+        return torch.empty(self._staging_numel[device], dtype=torch.float32, device=device)
+
+    def _drop_staging(self) -> None:
+        self._staged.clear()
+        self._free_staging.clear()
+        self._staging_made.clear()
 
     def close(self) -> None:
         """Remove the hooks and drop any collective left in flight (the sync is unusable afterwards).
@@ -420,10 +420,11 @@ class BucketedGradSync:
         self._hooks = []
         for bucket in self.buckets:
             bucket.work = None
-            bucket.wide = None
+            bucket.wide = bucket.staging = None
+        self._drop_staging()
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "BucketedGradSync"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_STAGING_COPIES", "BucketedGradSync"]
 
 
 def _local_values(bucket: _Bucket) -> torch.Tensor | None:
@@ -437,5 +438,5 @@ def _local_values(bucket: _Bucket) -> torch.Tensor | None:
     if all(g.data_ptr() == v.data_ptr() for g, v in zip(grads, bucket.views) if v is not None) and len(
         grads
     ) == len(bucket.params):
-        return bucket.grads
+        return bucket.buffer
     return torch.cat([g.reshape(-1) for g in grads]) if grads else None

@@ -376,7 +376,8 @@ class ByteScaleStrategy(ParallelStrategy):
             and self.world_size > 1
         ):
             # the bucket all-reduces' own group (created once, here, on every rank): they may be
-            # in flight while ring exchanges run point-to-point on the global group.  It gets the
+            # in flight while other ranks' ring exchanges run point-to-point on the global group
+            # (each rank issues its own ring transfers before its buckets: docs/engine.md).  It gets the
             # global group's timeout (a new group's default is the backend's, 30 min on gloo), so a
             # peer stuck before its last bucket fails the others as fast as one stuck elsewhere.
             self._grad_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)

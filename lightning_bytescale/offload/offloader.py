@@ -20,8 +20,9 @@ memory during the forward pass and come back in time for the backward pass (Byte
   host copy is freed together with the graph node that saved it;
 * parameters, views of parameters, small tensors and tensors that are not dense (expanded or
   overlapping views) stay resident;
-* on CUDA the copies run on dedicated device-to-host and host-to-device streams into cached
-  pinned host buffers, ordered by events, so they overlap compute; in backward the first
+* on CUDA the copies run on dedicated device-to-host and host-to-device streams into pooled
+  pinned host blocks (power-of-two sizes, reused across micro-batches, the idle ones bounded),
+  ordered by events, so they overlap compute; in backward the first
   unpack of layer ``j`` also starts reloading layer ``j - 1``.  On CPU the "host" is a separate
   store of clones with the same bookkeeping, so the logic is testable without a GPU.
 
@@ -36,6 +37,7 @@ import math
 import numbers
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,35 +147,93 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class _PinnedPool:
-    """Cached pinned host buffers, bucketed by size (4 KiB or 1/8 granularity), reused after their last copy."""
+    """Pinned host blocks for offloaded activations, reused across micro-batches, with a bounded idle cache.
 
-    def __init__(self) -> None:
-        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+    Blocks come in power-of-two sizes (at least 4 KiB), the sizes PyTorch's pinned-memory
+    allocator rounds every request to anyway, so a class costs nothing beyond what that allocator
+    reserves.  A request takes a free block of its own class or of the next one up (a view of
+    its front holds the tensor), else a new block.  A block goes back to the cache when its last
+    copy is queued (the event of that copy travels with it; the next user's copy waits for it).
+    The cache of idle blocks holds at most ``max_cached_bytes`` (default: the most bytes the
+    pool ever had in use at once); beyond that the least recently used idle blocks are dropped,
+    back to PyTorch's pinned allocator (which reuses them for the next pinned allocation of their
+    size, and honours the events of their pending copies).  So the pool never holds more than
+    twice its peak use, however many different lengths the micro-batches have, where a cache
+    keyed by exact sizes keeps a block for every size it has seen.
+    """
+
+    MIN_BLOCK = 4096
+
+    def __init__(self, max_cached_bytes: int | None = None, *, pin: bool = True) -> None:
+        if max_cached_bytes is not None and (
+            isinstance(max_cached_bytes, bool)
+            or not isinstance(max_cached_bytes, int)
+            or max_cached_bytes < 0
+        ):
+            raise OffloadError(
+                f"max_cached_host_bytes must be an integer >= 0 or None, got {max_cached_bytes!r}"
+            )
+        self.max_cached_bytes = max_cached_bytes
+        self.pin = pin
+        self._free: dict[int, OrderedDict[int, tuple[torch.Tensor, Any]]] = {}  # size -> {stamp: block}
+        self._lru: OrderedDict[int, int] = OrderedDict()  # stamp -> size, least recently freed first
+        self._stamp = 0
         self._lock = threading.RLock()  # a record's __del__ may run while it is held
-        self.cached_bytes = 0
+        self.cached_bytes = 0  # idle blocks held
+        self.in_use_bytes = 0  # blocks handed out and not given back
+        self.peak_in_use_bytes = 0
+        self.released_bytes = 0  # idle blocks dropped by the cap, in total
 
-    @staticmethod
-    def bucket(nbytes: int) -> int:
-        gran = max(4096, 1 << max(0, nbytes.bit_length() - 4))
-        return -(-nbytes // gran) * gran
+    @classmethod
+    def block_size(cls, nbytes: int) -> int:
+        """The power of two (at least :data:`MIN_BLOCK`) a request of ``nbytes`` is served from."""
+        return max(cls.MIN_BLOCK, 1 << max(0, nbytes - 1).bit_length())
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of blocks the pool holds: in use and idle."""
+        return self.in_use_bytes + self.cached_bytes
 
     def get(self, nbytes: int) -> tuple[torch.Tensor, Any]:
-        size = self.bucket(nbytes)
+        """A block of at least ``nbytes`` and the event its previous copy recorded (``None``: fresh)."""
+        size = self.block_size(nbytes)
         with self._lock:
-            free = self._free.get(size)
-            if free:
-                self.cached_bytes -= size
-                return free.pop()
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True), None
+            for cls in (size, 2 * size):
+                free = self._free.get(cls)
+                if free:
+                    stamp, (buf, event) = free.popitem()  # the most recently freed: warm in cache
+                    del self._lru[stamp]
+                    self.cached_bytes -= cls
+                    self._take(cls)
+                    return buf, event
+            self._take(size)
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin), None
 
     def put(self, buf: torch.Tensor, event: Any) -> None:
+        """Give ``buf`` back once its last copy is queued (``event`` marks that copy's end)."""
+        size = buf.numel()
         with self._lock:
-            self._free.setdefault(buf.numel(), []).append((buf, event))
-            self.cached_bytes += buf.numel()
+            self.in_use_bytes -= size
+            stamp, self._stamp = self._stamp, self._stamp + 1
+            self._free.setdefault(size, OrderedDict())[stamp] = (buf, event)
+            self._lru[stamp] = size
+            self.cached_bytes += size
+            cap = self.peak_in_use_bytes if self.max_cached_bytes is None else self.max_cached_bytes
+            while self.cached_bytes > cap:
+                oldest, old_size = self._lru.popitem(last=False)
+                del self._free[old_size][oldest]
+                self.cached_bytes -= old_size
+                self.released_bytes += old_size
+
+    def _take(self, size: int) -> None:
+        self.in_use_bytes += size
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+            self._lru.clear()
+            self.released_bytes += self.cached_bytes
             self.cached_bytes = 0
 
 
@@ -267,8 +327,10 @@ class ActivationOffloader:
     assumes).  ``min_bytes``: smaller tensors stay resident.  ``fallback_group``: without
     layers, how many consecutive saved tensors form one prefetch group.  ``capacity``: the
     plan's C; :meth:`micro_batch_context` never offloads a micro-batch of only shorter
-    sequences.  ``trace``: record
-    ``(event, tag)`` pairs in :attr:`events` (for tests and debugging).
+    sequences.  ``max_cached_host_bytes``: idle pinned host blocks kept for reuse on CUDA (default
+    ``None``: as many bytes as were ever in use at once, so the pool holds at most twice its
+    peak; see :class:`_PinnedPool`).  ``trace``: record ``(event, tag)`` pairs in :attr:`events`
+    (for tests and debugging).
     """
 
     def __init__(
@@ -280,6 +342,7 @@ class ActivationOffloader:
         prefetch: bool = True,
         fallback_group: int = 8,
         capacity: int | None = None,
+        max_cached_host_bytes: int | None = None,
         trace: bool = False,
     ) -> None:
         if layers is not None:
@@ -309,7 +372,7 @@ class ActivationOffloader:
         self._current_layer = OUTSIDE
         self._param_ptrs: frozenset[int] = frozenset()
         self._streams: dict[tuple[str, int], Any] = {}
-        self._pool = _PinnedPool()
+        self._pool = _PinnedPool(max_cached_host_bytes)
         self._handles: list[Any] = []
         if layers is not None:
             for i, module in enumerate(layers):
@@ -384,7 +447,7 @@ class ActivationOffloader:
             self.stats.peak_host_bytes = self.stats.live_host_bytes
 
     def empty_cache(self) -> None:
-        """Free the cached pinned host buffers."""
+        """Drop the pool's idle pinned host blocks (back to PyTorch's pinned allocator)."""
         self._pool.clear()
 
     @property

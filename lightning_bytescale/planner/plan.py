@@ -253,6 +253,15 @@ class Plan:
 
     def finish_times(self) -> list[float]:
         """Per-rank finish time when every ring item starts only once all its members are ready."""
+        return self.schedule()[0]
+
+    def schedule(self) -> tuple[list[float], dict[int, dict[int, float]]]:
+        """:meth:`finish_times`, and when each member arrives at each ring item.
+
+        Returns ``(finish, arrivals)``: ``arrivals[item][rank]`` is the estimated time rank
+        ``rank`` is ready to start ring item ``item`` (its earlier micro-batches done); the item
+        starts at the latest of its members' arrivals.
+        """
         clock = [0.0] * self.world_size
         pos = [0] * self.world_size
         ring_mbs: dict[int, list[tuple[int, MicroBatch]]] = {}
@@ -267,6 +276,7 @@ class Plan:
                 clock[r] += mbs[pos[r]].est_time
                 pos[r] += 1
 
+        arrivals: dict[int, dict[int, float]] = {}
         for item in sorted(ring_mbs):
             members = ring_mbs[item]
             for r, _ in members:
@@ -275,13 +285,14 @@ class Plan:
                     raise PlanValidationError(
                         f"rank {r} does not run ring item {item} in increasing item order"
                     )
-            start = max(clock[r] for r, _ in members)
+            arrivals[item] = {r: clock[r] for r, _ in members}
+            start = max(arrivals[item].values())
             for r, mb in members:
                 clock[r] = start + mb.est_time
                 pos[r] += 1
         for r in range(self.world_size):
             run_locals(r)
-        return clock
+        return clock, arrivals
 
     def cp_degrees(self) -> list[int]:
         """The ring size each sequence runs on, by sequence id (1: packed locally on one rank)."""

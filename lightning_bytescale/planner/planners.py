@@ -113,6 +113,7 @@ from lightning_bytescale.planner.registry import (  # noqa: F401  (re-exported: 
     register_planner,
 )
 from lightning_bytescale.planner.ring_sizes import apply_picks, ring_choice_times
+from lightning_bytescale.planner.sync_order import local_last
 
 PlannerFn = Callable[..., Plan]
 
@@ -315,8 +316,21 @@ def make_plan(
     ones (``pp_reading``, ``offload_policy``, ...).  An unknown name raises
     :class:`~lightning_bytescale.planner.errors.PlannerConfigError` naming the closest valid one.
     Every planner receives every option by keyword.  Every micro-batch carries ``est_time``
-    (and ``exposed_time``) from the cost model.
+    (and ``exposed_time``) from the cost model.  Last, a rank whose last micro-batch is a ring
+    gets a local one last where that does not lengthen the plan's estimated step time
+    (:func:`~.sync_order.local_last`: so its gradient sync can overlap that backward).
     """
+    return local_last(_place(lengths, world_size=world_size, config=config, **options))
+
+
+def _place(
+    lengths: Sequence[int],
+    *,
+    world_size: int,
+    config: PlannerConfig | None = None,
+    **options: Any,
+) -> Plan:
+    """:func:`make_plan` as the planner placed it, before :func:`~.sync_order.local_last`."""
     world_size = _check_int("world_size", world_size, 1)
     if config is None:
         cfg = PlannerConfig.from_options(**options)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _ranks import DistCalls, gather_reports, init_gloo, save_report
+from _ranks import DistCalls, IssueOrder, gather_reports, init_gloo, save_report
 
 from lightning_bytescale.planner import zigzag
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
@@ -238,11 +238,17 @@ def _worker(rank: int, port: int, outdir: str) -> None:
 
     sync = BucketedGradSync(list(model.parameters()), group=grad_group, bucket_bytes=4096)
     report["bucketed"] = {"buckets": len(sync.buckets), "cases": {}, "launched_in_backward": 0}
+    order = IssueOrder(grad_group)  # the kinds of communication in the order this rank issues them
     for name, plan in {**hand_plans(WORLD), **planner_plans(WORLD)}.items():
-        report["bucketed"]["cases"][name] = _run_case(
-            model, plan, rank, tokens, None, counters, ref_grads, ref_loss, grad_sync=sync
-        )
+        order.start()
+        case = _run_case(model, plan, rank, tokens, None, counters, ref_grads, ref_loss, grad_sync=sync)
+        mine = plan.ranks[rank]
+        case["issued"] = list(order.log)
+        case["last"] = "none" if not mine else ("local" if mine[-1].ring is None else "ring")
+        case["launched_in_backward"] = sync.launched_in_backward
+        report["bucketed"]["cases"][name] = case
         report["bucketed"]["launched_in_backward"] += sync.launched_in_backward
+    order.stop()
     report["bucketed"]["extra_bytes"] = sync.extra_bytes
     sync.close()
     unequal = (model, hand_plans(WORLD)["unequal"], rank, tokens, None, counters, ref_grads, ref_loss)
@@ -340,6 +346,33 @@ def test_bucketed_gradient_sync_equals_one_process_and_overlaps_the_last_backwar
             # buckets + one small all-reduce of the scalars; the digest all-gather
             assert case["collectives"]["all_reduce"] == bucketed["buckets"] + 1, (name, case["collectives"])
     assert any(rep["bucketed"]["launched_in_backward"] > 0 for rep in reports)
+
+
+def test_every_ring_transfer_is_issued_before_any_gradient_bucket_on_every_rank(reports):
+    """The cross-communicator rule (docs/engine.md): on every rank the plan check, then all ring
+    transfers, then the buckets, then the scalars -- with rings last on some ranks, where the
+    buckets wait for the ring's backward, while ranks ending on local work still launch them
+    from that backward's hooks."""
+    seen = {"local": 0, "ring": 0, "none": 0}
+    for rank, rep in enumerate(reports):
+        buckets = rep["bucketed"]["buckets"]
+        for name, case in rep["bucketed"]["cases"].items():
+            issued = case["issued"]
+            assert IssueOrder.follows_the_rule(issued), (name, rank, " ".join(issued))
+            assert issued[0] == "plan" and issued.count("plan") == 1, (name, rank, issued)
+            assert issued.count("bucket") == buckets and issued[-1:] == ["scalars"], (name, rank, issued)
+            assert ("p2p" in issued) == any(not mb["local"] for mb in case["p2p"]), (name, rank)
+            seen[case["last"]] += 1
+            if case["last"] == "ring":
+                assert case["launched_in_backward"] == 0, (name, rank)  # none during the ring's backward
+    assert seen["ring"] > 0 and seen["local"] > 0, seen
+    # where the last backward is local its hooks still launch buckets (the overlap is kept)
+    assert any(
+        case["launched_in_backward"] > 0
+        for rep in reports
+        for case in rep["bucketed"]["cases"].values()
+        if case["last"] == "local"
+    )
 
 
 def test_exactly_one_gradient_all_reduce_and_one_digest_all_gather_per_step(reports):

@@ -299,9 +299,8 @@ def test_zero2_reduces_to_owners_instead_of_all_reducing(engine_reports):
                 assert calls == {"reduce": zero2["buckets"], "all_reduce": 2}, calls
             assert len(zero0["calls"]) >= 2
             for step, calls in enumerate(zero0["calls"]):
-                # every bucket all-reduced; the scalars on their own at the first step only (gloo:
-                # then they ride in the last bucket, engine.grad_sync's carrier)
-                assert calls == {"reduce": 0, "all_reduce": zero0["buckets"] + (step == 0)}, (step, calls)
+                # every bucket all-reduced, then the step's scalars in one all-reduce of their own
+                assert calls == {"reduce": 0, "all_reduce": zero0["buckets"] + 1}, (step, calls)
 
 
 # ----------------------------------------------------------------------------- under a Trainer

@@ -270,22 +270,23 @@ def test_engine_executor_applies_ratio_per_micro_batch():
     assert off.pass_stats[1].offloaded_bytes == 0
 
 
-def test_host_buffer_views_keep_strides_and_pool_buckets():
+def test_host_buffer_views_keep_strides_and_pool_block_sizes():
     from lightning_bytescale.offload.offloader import _host_view, _is_dense, _PinnedPool
 
     base = torch.randn(6, 4, 5, dtype=torch.float64)
     for t in (base, base.transpose(0, 2), base.permute(1, 0, 2), base[:, :, 0].t()):
         if not _is_dense(t):
             continue
-        buf = torch.empty(_PinnedPool.bucket(t.numel() * 8), dtype=torch.uint8)
+        buf = torch.empty(_PinnedPool.block_size(t.numel() * 8), dtype=torch.uint8)
         host = _host_view(buf, t)
         host.copy_(t)
         assert host.stride() == t.stride() and torch.equal(host, t)
     assert not _is_dense(base[:, :, 0])  # gaps: stays resident
     assert not _is_dense(torch.randn(4, 1).expand(4, 3))  # overlapping: stays resident
-    for n in (1, 4096, 4097, 10**6, 3 * 2**20 + 5):
-        b = _PinnedPool.bucket(n)
-        assert n <= b <= max(n + 4096, n * 1.125)  # at most 1/8 wasted above 32 KiB
+    for n in (1, 4096, 4097, 10**6, 3 * 2**20 + 5, 2**30):
+        b = _PinnedPool.block_size(n)
+        # the power of two PyTorch's pinned allocator would round the request to, at least 4 KiB
+        assert b & (b - 1) == 0 and n <= b and (b == 4096 or b < 2 * n)
 
 
 def test_retain_graph_unpacks_twice():
