@@ -15,8 +15,8 @@ per unit per step on every rank, whatever its micro-batch count:
   (``set_requires_gradient_sync(False)``): no reduction at all, even in the last backward;
 * :meth:`~FSDPStepDriver.finish_step` (after the loop, so after every ring transfer of the
   rank): one reduce-scatter per unit, in one fixed order (FSDP's own end-of-backward order over
-  its units, the same on every rank), a rank that ran nothing sending zeros
-  (``set_reduce_scatter_unused_params(True)``), summed with divide factor 1
+  its units, the same on every rank), a rank that ran nothing -- or a parameter a rank did not
+  use -- sending zeros, summed with divide factor 1
   (``set_gradient_divide_factor(1.0)``; the loss is already divided by the global token
   count), then every unit resharded.
 
@@ -40,6 +40,7 @@ backward never ran -- with gradient sync switched on.  Those private names are u
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -54,7 +55,13 @@ def _state(unit: FSDPModule) -> Any:
 
 
 def _groups(unit: FSDPModule) -> list[Any]:
-    return list(_state(unit)._fsdp_param_groups)  # FSDP2 private: the unit's FSDPParamGroups
+    """The unit's FSDPParamGroups (FSDP2 private: a list from torch 2.13, one group before)."""
+    state = _state(unit)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
 
 
 def fsdp_units(model: nn.Module) -> list[FSDPModule]:
@@ -85,7 +92,6 @@ class FSDPStepDriver:
             self._check(unit, dp_group, root=unit is model)
         model.set_reshard_after_backward(False)  # recursive: every unit keeps its parameters gathered
         model.set_requires_gradient_sync(False)
-        model.set_reduce_scatter_unused_params(True)  # a rank without micro-batches reduces zeros
         for unit in units:
             unit.set_gradient_divide_factor(1.0)  # the loss is divided by the global token count already
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (PREMUL_SUM is NCCL-only)
@@ -121,14 +127,22 @@ class FSDPStepDriver:
                     "model.set_reshard_after_forward(False) before the first step"
                 )
 
-    def manages(self, param: torch.Tensor) -> bool:
-        """Whether FSDP reduces ``param``'s gradient (leave it out of the data-parallel gradient sum)."""
-        return any(
-            fsdp_param.sharded_param is param  # FSDP2 private: the parameter a unit shards
+    def _managed_ids(self) -> set[int]:
+        return {
+            id(fsdp_param.sharded_param)  # FSDP2 private: the parameter a unit shards
             for unit in self.units
             for group in _groups(unit)
             for fsdp_param in group.fsdp_params
-        )
+        }
+
+    def manages(self, param: torch.Tensor) -> bool:
+        """Whether FSDP reduces ``param``'s gradient (leave it out of the data-parallel gradient sum)."""
+        return id(param) in self._managed_ids()
+
+    def unmanaged(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The ``(name, parameter)`` pairs whose gradients FSDP does not reduce (``ignored_params``)."""
+        managed = self._managed_ids()
+        return [(n, p) for n, p in named if id(p) not in managed]
 
     def begin_step(self) -> None:
         """All-gather every unit's parameters once (all ranks, same order), kept for the whole step."""
@@ -139,8 +153,27 @@ class FSDPStepDriver:
             if handle is not None:
                 handle.wait()
 
+    def _zero_unused_gradients(self) -> None:
+        """A zero gradient for every gathered parameter without one, so every rank reduces every parameter.
+
+        FSDP2 leaves a parameter without a gradient out of its reduce-scatter (torch 2.13's
+        ``set_reduce_scatter_unused_params`` fills zeros, 2.11 has no such switch): a rank that
+        ran no micro-batch, or did not use a parameter, would then send a smaller buffer.
+        """
+        for unit in self.units:
+            for group in _groups(unit):
+                for fsdp_param in group.fsdp_params:  # FSDP2 private: unsharded views and their gradients
+                    param = fsdp_param.unsharded_param
+                    if (
+                        param.requires_grad
+                        and param.grad is None
+                        and fsdp_param.unsharded_accumulated_grad is None
+                    ):
+                        param.grad = torch.zeros_like(param)
+
     def finish_step(self) -> None:
         """One reduce-scatter per unit (after the rank's last ring exchange), then reshard every unit."""
+        self._zero_unused_gradients()
         self.model.set_requires_gradient_sync(True)
         self.model.set_is_last_backward(True)  # the callback then waits for the reductions and clears
         try:

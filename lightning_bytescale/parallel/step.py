@@ -163,11 +163,9 @@ def run_parallel_step(
     )
     if fsdp is not None:
         fsdp.finish_step()
-    named = [
-        (n, p)
-        for n, p in model.named_parameters()
-        if p.requires_grad and (fsdp is None or not fsdp.manages(p))
-    ]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if fsdp is not None:
+        named = fsdp.unmanaged(named)
     shards = LocalShards(named)
 
     def sync() -> StepResult:

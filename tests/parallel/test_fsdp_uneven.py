@@ -30,6 +30,9 @@ CAPACITY = 24
 MAX_NORM = 0.05
 LR = 1e-2
 STEPS = 4
+# FSDP2's collectives by name: torch 2.13 calls the *_single forms, 2.11 the *_tensor ones
+GATHERS = ("all_gather_single", "all_gather_into_tensor")
+SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
 
 
 def _models():
@@ -169,8 +172,8 @@ def test_fsdp2_collectives_are_one_per_unit_per_step_and_outside_the_rings(repor
     assert units == 3  # two blocks and the root
     for rank, rep in enumerate(reports):
         for s, events in enumerate(rep["fsdp"]["steps"]):
-            gathers = [i for i, e in enumerate(events) if e == "all_gather_single"]
-            scatters = [i for i, e in enumerate(events) if e == "reduce_scatter_single"]
+            gathers = [i for i, e in enumerate(events) if e in GATHERS]
+            scatters = [i for i, e in enumerate(events) if e in SCATTERS]
             p2p = [i for i, e in enumerate(events) if e == "batch_isend_irecv"]
             where = (rank, s, rep["fsdp"]["counts"][s][rank])
             assert len(gathers) == units and len(scatters) == units, where

@@ -301,3 +301,25 @@ def test_1x2_adamw_steps_with_clipping_and_tied_embeddings_equal_one_process(rep
         _check_training(rep["train"], 4)
         assert rep["coords"][:2] in ([0, 0], [0, 1])
         assert rep["pg_end"] == rep["pg_setup"]
+
+
+def test_data_parallel_collectives_come_before_or_after_every_ring_exchange(reports_2x2):
+    for rank, rep in enumerate(reports_2x2):
+        lane = tuple(g for g in range(4) if g % 2 == rank % 2)  # this lane's data-parallel group
+        for s, step in enumerate(rep["train"]["steps"]):
+            events = step["events"]
+            name, ranks, _ = events[0]
+            assert (name, tuple(ranks)) == ("all_gather", (0, 1, 2, 3)), (
+                rank,
+                s,
+                events[0],
+            )  # the digest, all lanes
+            p2p = [i for i, e in enumerate(events) if e[0] == "batch_isend_irecv"]
+            dp = [i for i, e in enumerate(events) if e[0] == "all_reduce" and tuple(e[1]) == lane]
+            assert len(dp) == 1, (
+                rank,
+                s,
+                events,
+            )  # gradients and scalars: one all-reduce on the lane's group
+            if p2p:
+                assert dp[0] > max(p2p), (rank, s)
