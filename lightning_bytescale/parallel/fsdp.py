@@ -35,7 +35,10 @@ set-up (:class:`~lightning_bytescale.parallel.errors.FSDPSettingError`) naming t
 
 FSDP2 has no public call for "reduce the accumulated gradients now"; :meth:`finish_step` runs
 the root state's end-of-backward callback -- the step FSDP itself takes for units whose
-backward never ran -- with gradient sync switched on.  Those private names are used here only.
+backward never ran -- with gradient sync switched on.  The private names (a unit's
+``FSDPState`` and its param groups, the root's lazy init and that callback, each ``FSDPParam``'s
+sharded and unsharded parameter) are used in this module only; ``tests/parallel`` runs them on
+torch 2.11 (one param group per state) and 2.13 (a list of them).
 """
 
 from __future__ import annotations
