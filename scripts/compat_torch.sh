@@ -23,6 +23,7 @@ exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=10 \
     tests/fake_cuda tests/packed_attention tests/models tests/offload \
     tests/engine --ignore=tests/engine/test_watchdog.py \
     tests/hf/test_hf_attention.py tests/hf/test_hf_module.py tests/hf/test_hf_equivalence.py \
+    tests/parallel tests/hf/test_hf_tensor_parallel.py \
     tests/lightning/test_strategy.py tests/lightning/test_strategy_features.py \
     tests/lightning/test_strategy_same_model.py tests/lightning/test_zero.py \
     "$@"

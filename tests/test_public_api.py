@@ -29,6 +29,7 @@ SUBPACKAGES = (
     "models",
     "offload",
     "packed_attention",
+    "parallel",
     "planner",
     "profiler",
     "recipes",

@@ -61,11 +61,21 @@ class StepDataset(Dataset):
     seed: int = 0
     validate_plans: bool = True
     split: str = "train"  # tagged into every batch's stats
+    # tensor parallelism: ``rank``/``world_size`` are the HDP rank and count, and ring peers are
+    # these global ranks (this TP lane's, one per HDP rank: ParallelMesh.ring_ranks)
+    ring_ranks: tuple[int, ...] | None = None
     _identity: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise DataError(f"rank {self.rank} is outside world size {self.world_size}")
+        if self.ring_ranks is not None:
+            self.ring_ranks = tuple(int(r) for r in self.ring_ranks)
+            if len(self.ring_ranks) != self.world_size:
+                raise DataError(
+                    f"ring_ranks names {len(self.ring_ranks)} global ranks for {self.world_size} HDP ranks; give "
+                    "one per HDP rank (ParallelMesh.ring_ranks)"
+                )
         self.plan_options = {k: v for k, v in self.plan_options.items() if v is not None}
 
     def sample_ids(self, epoch: int, step: int) -> np.ndarray:
@@ -123,6 +133,7 @@ class StepDataset(Dataset):
             data_identity=self.data_identity(ids),
             loss_mask=(lambda j: self.loss_mask(int(ids[j]))) if masked else None,
             loss_tokens=self.samples.loss_tokens[ids].tolist() if masked else None,
+            ring_ranks=self.ring_ranks,
         )
         stats = dict(batch.stats)
         stats.update(epoch=epoch, split=self.split, plan_ms=plan_ms, loss_tokens=batch.num_global_tokens)

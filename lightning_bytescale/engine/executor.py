@@ -427,6 +427,8 @@ def run_micro_batches(
 
 
 def _reduce_dtype(params: Sequence[nn.Parameter]) -> torch.dtype:
+    if not params:  # only the step's scalars (every gradient reduced elsewhere, e.g. by FSDP2): exact
+        return torch.float64
     dtype = torch.float32
     for p in params:
         dtype = torch.promote_types(dtype, p.grad.dtype if p.grad is not None else p.dtype)

@@ -21,13 +21,22 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     every element is (they may also overflow on huge finite values), and only otherwise does
     the max-abs pass decide; reading that flag costs a CPU nothing.  On a GPU the one max-abs
     pass runs and the flag stays on the device.
+
+    A DTensor counts by its local shard, with no collective: a rank answers for what it holds,
+    and the step's all-reduce of the ranks' reports decides together.
     """
-    tensors = list(tensors)
+    tensors = [_local(t) for t in tensors]
     if not tensors:
         return None
     if tensors[0].device.type == "cpu" and bool(_norms_finite(tensors, 2)):
         return torch.ones((), dtype=torch.bool)
     return _norms_finite(tensors, math.inf)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard (tensor-parallel or FSDP2 gradients): each rank checks what it holds."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def _norms_finite(tensors: list[torch.Tensor], order: float) -> torch.Tensor:

@@ -131,6 +131,7 @@ def build_micro_batch(
     lengths: Sequence[int] | None = None,
     loss_mask: MaskSource | None = None,
     probe_ring: bool = False,
+    ring_ranks: Sequence[int] | None = None,
 ) -> PackedMicroBatch:
     """Pack one micro-batch of ``rank``.
 
@@ -138,7 +139,10 @@ def build_micro_batch(
     (the plan's length list), when given, is checked against the data.  ``loss_mask(seq)``, when
     given, returns the sequence's loss mask (one flag per token: is its prediction trained).
     ``probe_ring`` marks the ring micro-batch all of whose members run the loss probe
-    (:func:`probe_ring_item`).
+    (:func:`probe_ring_item`).  ``ring_ranks[r]`` is the global rank that plan rank ``r``'s ring
+    transfers go to (default: ``r`` itself); with tensor parallelism a plan's ranks are HDP ranks
+    and each TP lane passes the global ranks of its own lane
+    (:attr:`lightning_bytescale.parallel.ParallelMesh.ring_ranks`).
     """
     if not mb.pieces:
         raise PackingError(f"rank {rank} micro-batch {index} has no pieces; a plan must not list empty work")
@@ -184,10 +188,13 @@ def build_micro_batch(
         seq_lens.append(s)
         seq_ids.append(piece.seq)
 
+    ring = None
+    if mb.ring is not None:
+        ring = tuple(mb.ring) if ring_ranks is None else tuple(int(ring_ranks[r]) for r in mb.ring)
     layout = AttentionLayout(
         cu_seqlens=(0, *np.cumsum(slots).tolist()),
         seq_lens=tuple(seq_lens),
-        ring=None if mb.ring is None else tuple(mb.ring),
+        ring=ring,
         member=member,
     )
     return PackedMicroBatch(
@@ -275,6 +282,7 @@ def build_step(
     *,
     loss_mask: MaskSource | None = None,
     loss_tokens: Sequence[int] | None = None,
+    ring_ranks: Sequence[int] | None = None,
 ) -> StepBatch:
     """Everything ``rank`` runs in one step of ``plan``, packed.
 
@@ -287,9 +295,19 @@ def build_step(
     become -100).  ``loss_tokens``: each sequence's trained-token count (``mask[1:].sum()``),
     so that ``num_global_tokens`` needs no other rank's mask; without it every sequence's mask
     is read.  The masks this rank packs are checked against their counts.
+
+    ``ring_ranks`` (one global rank per plan rank) names the ring peers' global ranks when the
+    plan's ranks are not global ranks: with tensor parallelism ``rank`` is the HDP rank, and the
+    TP lane packing the step passes its lane's ranks, so lane ``t`` exchanges its head shard with
+    lane ``t`` of the ring's other HDP ranks (see :func:`build_micro_batch`).
     """
     if not 0 <= rank < plan.world_size:
         raise PackingError(f"rank {rank} is outside the plan's world size {plan.world_size}")
+    if ring_ranks is not None and len(ring_ranks) != plan.world_size:
+        raise PackingError(
+            f"ring_ranks names {len(ring_ranks)} global ranks for a plan of {plan.world_size} ranks; give one "
+            "global rank per plan (HDP) rank"
+        )
     if len(plan.ranks) != plan.world_size:
         raise PackingError(
             f"the plan lists {len(plan.ranks)} ranks but says world size {plan.world_size}; rebuild the plan"
@@ -328,6 +346,7 @@ def build_step(
             lengths=lengths,
             loss_mask=mask_of,
             probe_ring=probed is not None and mb.item == probed,
+            ring_ranks=ring_ranks,
         )
         for i, mb in enumerate(plan.ranks[rank])
     ]

@@ -5,7 +5,8 @@ mask interfaces, so ``AutoModelForCausalLM.from_config(cfg, attn_implementation=
 and ``.from_pretrained(path, attn_implementation="bytescale")`` run local variable-length or
 zigzag ring attention on packed ``input_ids [1, T]`` / ``position_ids [1, T]``.
 :class:`HFCausalLM` (imported on first use: it needs Lightning) is the LightningModule that
-builds or loads such a model and trains it under ``ByteScaleStrategy``.
+builds or loads such a model and trains it under ``ByteScaleStrategy``; :func:`parallelize_hf`
+shards one over a tensor-parallel mesh with transformers' own plan.
 
 transformers is an optional dependency: ``pip install "lightning-bytescale[hf]"``.
 """
@@ -38,6 +39,7 @@ _LAZY = {
     "LoadReport": "lightning_bytescale.hf.module",
     "ModelSource": "lightning_bytescale.hf.loading",
     "OptimizerOptions": "lightning_bytescale.hf.optim",
+    "parallelize_hf": "lightning_bytescale.hf.tensor_parallel",
 }
 
 
@@ -58,5 +60,6 @@ __all__ = [
     "count_attention_calls",
     "layout_from_positions",
     "model_problems",
+    "parallelize_hf",
     "register",
 ]

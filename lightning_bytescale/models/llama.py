@@ -52,6 +52,9 @@ class LlamaConfig:
         # The paper's models (Table 1: layers, heads, KV groups, hidden); FFN sizes from LLaMA.
         "7b": dict(vocab=32000, dim=4096, layers=32, heads=32, kv_heads=8, ffn_dim=11008),
         "13b": dict(vocab=32000, dim=5120, layers=40, heads=40, kv_heads=8, ffn_dim=13824),
+        # LLaMA-30B's published shape (52 heads of 128, no GQA): the paper's table lists 56 heads
+        # and 8 KV groups, which neither its hidden size 6656 nor 52 heads divide.
+        "30b": dict(vocab=32000, dim=6656, layers=60, heads=52, kv_heads=52, ffn_dim=17920),
         "70b": dict(
             vocab=32000, dim=8192, layers=80, heads=64, kv_heads=8, ffn_dim=28672, rope_theta=500000.0
         ),
@@ -67,7 +70,7 @@ class LlamaConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
-        """A named shape (``tiny``, ``small``, ``125m``, ``1b``, ``7b``, ``13b``, ``70b``), with overrides."""
+        """A named shape (``tiny``, ``small``, ``125m``, ``1b``, ``7b``, ``13b``, ``30b``, ``70b``), with overrides."""
         if name not in cls.PRESETS:
             raise ConfigError(f"unknown Llama preset {name!r}; choose one of {sorted(cls.PRESETS)}")
         return cls(**{**cls.PRESETS[name], **overrides})
@@ -189,11 +192,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
+        # ``-1`` heads: under tensor parallelism the projections give this rank's heads only
         t = x.shape[0]
-        q = apply_rope(self.wq(x).view(t, self.heads, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(t, self.kv_heads, self.head_dim), cos, sin)
-        v = self.wv(x).view(t, self.kv_heads, self.head_dim)
-        return self.wo(attn(q, k, v).reshape(t, self.heads * self.head_dim))
+        q = apply_rope(self.wq(x).view(t, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(t, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(t, -1, self.head_dim)
+        return self.wo(attn(q, k, v).reshape(t, -1))
 
 
 class SwiGLU(nn.Module):
@@ -260,8 +264,9 @@ class LlamaModel(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, self.attention_fn)
         x = self.norm(x)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)
+        if self.lm_head is None:
+            return F.linear(x, self.embed.weight)
+        return self.lm_head(x)  # through the module, so a parallel style's hooks run
 
     def flops_per_token(self, seq_len: int, **kwargs: Any) -> float:
         return self.config.flops_per_token(seq_len, **kwargs)

@@ -1,0 +1,189 @@
+"""The HDP step on a ``(data_parallel, tensor_parallel)`` mesh, with FSDP2 on the data-parallel dimension or not.
+
+The same three phases as :func:`~lightning_bytescale.engine.executor.run_step`, on the mesh:
+
+1. :func:`start_step_check`: the plan-digest all-gather over *every* rank -- all TP lanes of
+   all HDP ranks read the same plan and data, so they must all agree -- started before anything
+   else; the plan must have been made for the HDP ranks (``dims.data_parallel``).
+2. With FSDP2, :meth:`~lightning_bytescale.parallel.fsdp.FSDPStepDriver.begin_step` (its
+   all-gathers, before any ring exchange), then
+   :func:`~lightning_bytescale.engine.executor.run_micro_batches` unchanged: TP lanes of one HDP
+   rank run the same micro-batches (their per-layer collectives on the TP group), rings run
+   lane by lane between the global ranks the micro-batches were built with
+   (``build_step(..., ring_ranks=pmesh.ring_ranks)``), point to point on the global group; then
+   :meth:`~lightning_bytescale.parallel.fsdp.FSDPStepDriver.finish_step` (its reduce-scatters,
+   after every ring exchange of the rank).
+3. :func:`~lightning_bytescale.engine.executor.sync_step` unchanged, on this lane's
+   data-parallel group: the gradients FSDP does not reduce (all of them without FSDP), as
+   local shards (:class:`~lightning_bytescale.parallel.shards.LocalShards`), and the step's
+   scalars.  A lane's data-parallel group holds one rank per HDP rank, so the loss, the token
+   count and the reports count each HDP rank once, not once per lane; TP shards are summed
+   only with the same shard of the other HDP ranks, and replicated parameters (norms, tied
+   embeddings) per lane, their gradients being equal on every lane already.  Every lane must
+   then stop or go on together: :func:`agree_across_lanes` turns an error raised on some lanes
+   only into one on all of them (a small all-reduce on the TP group).
+
+Clip afterwards with :func:`lightning_bytescale.parallel.clip.clip_grad_norm_` (the global norm
+over DTensor shards and plain replicas, each element once) and step the optimizer.
+
+Collectives on the data-parallel group never run between two ring exchanges of the same rank:
+the digest all-gather and FSDP's all-gathers come before the loop, its reduce-scatters and the
+gradient sum after it (the bucketed gradient sync, which overlaps the last backward, is not
+used here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_bytescale.engine.batch import StepBatch
+from lightning_bytescale.engine.executor import (
+    BackwardFn,
+    ContextFactory,
+    ForwardFn,
+    StepCheck,
+    StepResult,
+    check_step,
+    run_micro_batches,
+    sync_step,
+)
+from lightning_bytescale.engine.step_checks import start_plan_agreement
+from lightning_bytescale.errors import StepError
+from lightning_bytescale.parallel.dims import ParallelMesh
+from lightning_bytescale.parallel.errors import LaneDivergenceError
+from lightning_bytescale.parallel.fsdp import FSDPStepDriver
+from lightning_bytescale.parallel.shards import LocalShards
+
+T = TypeVar("T")
+
+
+def start_step_check(step: StepBatch, pmesh: ParallelMesh, *, check_plan: bool = True) -> StepCheck:
+    """Refuse a plan made for another number of HDP ranks, and start the digest all-gather over every rank.
+
+    Pass the result to ``run_micro_batches(plan_check=...)``: it is waited for before the first
+    ring exchange (and at the latest after the loop), and raises on every rank together when
+    any two ranks -- of any lanes -- planned or read differently.
+    """
+    check_step(step, pmesh.dp_group, check_plan=False)  # planned world vs the HDP ranks: no collective
+    agreement = None
+    if check_plan:
+        agreement = start_plan_agreement(
+            step.digest,
+            step.step,
+            pmesh.dims.world_size,
+            group=None,
+            data_identity=getattr(step, "data_identity", "") or "",
+            async_op=True,
+        )
+    return StepCheck(agreement, None, pmesh.dims.world_size)
+
+
+def agree_across_lanes(run: Callable[[], T], pmesh: ParallelMesh, step: int | None = None) -> T:
+    """``run()``, then stop every TP lane of this HDP rank if it raised a :class:`StepError` on any of them.
+
+    The step's checks run per lane (each on its own data-parallel group); a failure confined to
+    one lane's shards -- a parameter shard that diverged, a non-finite gradient in one lane's
+    heads -- would otherwise stop that lane and leave the others waiting in the next step's TP
+    collectives.  The lanes that failed raise their own error, the others
+    :class:`~lightning_bytescale.parallel.errors.LaneDivergenceError`.
+    """
+    failure: StepError | None = None
+    result: T | None = None
+    try:
+        result = run()
+    except StepError as err:
+        failure = err
+    if pmesh.dims.tensor_parallel > 1:
+        device = torch.device(pmesh.mesh.device_type)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pmesh.tp_group)
+        if failure is None and int(flag.item()):
+            where = "" if step is None else f" at step {step}"
+            raise LaneDivergenceError(
+                f"another tensor-parallel lane of HDP rank {pmesh.hdp_rank} (global ranks "
+                f"{list(pmesh.dims.tp_ranks(pmesh.hdp_rank))}) stopped{where} with an error; this lane "
+                "stops with it. The lane that failed names the cause in its own message"
+            )
+    if failure is not None:
+        raise failure
+    return result  # type: ignore[return-value]
+
+
+def run_parallel_step(
+    model: nn.Module,
+    step: StepBatch,
+    pmesh: ParallelMesh,
+    *,
+    fsdp: FSDPStepDriver | None = None,
+    forward: ForwardFn | None = None,
+    backward: BackwardFn | None = None,
+    micro_batch_context: ContextFactory | None = None,
+    extra: torch.Tensor | None = None,
+    sync_timing: bool = False,
+    check_plan: bool = True,
+    check_tokens: bool = True,
+    check_finite: bool = True,
+    check_loss_scaling: bool = False,
+    check_parameters: bool = False,
+    locate_non_finite: bool = False,
+    stop_request: bool = False,
+    on_phase: Callable[[str], None] | None = None,
+) -> StepResult:
+    """One HDP step of ``model`` (tensor-parallel, FSDP2-sharded, both or neither) on ``pmesh``.
+
+    ``step`` is this rank's share of the plan over HDP ranks, built for its lane
+    (``build_step(plan, pmesh.hdp_rank, tokens, ring_ranks=pmesh.ring_ranks)``).  Gradients
+    accumulate into ``p.grad`` (zero them before the step); afterwards every trained parameter
+    holds the gradient of the global token-mean loss, as a shard where the parameter is one.
+    The checks are :func:`~lightning_bytescale.engine.executor.run_step`'s, raised on every rank.
+    """
+    plan_check = start_step_check(step, pmesh, check_plan=check_plan)
+    if fsdp is not None:
+        fsdp.begin_step()
+    local = run_micro_batches(
+        model,
+        step.micro_batches,
+        forward=forward,
+        backward=backward,
+        micro_batch_context=micro_batch_context,
+        sync_timing=sync_timing,
+        check_finite=check_finite,
+        check_loss_scaling=check_loss_scaling,
+        on_phase=on_phase,
+        step=step.step,
+        plan_check=plan_check,
+        locate_non_finite=locate_non_finite,
+    )
+    if fsdp is not None:
+        fsdp.finish_step()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if fsdp is not None:
+        named = fsdp.unmanaged(named)
+    shards = LocalShards(named)
+
+    def sync() -> StepResult:
+        result = sync_step(
+            shards.named,
+            step,
+            local,
+            group=pmesh.dp_group,
+            extra=extra,
+            check_tokens=check_tokens,
+            check_finite=check_finite,
+            check_parameters=check_parameters,
+            stop_request=stop_request,
+        )
+        shards.write_back()
+        return result
+
+    return agree_across_lanes(sync, pmesh, step.step)
+
+
+__all__ = ["agree_across_lanes", "run_parallel_step", "start_step_check"]

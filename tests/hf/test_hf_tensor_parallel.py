@@ -1,0 +1,157 @@
+"""Hugging Face decoders with tensor parallelism (transformers' own plan) under HDP, against one process.
+
+4 gloo ranks as ``(data_parallel=2, tensor_parallel=2)``, float64: tiny Llama (untied and tied
+embeddings) and Qwen3 (per-head ``q_norm`` / ``k_norm``, the plan's ``replicated_with_grad_allreduce``
+style) built with ``attn_implementation="bytescale"`` and sharded by
+:func:`lightning_bytescale.hf.parallelize_hf`, three AdamW steps with clipping through
+:func:`lightning_bytescale.parallel.run_parallel_step` on balance plans with rings and several
+micro-batches per rank, equal to the same weights run with ``"sdpa"`` on each sequence alone in one
+process (loss, gradients before clipping, parameters).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from _parallel import global_batch, grad_diff, param_diff  # noqa: E402
+from _ranks import gather_reports, init_gloo, save_report  # noqa: E402
+from test_hf_families import tiny_config  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+WORLD, TP = 4, 2
+CAPACITY = 16
+STEPS = 3
+MAX_NORM = 0.05
+CASES = {
+    "llama": ("llama", {}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {}),
+}
+
+
+def _model(family: str, overrides: dict, attn: str):
+    """A float64 tiny model of ``family`` from seed 0 (the same weights for every ``attn``)."""
+    cfg = tiny_config(family)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float64)
+
+
+def _reference_loss(model, seqs) -> torch.Tensor:
+    total, count = 0.0, 0
+    for seq in seqs:
+        logits = model(
+            input_ids=seq[None], position_ids=torch.arange(len(seq))[None], use_cache=False
+        ).logits[0]
+        total = total + F.cross_entropy(logits[:-1], seq[1:], reduction="sum")
+        count += len(seq) - 1
+    return total / count
+
+
+def _forward(model, mb):
+    from lightning_bytescale.engine import token_loss
+
+    out = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
+    return token_loss(out.logits[0], mb.labels, mb.num_global_tokens)
+
+
+def _case(pmesh, family: str, overrides: dict) -> dict:
+    from lightning_bytescale.engine import build_step
+    from lightning_bytescale.hf import parallelize_hf
+    from lightning_bytescale.parallel import clip_grad_norm_, run_parallel_step
+    from lightning_bytescale.planner import make_plan
+
+    ref = _model(family, overrides, "sdpa")
+    model = parallelize_hf(_model(family, overrides, "bytescale"), pmesh.tp_mesh)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out: dict = {"loss": [], "grad": [], "param": [], "norms": [], "per_rank": [], "rings": 0, "tied": tied}
+    for s in range(STEPS):
+        seqs = global_batch(s, (2, CAPACITY), 6, long=(27,))
+        opt_ref.zero_grad(set_to_none=True)
+        loss_ref = _reference_loss(ref, seqs)
+        loss_ref.backward()
+        grads_ref = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+        out["norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)))
+        opt_ref.step()
+        plan = make_plan([len(x) for x in seqs], world_size=2, capacity=CAPACITY, planner="balance", seed=s)
+        step = build_step(
+            plan, pmesh.hdp_rank, lambda j, seqs=seqs: seqs[j], step=s, ring_ranks=pmesh.ring_ranks
+        )
+        opt.zero_grad(set_to_none=True)
+        result = run_parallel_step(model, step, pmesh, forward=_forward)
+        out["grad"].append(grad_diff(model, grads_ref))
+        clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        out["loss"].append(abs(result.loss - float(loss_ref)))
+        out["param"].append(param_diff(model, ref))
+        out["per_rank"].append([len(r) for r in plan.ranks])
+        out["rings"] += sum(mb.layout.ring is not None for mb in step.micro_batches)
+    return out
+
+
+def _worker(rank: int, port: int, outdir: str) -> None:
+    from lightning_bytescale.parallel import ParallelDims
+
+    torch.set_num_threads(1)
+    init_gloo(rank, WORLD, port)
+    pmesh = ParallelDims(WORLD, tensor_parallel=TP).build("cpu")
+    report = {name: _case(pmesh, family, overrides) for name, (family, overrides) in CASES.items()}
+    save_report(outdir, rank, report)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return gather_reports(tmp_path_factory.mktemp("hf_tp"), _worker, WORLD, timeout_s=260)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(280)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_model_with_its_tp_plan_trains_like_one_process(reports, case):
+    for rep in reports:
+        got = rep[case]
+        assert min(got["norms"]) > MAX_NORM, "clipping must act"
+        assert got["rings"] > 0 and max(max(c) for c in got["per_rank"]) >= 2, got["per_rank"]
+        assert max(got["grad"]) <= 1e-10, got["grad"]
+        assert max(got["param"]) <= 1e-10, got["param"]
+        assert max(got["loss"]) <= 1e-12, got["loss"]
+        assert got["tied"] == (case == "llama_tied")
+
+
+def test_plans_with_styles_not_checked_here_and_models_without_a_plan_are_refused():
+    from lightning_bytescale.errors import ConfigError
+    from lightning_bytescale.hf.tensor_parallel import hf_tp_plan
+
+    model = _model("llama", {}, "bytescale")
+    plan = hf_tp_plan(model)
+    assert plan["model.layers.1.self_attn.q_proj.weight"] == "colwise"  # the library's plan, expanded
+    assert plan["model.layers.1.self_attn.q_proj"] == "colwise" and plan["lm_head"] == "colwise_gather_output"
+    model._tp_plan = {**model.tp_plan, "model.norm": "sequence_parallel"}
+    with pytest.raises(
+        ConfigError, match=r"uses the styles \['sequence_parallel'\], which this strategy has not"
+    ):
+        hf_tp_plan(model)
+    model._tp_plan = {}
+    with pytest.raises(ConfigError, match="has no tensor-parallel plan"):
+        hf_tp_plan(model)
+
+
+def test_heads_the_tp_size_cannot_split_are_refused_before_sharding():
+    from types import SimpleNamespace
+
+    from lightning_bytescale.hf import parallelize_hf
+    from lightning_bytescale.parallel import TensorParallelHeadsError
+
+    model = _model("qwen3", {}, "bytescale")  # 4 heads, 2 key/value heads
+    with pytest.raises(TensorParallelHeadsError, match="Qwen3ForCausalLM has 2 key/value heads"):
+        parallelize_hf(model, SimpleNamespace(ndim=1, size=lambda: 4))
+    assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
