@@ -1,0 +1,178 @@
+"""``ByteScaleStrategy(tensor_parallel_size=N)``: what the ``(data_parallel, tensor_parallel)`` mesh changes.
+
+With ``tensor_parallel_size=1`` (the default) nothing here runs: every rank is one HDP rank over
+the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ranks
+(:mod:`lightning_bytescale.parallel.dims`) and the strategy
+
+* checks the sizes when the Trainer is made (:func:`check_world`) and refuses, by name, the
+  options it cannot run exactly with TP yet (:func:`check_options`, :func:`check_setup`);
+* builds the mesh once after the process group, and hands it to the LightningModule as
+  ``device_mesh`` before ``configure_model``, with Lightning ``ModelParallelStrategy``'s names
+  (:func:`build_mesh`);
+* gives every rank HDP rank 0's parameters of its own lane (:func:`broadcast_state`): a TP
+  shard only travels to the same shard of the other HDP ranks;
+* runs the step's checks and gradient sum on the lane's data-parallel group, through
+  :mod:`lightning_bytescale.parallel.step`'s pieces (the step loop calls them), and clips by the
+  global norm over DTensor shards (:func:`clip_by_global_norm`).
+
+The data module plans for ``data_parallel`` ranks and reads the share of the rank's HDP rank
+(``ByteScaleDataModule`` asks the strategy's :attr:`parallel_mesh`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_bytescale.engine.state_sync import broadcast_tensors
+from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.parallel import ParallelDims, ParallelMesh
+from lightning_bytescale.parallel import clip_grad_norm_ as mesh_clip_grad_norm_
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def check_options(tensor_parallel_size: Any, *, zero: int, checkpoint_format: str) -> int:
+    """``tensor_parallel_size`` itself, and the options that cannot run with it yet (at construction)."""
+    tp = tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(
+            f"tensor_parallel_size must be a positive integer (1: no tensor parallelism), got {tp!r}"
+        )
+    if tp == 1:
+        return tp
+    if zero >= 1:
+        raise ConfigError(
+            f"ByteScaleStrategy(zero={zero}) is not supported with tensor_parallel_size={tp} yet: ZeRO's "
+            "optimizer sharding and gradient owners work on plain tensors, not on DTensor shards. Use zero=0 "
+            'with tensor parallelism (or fully_shard(..., mesh=self.device_mesh["data_parallel"]) in '
+            "configure_model to shard over the HDP ranks)"
+        )
+    if checkpoint_format == "sharded":
+        raise ConfigError(
+            f"checkpoint_format='sharded' is not supported with tensor_parallel_size={tp} yet: sharded "
+            "checkpoints of DTensor state are not built. Leave checkpoint_format='auto' and run without "
+            "checkpoints (Trainer(enable_checkpointing=False))"
+        )
+    return tp
+
+
+def check_world(tensor_parallel_size: int, num_processes: int, num_nodes: int) -> ParallelDims:
+    """The run's dims: TP must divide the world and a node's processes (a ``ParallelDimsError`` otherwise)."""
+    return ParallelDims(
+        max(1, num_nodes) * max(1, num_processes), tensor_parallel_size, ranks_per_node=max(1, num_processes)
+    )
+
+
+def build_mesh(strategy: Any, built: ParallelMesh | None = None) -> ParallelMesh:
+    """The 2-D mesh (``built`` if given: its groups are made once), and the LightningModule's ``device_mesh``.
+
+    Called in ``setup_environment``, after the process group and before ``configure_model``.
+    """
+    pmesh = built
+    if pmesh is None:
+        dims = check_world(strategy.tensor_parallel_size, strategy.num_processes, strategy.num_nodes)
+        pmesh = dims.build(strategy.root_device.type)
+    module = strategy.lightning_module
+    if module is not None:
+        module._device_mesh = pmesh.mesh  # what Lightning's ModelParallelStrategy sets
+    return pmesh
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def broadcast_state(module: nn.Module, pmesh: ParallelMesh) -> None:
+    """Every rank starts from HDP rank 0's parameters and buffers of its own lane.
+
+    Plain tensors (replicated on every lane: norms, tied embeddings, buffers) come from global
+    rank 0; DTensor shards from the same lane of HDP rank 0, over the lane's data-parallel group.
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    plain: list[torch.Tensor] = []
+    shards: list[torch.Tensor] = []
+    for t in (*module.parameters(), *module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        (shards if isinstance(t, DTensor) else plain).append(t)
+    broadcast_tensors(plain, src=0)
+    src = pmesh.dims.global_rank(0, pmesh.lane)
+    broadcast_tensors([_local(t) for t in shards], src=src, group=pmesh.dp_group)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every DTensor gathered whole (a collective: call on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
+def clip_by_global_norm(plugin: Any) -> None:
+    """The precision plugin's ``clip_grad_by_norm`` by the norm over DTensor shards and plain replicas, each element once."""
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+        mesh_clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm
+
+
+def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
+    """What cannot run with tensor parallelism yet, refused at set-up by the setting's name."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    tp = strategy.tensor_parallel_size
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} cannot run with a float16 GradScaler (precision='16-mixed'): each "
+            "lane would decide on its own gradient shards whether to skip a step. Use precision='bf16-mixed' "
+            "or '32-true'"
+        )
+    if any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks):
+        raise ConfigError(
+            f"checkpoints are not supported with tensor_parallel_size={tp} yet (DTensor state is neither "
+            "gathered nor saved sharded). Pass Trainer(enable_checkpointing=False) and no ModelCheckpoint"
+        )
+    if any(p.is_meta for p in strategy.model.parameters()):
+        raise ConfigError(
+            f"tensor_parallel_size={tp}: the model has parameters on the meta device (Trainer.init_module("
+            "empty_init=True)); build it on the device in configure_model before parallelize_module"
+        )
+    if strategy.preemption is not False:
+        rank_zero_warn(
+            f"ByteScaleStrategy(tensor_parallel_size={tp}): preemption checkpoints are not supported with "
+            "tensor parallelism yet, so the strategy's SIGTERM handler is not installed (pass preemption=False "
+            "to silence this)"
+        )
+
+
+def refuse_checkpoint(strategy: Any) -> None:
+    """A checkpoint save or load with tensor parallelism: refused (no DTensor checkpoints yet)."""
+    if strategy.parallel_mesh is not None:
+        raise ConfigError(
+            f"checkpoints are not supported with tensor_parallel_size={strategy.tensor_parallel_size} yet "
+            "(DTensor state is neither gathered nor saved sharded)"
+        )
+
+
+__all__ = [
+    "broadcast_state",
+    "build_mesh",
+    "check_options",
+    "check_setup",
+    "check_world",
+    "clip_by_global_norm",
+    "full_state_dict",
+    "refuse_checkpoint",
+]
