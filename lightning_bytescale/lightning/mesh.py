@@ -21,6 +21,8 @@ The data module plans for ``data_parallel`` ranks and reads the share of the ran
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +32,13 @@ from torch.optim import Optimizer
 
 from lightning_bytescale.engine.state_sync import broadcast_tensors
 from lightning_bytescale.errors import ConfigError
-from lightning_bytescale.parallel import ParallelDims, ParallelMesh
+from lightning_bytescale.parallel import (
+    DATA_PARALLEL,
+    FSDPSettingError,
+    FSDPStepDriver,
+    ParallelDims,
+    ParallelMesh,
+)
 from lightning_bytescale.parallel import clip_grad_norm_ as mesh_clip_grad_norm_
 
 if TYPE_CHECKING:
@@ -90,12 +98,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _sharded_over_hdp_ranks(t: Any) -> bool:
+    """A DTensor sharded on ``"data_parallel"`` (FSDP2): each HDP rank holds a different part."""
+    names = tuple(t.device_mesh.mesh_dim_names or ())
+    # not is_shard(): FSDP2 around a TP shard uses _StridedShard, which is no Shard in every torch release
+    return DATA_PARALLEL in names and not t.placements[names.index(DATA_PARALLEL)].is_replicate()
+
+
 @torch.no_grad()
 def broadcast_state(module: nn.Module, pmesh: ParallelMesh) -> None:
     """Every rank starts from HDP rank 0's parameters and buffers of its own lane.
 
     Plain tensors (replicated on every lane: norms, tied embeddings, buffers) come from global
     rank 0; DTensor shards from the same lane of HDP rank 0, over the lane's data-parallel group.
+    Parameters FSDP2 shards over the HDP ranks are left as they are: ``fully_shard`` cut each
+    rank's part from the whole tensor that rank built, so every rank must build the same one
+    (seed before building the model).
     """
     from torch.distributed.tensor import DTensor
 
@@ -106,7 +124,10 @@ def broadcast_state(module: nn.Module, pmesh: ParallelMesh) -> None:
         if id(t) in seen:
             continue
         seen.add(id(t))
-        (shards if isinstance(t, DTensor) else plain).append(t)
+        if not isinstance(t, DTensor):
+            plain.append(t)
+        elif not _sharded_over_hdp_ranks(t):
+            shards.append(t)
     broadcast_tensors(plain, src=0)
     src = pmesh.dims.global_rank(0, pmesh.lane)
     broadcast_tensors([_local(t) for t in shards], src=src, group=pmesh.dp_group)
@@ -126,6 +147,64 @@ def clip_by_global_norm(plugin: Any) -> None:
         mesh_clip_grad_norm_(plugin.main_params(optimizer), clip_val)
 
     plugin.clip_grad_by_norm = clip_grad_by_norm
+
+
+def fsdp_driver(module: nn.Module, pmesh: ParallelMesh | None) -> FSDPStepDriver | None:
+    """The FSDP2 step driver when ``configure_model`` applied ``fully_shard`` (``None`` when it did not).
+
+    The outermost unit (``fully_shard(self.model, ...)``, applied last) must hold every other one;
+    it and every unit must shard over ``device_mesh["data_parallel"]`` with
+    ``reshard_after_forward=False`` (:class:`~lightning_bytescale.parallel.FSDPStepDriver` refuses
+    the rest by name).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        return None
+    if pmesh is None:
+        raise FSDPSettingError(
+            "configure_model applied fully_shard, but ByteScaleStrategy runs FSDP2 only on its mesh: pass "
+            'tensor_parallel_size > 1 and shard with fully_shard(..., mesh=self.device_mesh["data_parallel"])'
+        )
+    outer = [u for u in units if not any(u is not o and u in set(o.modules()) for o in units)]
+    if len(outer) != 1:
+        raise FSDPSettingError(
+            f"configure_model made {len(outer)} outermost fully_shard units; apply fully_shard last to the one "
+            "module that holds all of them (fully_shard(self.model, ...), with the LightningModule's parameters inside it)"
+        )
+    root = outer[0]
+    inside = {id(p) for p in root.parameters()}
+    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        raise FSDPSettingError(
+            f"parameters {outside[:3]} are outside the outermost fully_shard unit {type(root).__name__}; keep every "
+            "trained parameter inside it"
+        )
+    driver = FSDPStepDriver(root, pmesh.dp_group)
+    stale = [n for n, p in driver.unmanaged(module.named_parameters()) if p.requires_grad]
+    if stale:
+        raise FSDPSettingError(
+            f"parameters {stale[:3]} are no longer the ones fully_shard manages: they were replaced after "
+            "fully_shard (the precision plugin converting their dtype, or a .to()/.double() after sharding), so "
+            "FSDP2 would gather the old ones. Build the model in the run's dtype before fully_shard in "
+            "configure_model (e.g. self.model.to(torch.float64) for precision='64-true')"
+        )
+    return driver
+
+
+@contextmanager
+def gathered(fsdp: FSDPStepDriver | None) -> Iterator[None]:
+    """An evaluation loop with FSDP2: every unit gathered once before it and resharded after it (no backward)."""
+    if fsdp is None:
+        yield
+        return
+    fsdp.begin_step()
+    try:
+        yield
+    finally:
+        for unit in fsdp.units:
+            unit.reshard()
 
 
 def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
@@ -173,6 +252,8 @@ __all__ = [
     "check_setup",
     "check_world",
     "clip_by_global_norm",
+    "fsdp_driver",
     "full_state_dict",
+    "gathered",
     "refuse_checkpoint",
 ]

@@ -49,6 +49,7 @@ from lightning_bytescale.engine.zero import drop_unowned_gradients
 from lightning_bytescale.errors import CollectiveInMicroBatchError, GradientAccumulationError
 from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
+from lightning_bytescale.lightning import mesh as mesh_
 from lightning_bytescale.lightning.step_stats import step_stats
 from lightning_bytescale.offload.blocks import find_blocks
 from lightning_bytescale.offload.offloader import ActivationOffloader
@@ -277,6 +278,8 @@ class StepLoop:
             return self._training_forward(module, mb, rest, kwargs, extras, dtypes)
 
         grad_sync = self._bucketed_sync(params) if strategy.parallel_mesh is None else None
+        if strategy.fsdp is not None:
+            strategy.fsdp.begin_step()  # FSDP2: one all-gather per unit, before any ring exchange
         with self.micro_batches("training_step"):
             local = run_micro_batches(
                 module,
@@ -294,6 +297,8 @@ class StepLoop:
                 plan_check=plan_check,
                 locate_non_finite=strategy.locate_non_finite,
             )
+        if strategy.fsdp is not None:
+            strategy.fsdp.finish_step()  # FSDP2: one reduce-scatter per unit, after the last ring exchange
         step = TrainStep(batch, named, local, grad_sync, probing, started, dtypes[0], extras=extras)
         step.put_aside()
         return step
@@ -342,7 +347,11 @@ class StepLoop:
         preemption = strategy._preemption
         n = strategy.check_parameters_every_n_steps
         pmesh = strategy.parallel_mesh
-        shards = None if pmesh is None else LocalShards(step.named)  # DTensors as their local shards
+        fsdp = strategy.fsdp
+        # on the mesh: DTensors as their local shards, without the ones FSDP2 reduced already
+        shards = (
+            None if pmesh is None else LocalShards(step.named if fsdp is None else fsdp.unmanaged(step.named))
+        )
 
         def sync() -> StepResult:
             result = sync_step(
@@ -426,7 +435,7 @@ class StepLoop:
 
         plan_check = self._plan_check(batch)
         try:
-            with context(), self.micro_batches(hook):
+            with context(), mesh_.gathered(self.strategy.fsdp), self.micro_batches(hook):
                 local = run_micro_batches(
                     module,
                     batch.micro_batches,

@@ -224,6 +224,7 @@ class ByteScaleStrategy(ParallelStrategy):
             tensor_parallel_size, zero=self.zero, checkpoint_format=checkpoint_format
         )
         self.parallel_mesh: Any = None  # the ParallelMesh (tensor_parallel_size > 1), built at set-up
+        self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
         self.check_finite = bool(check_finite)
         self.locate_non_finite = bool(locate_non_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
@@ -373,6 +374,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.model_to_device()
         # What DDP does when it wraps a model: every rank starts from rank 0's state.
         self._phase = "the broadcast of rank 0's parameters and buffers"
+        self.fsdp = mesh_.fsdp_driver(self.model, self.parallel_mesh)  # fully_shard in configure_model
         if self.parallel_mesh is not None:
             mesh_.check_setup(self, trainer)
             mesh_.broadcast_state(self.model, self.parallel_mesh)

@@ -125,6 +125,22 @@ class TPLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
 
 
+class TPFSDPLM(TPLM):
+    """The same, with FSDP2 over the HDP ranks around the tensor-parallel blocks (ModelParallelStrategy style)."""
+
+    reshard_after_forward = False
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.model.to(torch.float64)  # the run's dtype before fully_shard (refused otherwise)
+        super().configure_model()
+        dp = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=dp, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(self.model, mesh=dp, reshard_after_forward=self.reshard_after_forward)
+
+
 def _process_groups() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
@@ -174,7 +190,9 @@ class Recorder(pl.Callback):
         torch.save(full, self.out / f"params_{r}.pt")
 
 
-def _fit(out: Path, world: int, *, steps: int, tied: bool, **strategy_options) -> None:
+def _fit(
+    out: Path, world: int, *, steps: int, tied: bool, module: type[TPLM] = TPLM, **strategy_options
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MASTER_PORT", None)
     dp = world // 2
@@ -185,7 +203,7 @@ def _fit(out: Path, world: int, *, steps: int, tied: bool, **strategy_options) -
         accelerator="cpu", devices=world, strategy=strategy, precision="64-true", default_root_dir=out,
         max_steps=steps, gradient_clip_val=MAX_NORM, callbacks=[Recorder(out)], **QUIET,
     )  # fmt: skip
-    trainer.fit(TPLM(tied), datamodule=MeshData(steps))
+    trainer.fit(module(tied), datamodule=MeshData(steps))
 
 
 def _reference(steps: int, tied: bool) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
@@ -259,6 +277,28 @@ def test_1x2_tied_embeddings_equals_one_process(tmp_path):
     print(f"(1, 2): max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
     assert result["param"] <= TOLERANCE, result["param"]
     assert result["loss"] <= TOLERANCE, result["loss"]
+
+
+def test_2x2_fsdp2_on_data_parallel_around_tp_equals_one_process(tmp_path):
+    steps = 3  # includes IDLE_STEP: HDP rank 1 runs no micro-batch but joins every FSDP collective
+    _fit(tmp_path, 4, steps=steps, tied=False, module=TPFSDPLM)
+    result = _check(tmp_path, 4, steps, tied=False)
+    print(
+        f"(2, 2) FSDP2: max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}"
+    )
+    assert result["param"] <= TOLERANCE, result["param"]
+    assert result["loss"] <= TOLERANCE, result["loss"]
+    assert result["reports"][0]["rows"][IDLE_STEP]["num_micro_batches"][1] == 0
+
+
+def test_fsdp2_reshard_after_forward_is_refused_at_set_up(tmp_path):
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    class Resharding(TPFSDPLM):
+        reshard_after_forward = True
+
+    with pytest.raises(ProcessRaisedException, match=r"reshard_after_forward=True"):
+        _fit(tmp_path, 2, steps=1, tied=False, module=Resharding)
 
 
 # ----------------------------------------------------------------------------- refusals (no processes)
