@@ -185,10 +185,9 @@ def fsdp_driver(module: nn.Module, pmesh: ParallelMesh | None) -> FSDPStepDriver
     stale = [n for n, p in driver.unmanaged(module.named_parameters()) if p.requires_grad]
     if stale:
         raise FSDPSettingError(
-            f"parameters {stale[:3]} are no longer the ones fully_shard manages: they were replaced after "
-            "fully_shard (the precision plugin converting their dtype, or a .to()/.double() after sharding), so "
-            "FSDP2 would gather the old ones. Build the model in the run's dtype before fully_shard in "
-            "configure_model (e.g. self.model.to(torch.float64) for precision='64-true')"
+            f"parameters {stale[:3]} are no longer the ones fully_shard manages (new Parameters assigned to the "
+            "module after fully_shard?), so FSDP2 would gather and reduce others; assign parameters before "
+            "fully_shard in configure_model"
         )
     return driver
 

@@ -133,7 +133,6 @@ class TPFSDPLM(TPLM):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        self.model.to(torch.float64)  # the run's dtype before fully_shard (refused otherwise)
         super().configure_model()
         dp = self.device_mesh["data_parallel"]
         for block in self.model.blocks:
