@@ -13,7 +13,8 @@ independent single process on whole sequences (plain causal SDPA, the loss over 
 * ``(1, 2)``: four steps, tied embeddings (replicated on both lanes).
 
 Clipping acts in every step (the max norm is below the gradient norms).  Parameters (gathered
-from the shards) and the logged losses must equal the reference to 1e-10, the step statistics
+from the shards), the logged losses and ``val/loss`` after the last step (two held-out global
+batches, one with an idle HDP rank on ``(2, 2)``) must equal the reference to 1e-10, the step statistics
 must count each HDP rank once, and no process group may be made after set-up.
 """
 
@@ -46,6 +47,7 @@ LR = 1e-2
 MAX_NORM = 0.05  # below the gradient norms: clipping acts in every step
 TOLERANCE = 1e-10
 IDLE_STEP = 2  # on data_parallel=2: HDP rank 1 runs no micro-batch
+VAL_STEPS, VAL_SEED = 2, 7  # validation after the last step: two global batches of another seed
 
 
 def _capacity(dp: int) -> int:
@@ -71,15 +73,15 @@ def _plan(k: int, lengths: list[int], dp: int) -> Plan:
 class MeshSteps(Dataset):
     """Item ``k``: this HDP rank's share of global batch ``k``, with this lane's ring ranks."""
 
-    def __init__(self, pmesh, steps: int) -> None:
-        self.pmesh, self.steps = pmesh, steps
+    def __init__(self, pmesh, steps: int, seed: int = 0) -> None:
+        self.pmesh, self.steps, self.seed = pmesh, steps, seed
 
     def __len__(self) -> int:
         return self.steps
 
     def __getitem__(self, k: int):
-        seqs = global_batch(k)
-        plan = _plan(k, [len(s) for s in seqs], self.pmesh.dims.data_parallel)
+        seqs = global_batch(k, self.seed)
+        plan = _plan(k if self.seed == 0 else k + 1, [len(s) for s in seqs], self.pmesh.dims.data_parallel)
         return build_step(
             plan, self.pmesh.hdp_rank, lambda j: seqs[j], step=k, ring_ranks=self.pmesh.ring_ranks
         )
@@ -93,6 +95,10 @@ class MeshData(pl.LightningDataModule):
     def train_dataloader(self):
         pmesh = self.trainer.strategy.parallel_mesh
         return StatefulDataLoader(MeshSteps(pmesh, self.steps), batch_size=None, shuffle=False)
+
+    def val_dataloader(self):
+        pmesh = self.trainer.strategy.parallel_mesh
+        return StatefulDataLoader(MeshSteps(pmesh, VAL_STEPS, seed=VAL_SEED), batch_size=None, shuffle=False)
 
 
 class TPLM(pl.LightningModule):
@@ -118,6 +124,10 @@ class TPLM(pl.LightningModule):
         self.model.attention_fn = recording_attention
 
     def training_step(self, mb, batch_idx):
+        logits = self.model(mb.input_ids, mb.position_ids)
+        return token_loss(logits, mb.labels, mb.num_global_tokens)
+
+    def validation_step(self, mb, batch_idx):
         logits = self.model(mb.input_ids, mb.position_ids)
         return token_loss(logits, mb.labels, mb.num_global_tokens)
 
@@ -182,6 +192,7 @@ class Recorder(pl.Callback):
             "groups_after_setup": self.groups_after_setup,
             "groups_at_end": _process_groups(),
             "heads_seen": sorted(pl_module.heads_seen),
+            "val_loss": float(trainer.callback_metrics["val/loss"]),
             "dtensor_params": sum(isinstance(p, DTensor) for p in pl_module.parameters()),
         }
         r = trainer.global_rank
@@ -223,11 +234,16 @@ def _reference(steps: int, tied: bool) -> tuple[dict[str, torch.Tensor], list[fl
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
         losses.append(total)
+    with torch.no_grad():  # the validation loss of the final model: every token of the batches once
+        seqs = [s for k in range(VAL_STEPS) for s in global_batch(k, VAL_SEED)]
+        ce = sum(F.cross_entropy(model(s, torch.arange(len(s)))[:-1], s[1:], reduction="sum") for s in seqs)
+        losses.append(float(ce) / sum(len(s) - 1 for s in seqs))
     return {f"model.{k}": v for k, v in model.state_dict().items()}, losses, norms
 
 
 def _check(out: Path, world: int, steps: int, tied: bool) -> dict:
     expected, losses, norms = _reference(steps, tied)
+    val_loss = losses.pop()
     assert min(norms) > MAX_NORM, "clipping must act in every step"
     dp = world // 2
     reports = [json.loads((out / f"report_{r}.json").read_text()) for r in range(world)]
@@ -237,6 +253,9 @@ def _check(out: Path, world: int, steps: int, tied: bool) -> dict:
         assert got.keys() == expected.keys()
         for k, v in expected.items():
             worst_param = max(worst_param, (got[k] - v).abs().max().item())
+        worst_loss = max(worst_loss, abs(rep["val_loss"] - val_loss))
+        if r == 0:
+            print(f"val/loss difference {abs(rep['val_loss'] - val_loss):.1e}")
         rows = rep["rows"]
         assert [row["step"] for row in rows] == list(range(steps))
         per_step = [abs(row["logged"] - loss) for row, loss in zip(rows, losses)]
