@@ -163,7 +163,10 @@ class Recorder(pl.Callback):
         self.groups_after_setup = -1
 
     def on_train_start(self, trainer, pl_module):
+        from _parallel import CallLog
+
         self.groups_after_setup = _process_groups()
+        self.calls = CallLog()  # this rank's torch.distributed calls from here on
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stats = trainer.strategy.step_stats
@@ -191,6 +194,13 @@ class Recorder(pl.Callback):
             "coords": [pmesh.hdp_rank, pmesh.lane, list(pmesh.ring_ranks)],
             "groups_after_setup": self.groups_after_setup,
             "groups_at_end": _process_groups(),
+            "p2p_peers": sorted(
+                {p for name, _, ps in self.calls.events if name == "batch_isend_irecv" for p in ps}
+            ),
+            "p2p_groups": sorted({r for name, r, _ in self.calls.events if name == "batch_isend_irecv"}),
+            "group_calls": sum(
+                e[0] in ("new_group", "new_subgroups", "split_group") for e in self.calls.events
+            ),
             "heads_seen": sorted(pl_module.heads_seen),
             "val_loss": float(trainer.callback_metrics["val/loss"]),
             "dtensor_params": sum(isinstance(p, DTensor) for p in pl_module.parameters()),
@@ -267,6 +277,10 @@ def _check(out: Path, world: int, steps: int, tied: bool) -> dict:
         assert rep["heads_seen"] == [[2, 1]], "attention must get this lane's 4/2 heads and 2/2 KV heads"
         assert rep["dtensor_params"] > 0
         assert rep["groups_at_end"] == rep["groups_after_setup"] > 0, "a process group made after set-up"
+        assert rep["group_calls"] == 0
+        # every ring transfer goes to the same lane of another HDP rank, on the one global group
+        assert set(rep["p2p_peers"]) <= {g for g in range(world) if g % 2 == r % 2 and g != r}
+        assert rep["p2p_groups"] in ([], [list(range(world))])
         for k, row in enumerate(rows):
             seqs = global_batch(k)
             assert row["loss_tokens"] == sum(len(s) - 1 for s in seqs)  # each token once, not per lane
@@ -286,6 +300,7 @@ def test_2x2_balance_with_rings_and_an_idle_hdp_rank_equals_one_process(tmp_path
     rows = result["reports"][0]["rows"]
     assert rows[IDLE_STEP]["num_micro_batches"][1] == 0, "HDP rank 1 must run no micro-batch in one step"
     assert any(row["rings"] for rep in result["reports"] for row in rep["rows"]), "no ring ran"
+    assert [rep["p2p_peers"] for rep in result["reports"]] == [[2], [3], [0], [1]]
 
 
 def test_1x2_tied_embeddings_equals_one_process(tmp_path):
