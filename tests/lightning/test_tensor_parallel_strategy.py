@@ -334,6 +334,20 @@ def test_fsdp2_reshard_after_forward_is_refused_at_set_up(tmp_path):
         _fit(tmp_path, 2, steps=1, tied=False, module=Resharding)
 
 
+def test_a_model_checkpoint_is_refused_at_set_up_with_tp(tmp_path):
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    os.environ.pop("MASTER_PORT", None)
+    strategy = ByteScaleStrategy(tensor_parallel_size=2, capacity=48, start_method="fork", timeout=60)
+    options = {**QUIET, "enable_checkpointing": True}
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", default_root_dir=tmp_path,
+        max_steps=1, **options,
+    )  # fmt: skip
+    with pytest.raises(ProcessRaisedException, match=r"enable_checkpointing=False"):
+        trainer.fit(TPLM(False), datamodule=MeshData(1))
+
+
 # ----------------------------------------------------------------------------- refusals (no processes)
 @pytest.mark.parametrize(
     ("options", "match"),
