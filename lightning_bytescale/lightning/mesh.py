@@ -227,6 +227,15 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             f"tensor_parallel_size={tp}: the model has parameters on the meta device (Trainer.init_module("
             "empty_init=True)); build it on the device in configure_model before parallelize_module"
         )
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in strategy.model.parameters()):
+        rank_zero_warn(
+            f"ByteScaleStrategy(tensor_parallel_size={tp}): configure_model sharded no parameter (none is a "
+            "DTensor), so every lane of an HDP rank runs the whole model on the same micro-batches. Apply "
+            'parallelize_module(..., self.device_mesh["tensor_parallel"], plan) (or parallelize_llama / '
+            "parallelize_hf) in configure_model, or use tensor_parallel_size=1"
+        )
     if strategy.preemption is not False:
         rank_zero_warn(
             f"ByteScaleStrategy(tensor_parallel_size={tp}): preemption checkpoints are not supported with "
