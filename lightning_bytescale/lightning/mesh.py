@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
@@ -217,7 +218,8 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             "lane would decide on its own gradient shards whether to skip a step. Use precision='bf16-mixed' "
             "or '32-true'"
         )
-    if any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks):
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if fitting and any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks):
         raise ConfigError(
             f"checkpoints are not supported with tensor_parallel_size={tp} yet (DTensor state is neither "
             "gathered nor saved sharded). Pass Trainer(enable_checkpointing=False) and no ModelCheckpoint"
@@ -236,7 +238,7 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             'parallelize_module(..., self.device_mesh["tensor_parallel"], plan) (or parallelize_llama / '
             "parallelize_hf) in configure_model, or use tensor_parallel_size=1"
         )
-    if strategy.preemption is not False:
+    if fitting and strategy.preemption is not False:
         rank_zero_warn(
             f"ByteScaleStrategy(tensor_parallel_size={tp}): preemption checkpoints are not supported with "
             "tensor parallelism yet, so the strategy's SIGTERM handler is not installed (pass preemption=False "

@@ -369,6 +369,8 @@ class ByteScaleStrategy(ParallelStrategy):
             )
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if self.parallel_mesh is not None:
+            mesh_.check_setup(self, trainer)  # what TP cannot run with yet (a meta-device model among them)
         compat._materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -376,7 +378,6 @@ class ByteScaleStrategy(ParallelStrategy):
         self._phase = "the broadcast of rank 0's parameters and buffers"
         self.fsdp = mesh_.fsdp_driver(self.model, self.parallel_mesh)  # fully_shard in configure_model
         if self.parallel_mesh is not None:
-            mesh_.check_setup(self, trainer)
             mesh_.broadcast_state(self.model, self.parallel_mesh)
         else:
             broadcast_module_state(self.model)
