@@ -65,8 +65,8 @@ def check_options(tensor_parallel_size: Any, *, zero: int, checkpoint_format: st
     if checkpoint_format == "sharded":
         raise ConfigError(
             f"checkpoint_format='sharded' is not supported with tensor_parallel_size={tp} yet: sharded "
-            "checkpoints of DTensor state are not built. Leave checkpoint_format='auto' and run without "
-            "checkpoints (Trainer(enable_checkpointing=False))"
+            "checkpoints of DTensor state are not built. Leave checkpoint_format='auto' (consolidated: the "
+            "DTensors gathered whole, resuming on any mesh)"
         )
     return tp
 
@@ -209,8 +209,6 @@ def gathered(fsdp: FSDPStepDriver | None) -> Iterator[None]:
 
 def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
     """What cannot run with tensor parallelism yet, refused at set-up by the setting's name."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     tp = strategy.tensor_parallel_size
     if getattr(strategy.precision_plugin, "scaler", None) is not None:
         raise ConfigError(
@@ -219,11 +217,6 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             "or '32-true'"
         )
     fitting = trainer.state.fn == TrainerFn.FITTING
-    if fitting and any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks):
-        raise ConfigError(
-            f"checkpoints are not supported with tensor_parallel_size={tp} yet (DTensor state is neither "
-            "gathered nor saved sharded). Pass Trainer(enable_checkpointing=False) and no ModelCheckpoint"
-        )
     if any(p.is_meta for p in strategy.model.parameters()):
         raise ConfigError(
             f"tensor_parallel_size={tp}: the model has parameters on the meta device (Trainer.init_module("
@@ -246,13 +239,47 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
         )
 
 
-def refuse_checkpoint(strategy: Any) -> None:
-    """A checkpoint save or load with tensor parallelism: refused (no DTensor checkpoints yet)."""
-    if strategy.parallel_mesh is not None:
-        raise ConfigError(
-            f"checkpoints are not supported with tensor_parallel_size={strategy.tensor_parallel_size} yet "
-            "(DTensor state is neither gathered nor saved sharded)"
-        )
+# ----------------------------------------------------------------------------- consolidated checkpoints
+# With tensor parallelism (and FSDP2) the model and AdamW state are DTensors.  A consolidated
+# checkpoint holds them whole: torch.distributed.checkpoint.state_dict gathers them on every rank
+# (collectives on the mesh; rank 0 writes the file) and, on load, gives each rank its own shards of
+# the whole tensors, so a checkpoint resumes on any mesh, any data-parallel size included.
+
+
+def _full_options(strict: bool = True) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=False, strict=strict)
+
+
+def model_state(module: nn.Module) -> dict[str, Any]:
+    """The module's state with every DTensor whole (call on every rank)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_full_options())
+
+
+def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's state by parameter name, every DTensor whole (call on every rank)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=_full_options())
+
+
+def load_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> None:
+    """Whole tensors into the module: each rank keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(module, state, options=_full_options(strict))
+
+
+def load_optimizer_states(
+    module: nn.Module, optimizers: list[Optimizer], states: list[dict[str, Any]]
+) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    for optimizer, state in zip(optimizers, states):
+        set_optimizer_state_dict(module, optimizer, state, options=_full_options())
 
 
 __all__ = [
@@ -265,5 +292,8 @@ __all__ = [
     "fsdp_driver",
     "full_state_dict",
     "gathered",
-    "refuse_checkpoint",
+    "load_model_state",
+    "load_optimizer_states",
+    "model_state",
+    "optimizer_state",
 ]

@@ -537,17 +537,36 @@ class ByteScaleStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Sharded: this rank's own state by parameter name (no gather); else Lightning's (ZeRO: gathered on rank 0)."""
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self.parallel_mesh is not None:  # DTensor state whole (every rank gathers; rank 0 writes)
+            return mesh_.optimizer_state(self.lightning_module, inner)
         if not self.sharded_checkpoints:
             return super().optimizer_state(inner)
         assert self.lightning_module is not None
         return sharded_optimizer_state(inner, self.lightning_module)
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.parallel_mesh is None:
+            return super().lightning_module_state_dict()
+        return mesh_.model_state(self.lightning_module)  # DTensors whole (every rank gathers)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self.parallel_mesh is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        mesh_.load_model_state(self.lightning_module, checkpoint["state_dict"], strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self.parallel_mesh is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        mesh_.load_optimizer_states(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
+
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
         """Sharded: every rank writes its part of the folder ``filepath``; else rank 0 writes one file."""
-        mesh_.refuse_checkpoint(self)
         if not self.sharded_checkpoints:
             if self.is_global_zero and is_sharded_checkpoint(filepath):
                 shutil.rmtree(filepath)  # a file replaces the folder an earlier sharded save wrote there
@@ -566,9 +585,10 @@ class ByteScaleStrategy(ParallelStrategy):
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """A sharded folder: each rank reads the model and its own optimizer entries; a file: Lightning's load."""
-        mesh_.refuse_checkpoint(self)
         if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self.parallel_mesh is not None:
+            raise ConfigError("a sharded checkpoint folder cannot be loaded with tensor_parallel_size > 1")
         module = self.lightning_module
         assert module is not None
         self._phase = f"loading the sharded checkpoint {checkpoint_path}"

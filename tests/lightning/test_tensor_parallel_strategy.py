@@ -202,7 +202,7 @@ class Recorder(pl.Callback):
                 e[0] in ("new_group", "new_subgroups", "split_group") for e in self.calls.events
             ),
             "heads_seen": sorted(pl_module.heads_seen),
-            "val_loss": float(trainer.callback_metrics["val/loss"]),
+            "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
             "dtensor_params": sum(isinstance(p, DTensor) for p in pl_module.parameters()),
         }
         r = trainer.global_rank
@@ -211,7 +211,16 @@ class Recorder(pl.Callback):
 
 
 def _fit(
-    out: Path, world: int, *, steps: int, tied: bool, module: type[TPLM] = TPLM, **strategy_options
+    out: Path,
+    world: int,
+    *,
+    steps: int,
+    tied: bool,
+    module: type[TPLM] = TPLM,
+    data_steps: int | None = None,
+    ckpt_every: int | None = None,
+    resume: Path | None = None,
+    **strategy_options,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MASTER_PORT", None)
@@ -219,11 +228,15 @@ def _fit(
     strategy = ByteScaleStrategy(
         tensor_parallel_size=2, capacity=_capacity(dp), start_method="fork", timeout=120, **strategy_options
     )
+    callbacks: list[pl.Callback] = [Recorder(out)]
+    if ckpt_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=ckpt_every))
+    options = {**QUIET, "enable_checkpointing": bool(ckpt_every)}
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, precision="64-true", default_root_dir=out,
-        max_steps=steps, gradient_clip_val=MAX_NORM, callbacks=[Recorder(out)], **QUIET,
+        max_steps=steps, gradient_clip_val=MAX_NORM, callbacks=callbacks, **options,
     )  # fmt: skip
-    trainer.fit(module(tied), datamodule=MeshData(steps))
+    trainer.fit(module(tied), datamodule=MeshData(data_steps or steps), ckpt_path=resume)
 
 
 def _reference(steps: int, tied: bool) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
@@ -334,18 +347,34 @@ def test_fsdp2_reshard_after_forward_is_refused_at_set_up(tmp_path):
         _fit(tmp_path, 2, steps=1, tied=False, module=Resharding)
 
 
-def test_a_model_checkpoint_is_refused_at_set_up_with_tp(tmp_path):
-    from torch.multiprocessing.spawn import ProcessRaisedException
+def _resume(tmp_path: Path, module: type[TPLM], worlds: tuple[tuple[str, int], ...]) -> None:
+    """Three steps on (2, 2) with a checkpoint, then to six steps from it on each of ``worlds``."""
+    total = 6
+    _fit(tmp_path / "first", 4, steps=3, tied=False, module=module, data_steps=total, ckpt_every=3)
+    (ckpt,) = (tmp_path / "first" / "ckpt").glob("*.ckpt")
+    expected, losses, _ = _reference(total, tied=False)
+    for name, world in worlds:
+        out = tmp_path / name
+        _fit(out, world, steps=total, tied=False, module=module, data_steps=total, resume=ckpt)
+        worst_param = worst_loss = 0.0
+        for r in range(world):
+            got = torch.load(out / f"params_{r}.pt")
+            worst_param = max(worst_param, max((got[k] - v).abs().max().item() for k, v in expected.items()))
+            rows = json.loads((out / f"report_{r}.json").read_text())["rows"]
+            assert [row["step"] for row in rows] == list(range(3, total))
+            worst_loss = max(worst_loss, max(abs(row["logged"] - losses[row["step"]]) for row in rows))
+        print(
+            f"resume {module.__name__} (2, 2) -> {name}: max parameter difference {worst_param:.3e}, loss {worst_loss:.3e}"
+        )
+        assert worst_param <= TOLERANCE and worst_loss <= TOLERANCE, (name, worst_param, worst_loss)
 
-    os.environ.pop("MASTER_PORT", None)
-    strategy = ByteScaleStrategy(tensor_parallel_size=2, capacity=48, start_method="fork", timeout=60)
-    options = {**QUIET, "enable_checkpointing": True}
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", default_root_dir=tmp_path,
-        max_steps=1, **options,
-    )  # fmt: skip
-    with pytest.raises(ProcessRaisedException, match=r"enable_checkpointing=False"):
-        trainer.fit(TPLM(False), datamodule=MeshData(1))
+
+def test_resume_from_a_consolidated_checkpoint_is_exact_on_the_same_and_another_mesh(tmp_path):
+    _resume(tmp_path, TPLM, (("2x2", 4), ("1x2", 2)))
+
+
+def test_resume_with_fsdp2_from_a_consolidated_checkpoint_is_exact(tmp_path):
+    _resume(tmp_path, TPFSDPLM, (("2x2", 4),))
 
 
 # ----------------------------------------------------------------------------- refusals (no processes)
