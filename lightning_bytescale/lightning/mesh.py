@@ -1,6 +1,7 @@
 """``ByteScaleStrategy(tensor_parallel_size=N)``: what the ``(data_parallel, tensor_parallel)`` mesh changes.
 
-With ``tensor_parallel_size=1`` (the default) nothing here runs: every rank is one HDP rank over
+With ``tensor_parallel_size=1`` (the default) nothing here runs but the check that
+``configure_model`` applied no ``fully_shard`` (:func:`fsdp_driver`): every rank is one HDP rank over
 the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ranks
 (:mod:`lightning_bytescale.parallel.dims`) and the strategy
 
@@ -13,7 +14,12 @@ the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ra
   shard only travels to the same shard of the other HDP ranks;
 * runs the step's checks and gradient sum on the lane's data-parallel group, through
   :mod:`lightning_bytescale.parallel.step`'s pieces (the step loop calls them), and clips by the
-  global norm over DTensor shards (:func:`clip_by_global_norm`).
+  global norm over DTensor shards (:func:`clip_by_global_norm`);
+* drives FSDP2 when ``configure_model`` applied ``fully_shard`` over ``device_mesh["data_parallel"]``
+  (:func:`fsdp_driver`, :func:`gathered`);
+* writes consolidated checkpoints with the DTensor state whole and loads them back as each rank's
+  shards, on any mesh (:func:`model_state`, :func:`optimizer_state`, :func:`load_model_state`,
+  :func:`load_optimizer_states`).
 
 The data module plans for ``data_parallel`` ranks and reads the share of the rank's HDP rank
 (``ByteScaleDataModule`` asks the strategy's :attr:`parallel_mesh`).
