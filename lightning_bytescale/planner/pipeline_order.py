@@ -1,0 +1,297 @@
+"""Micro-batch order for HDP ranks that are pipelines, and the check that their rings cannot deadlock.
+
+With ``pipeline_degree`` P > 1 every HDP rank is a pipeline of P stages running its own
+micro-batches in a 1F1B schedule, and a ring item (one micro-batch whose sequences are sharded
+over several member pipelines) makes stage p of every member exchange K/V with stage p of the
+others, in its forward and again in its backward, over blocking point-to-point rings on one
+communicator.  Each stage runs a fixed op sequence (:func:`stage_ops`), and a ring op runs
+only once every member stage has reached it.  The plan's item order (promise 4 of
+:meth:`~.plan.Plan.validate`) is enough for P = 1 but not for P > 1: a stage's 1F1B sequence
+interleaves forwards and backwards by micro-batch *index*, so two members holding two shared
+items at different indices can reach one's backward and the other's forward in different
+orders and wait for each other forever (the planner's PP-Balance plans do, as placed).
+
+:func:`order_pipelines` orders each pipeline's micro-batches by the *index rule*: every ring
+item sits at the **same micro-batch index on all of its members**.  Items get indices in
+increasing item id, each the first index free on all its members; a member's slots skipped
+that way take its local micro-batches in their order, the locals left over go last.  Where a
+pipeline has too few local micro-batches to fill its gaps, a gap is a padding micro-batch
+(``None`` in :attr:`PipelineOrder.slots`: C padding tokens that never attend and never count in
+the loss, a forward and a backward of wasted compute), or with ``strict=True`` a
+:class:`~.errors.PlanError` says which pipeline lacks how many.  Nothing else is needed, for
+any micro-batch counts: docs/pipelines.md gives the argument (every op of the 1F1B schedule
+has a clock reading ``2i + p`` for the forward of index ``i`` on stage ``p`` and
+``2i + 2P - 1 - p`` for its backward that grows along every dependency, whatever the count).
+
+:func:`deadlock_cycle` is the check, independent of the rule: the graph of every stage's ops
+(program order on each stage, the activations going forward and the gradients going back
+between stages of one pipeline), with each ring op merged into one node over its members, has
+no cycle exactly when the schedule runs to the end; it returns a cycle where there is one.
+Stage-to-stage transfers are inputs, not rendezvous (a send does not wait for its receive;
+pipeline schedules post them as non-blocking batched ops).  :func:`ring_order_conflicts`
+is the weaker, pairwise form (two member stages reaching two shared ring ops in different
+orders); :func:`index_rule_faults` checks the rule itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_bytescale.planner.errors import PlanError, PlanValidationError
+from lightning_bytescale.planner.plan import MicroBatch, Plan
+
+__all__ = [
+    "PipelineOrder",
+    "check_pipeline_order",
+    "deadlock_cycle",
+    "index_rule_faults",
+    "order_pipelines",
+    "ring_order_conflicts",
+    "stage_ops",
+]
+
+Slot = MicroBatch | None  # None: a padding micro-batch
+
+
+def stage_ops(micro_batches: int, stages: int, stage: int) -> list[tuple[str, int]]:
+    """Stage ``stage``'s 1F1B op sequence over ``micro_batches`` micro-batches: ``("F", i)`` / ``("B", i)``.
+
+    ``min(stages - 1 - stage, micro_batches)`` warm-up forwards, then one forward and one
+    backward in turn, then the remaining backwards (the order :func:`.pipeline.one_f_one_b` times).
+    """
+    if stages < 1 or not 0 <= stage < stages:
+        raise PlanError(f"stage {stage} is not one of {stages} pipeline stages")
+    m = micro_batches
+    warm = min(stages - 1 - stage, m)
+    seq = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        seq += [("F", warm + i), ("B", i)]
+    seq += [("B", i) for i in range(m - warm, m)]
+    return seq
+
+
+@dataclass
+class PipelineOrder:
+    """Each pipeline's micro-batches in the order all its stages run them; ``None`` is a padding micro-batch."""
+
+    stages: int
+    slots: list[list[Slot]]
+
+    @property
+    def micro_batch_counts(self) -> list[int]:
+        return [len(s) for s in self.slots]
+
+    @property
+    def pads(self) -> list[int]:
+        """Padding micro-batches per pipeline."""
+        return [sum(mb is None for mb in s) for s in self.slots]
+
+    def ring_indices(self) -> dict[int, dict[int, int]]:
+        """``{item: {pipeline: micro-batch index}}`` for every ring item."""
+        out: dict[int, dict[int, int]] = {}
+        for r, slots in enumerate(self.slots):
+            for i, mb in enumerate(slots):
+                if mb is not None and mb.ring is not None:
+                    out.setdefault(mb.item, {})[r] = i
+        return out
+
+    def rings(self) -> dict[int, tuple[int, ...]]:
+        """``{item: member pipelines}``."""
+        out: dict[int, tuple[int, ...]] = {}
+        for slots in self.slots:
+            for mb in slots:
+                if mb is not None and mb.ring is not None:
+                    out[mb.item] = tuple(mb.ring)
+        return out
+
+
+def order_pipelines(plan: Plan, *, stages: int | None = None, strict: bool = False) -> PipelineOrder:
+    """Order each pipeline's micro-batches by the index rule (module docstring); pad where locals run short.
+
+    ``stages`` defaults to the plan's ``pipeline_degree``.  With one stage the plan's own order
+    is kept (its item order is the whole rule there).  Ring items keep their relative order on
+    every pipeline and local micro-batches theirs.  ``strict=True`` raises
+    :class:`~.errors.PlanError` instead of padding.  ``plan`` is not changed.
+    """
+    p = int(stages if stages is not None else (plan.options.get("pipeline_degree", 1) or 1))
+    if p < 1:
+        raise PlanError(f"pipeline degree must be >= 1, got {p}")
+    if p == 1:
+        return PipelineOrder(1, [list(mbs) for mbs in plan.ranks])
+    ring_mbs: dict[int, dict[int, MicroBatch]] = {}
+    for r, mbs in enumerate(plan.ranks):
+        for mb in mbs:
+            if mb.ring is not None:
+                ring_mbs.setdefault(mb.item, {})[r] = mb
+    for item, members in ring_mbs.items():
+        ring = next(iter(members.values())).ring
+        if set(members) != set(ring):
+            raise PlanError(f"ring item {item} on ring {ring} is held by pipelines {sorted(members)}")
+    # in increasing item id, each item at the first index free on all its members
+    nxt = [0] * len(plan.ranks)
+    index: dict[int, int] = {}
+    for item in sorted(ring_mbs):
+        i = max(nxt[r] for r in ring_mbs[item])
+        index[item] = i
+        for r in ring_mbs[item]:
+            nxt[r] = i + 1
+    slots: list[list[Slot]] = []
+    for r, mbs in enumerate(plan.ranks):
+        at = {index[mb.item]: mb for mb in mbs if mb.ring is not None}
+        pool = [mb for mb in mbs if mb.ring is None]
+        gaps = nxt[r] - len(at)
+        if strict and gaps > len(pool):
+            raise PlanError(
+                f"pipeline {r} has {len(pool)} local micro-batches but its ring items leave {gaps} index "
+                f"gaps to fill (ring items at the same index on every member): {gaps - len(pool)} short"
+            )
+        out: list[Slot] = [at[i] if i in at else (pool.pop(0) if pool else None) for i in range(nxt[r])]
+        slots.append(out + pool)
+    return PipelineOrder(p, slots)
+
+
+def index_rule_faults(order: PipelineOrder) -> list[str]:
+    """Where ``order`` breaks the index rule: a ring item at different micro-batch indices on its members."""
+    return [
+        f"ring item {item} sits at different micro-batch indices {dict(sorted(where.items()))}"
+        for item, where in sorted(order.ring_indices().items())
+        if len(set(where.values())) > 1
+    ]
+
+
+def _ring_ops(order: PipelineOrder, r: int, stage: int) -> list[tuple[str, int]]:
+    """Pipeline ``r`` stage ``stage``'s ring ops in its order: ``(kind, item)``."""
+    slots = order.slots[r]
+    out = []
+    for kind, i in stage_ops(len(slots), order.stages, stage):
+        mb = slots[i]
+        if mb is not None and mb.ring is not None:
+            out.append((kind, mb.item))
+    return out
+
+
+def ring_order_conflicts(order: PipelineOrder) -> list[str]:
+    """Pairs of member stages that reach two shared ring ops in different orders (blocking rings deadlock)."""
+    conflicts = []
+    n = len(order.slots)
+    for stage in range(order.stages):
+        seqs = [_ring_ops(order, r, stage) for r in range(n)]
+        for a in range(n):
+            for b in range(a + 1, n):
+                common = set(seqs[a]) & set(seqs[b])
+                if len(common) < 2:
+                    continue
+                sa = [op for op in seqs[a] if op in common]
+                sb = [op for op in seqs[b] if op in common]
+                if sa != sb:
+                    j = next(k for k in range(len(sa)) if sa[k] != sb[k])
+                    conflicts.append(
+                        f"stage {stage}: pipeline {a} reaches {_name(sa[j])} before {_name(sb[j])}, "
+                        f"pipeline {b} the other way round"
+                    )
+    return conflicts
+
+
+def _name(op: tuple[str, int]) -> str:
+    return f"{_KIND[op[0]]} of ring item {op[1]}"
+
+
+def deadlock_cycle(order: PipelineOrder) -> list[str] | None:
+    """A cycle of ops that wait for each other, or None when every stage's schedule runs to the end.
+
+    Nodes are ops: ``(pipeline, stage, kind, index)``, with a ring item's op at one stage merged
+    over its members into ``(item, stage, kind)``.  Edges: each stage's op order, a forward
+    after the same micro-batch's forward on the previous stage, a backward after its forward
+    on the last stage and after its backward on the next stage.  Transfers between stages are
+    inputs, not rendezvous: a send does not wait for its receive (pipeline schedules post them
+    as non-blocking batched point-to-point ops).  An acyclic graph runs to the end (the earliest
+    op left in a topological order has all its inputs done and all its members there); a cycle
+    never does.
+    """
+    p = order.stages
+    rings = order.rings()
+
+    def node(r: int, stage: int, kind: str, i: int) -> tuple:
+        mb = order.slots[r][i]
+        if mb is not None and mb.ring is not None:
+            return ("ring", mb.item, stage, kind)
+        return ("op", r, stage, kind, i)
+
+    succ: dict[tuple, set[tuple]] = {}
+
+    def edge(a: tuple, b: tuple) -> None:
+        succ.setdefault(a, set()).add(b)
+        succ.setdefault(b, set())
+
+    for r, slots in enumerate(order.slots):
+        m = len(slots)
+        for stage in range(p):
+            ops = stage_ops(m, p, stage)
+            program = [node(r, stage, k, i) for k, i in ops]
+            for a in program:
+                succ.setdefault(a, set())
+            for a, b in zip(program, program[1:], strict=False):
+                edge(a, b)
+            for (k, i), op in zip(ops, program, strict=True):
+                if k == "F" and stage > 0:
+                    edge(node(r, stage - 1, "F", i), op)
+                elif k == "B":
+                    edge(node(r, stage, "F", i) if stage == p - 1 else node(r, stage + 1, "B", i), op)
+    indeg = dict.fromkeys(succ, 0)
+    for a in succ:
+        for b in succ[a]:
+            indeg[b] += 1
+    ready = [a for a, d in indeg.items() if d == 0]
+    done = 0
+    while ready:
+        a = ready.pop()
+        done += 1
+        for b in succ[a]:
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                ready.append(b)
+    if done == len(succ):
+        return None
+    left = {a for a, d in indeg.items() if d > 0}
+    pred: dict[tuple, tuple] = {}
+    for a in sorted(left, key=repr):
+        for b in sorted(succ[a], key=repr):
+            if b in left:
+                pred.setdefault(b, a)
+    a = min(left, key=repr)
+    seen: list[tuple] = []
+    while a not in seen:
+        seen.append(a)
+        a = pred[a]
+    cycle = seen[seen.index(a) :][::-1]
+    return [_describe(x, rings) for x in cycle]
+
+
+def _describe(x: tuple, rings: dict[int, tuple[int, ...]]) -> str:
+    if x[0] == "ring":
+        _, item, stage, kind = x
+        return f"{_KIND[kind]} of ring item {item} (pipelines {list(rings[item])}) at stage {stage}"
+    _, r, stage, kind, i = x
+    return f"{_KIND[kind]} of micro-batch {i} on pipeline {r} stage {stage}"
+
+
+_KIND = {"F": "forward", "B": "backward"}
+
+
+def check_pipeline_order(order: PipelineOrder) -> PipelineOrder:
+    """Raise :class:`~.errors.PlanValidationError` when ``order``'s rings can deadlock; return it otherwise."""
+    for r, slots in enumerate(order.slots):
+        for mb in slots:
+            if mb is not None and mb.ring is not None and r not in mb.ring:
+                raise PlanValidationError(f"pipeline {r} holds ring item {mb.item} of ring {mb.ring}")
+    for item, where in order.ring_indices().items():
+        ring = order.rings()[item]
+        if set(where) != set(ring):
+            raise PlanValidationError(f"ring item {item} on ring {ring} is held by pipelines {sorted(where)}")
+    conflicts = ring_order_conflicts(order)
+    if conflicts:
+        raise PlanValidationError("pipeline rings reach ring items in different orders: " + conflicts[0])
+    cycle = deadlock_cycle(order)
+    if cycle is not None:
+        raise PlanValidationError("pipeline schedule deadlocks: " + " -> ".join(cycle) + " -> (again)")
+    return order
