@@ -48,6 +48,7 @@ __all__ = [
     "order_pipelines",
     "ring_order_conflicts",
     "stage_ops",
+    "torch_1f1b_program",
 ]
 
 Slot = MicroBatch | None  # None: a padding micro-batch
@@ -196,18 +197,106 @@ def _name(op: tuple[str, int]) -> str:
     return f"{_KIND[op[0]]} of ring item {op[1]}"
 
 
-def deadlock_cycle(order: PipelineOrder) -> list[str] | None:
+def torch_1f1b_program(micro_batches: int, stages: int, stage: int) -> list[tuple]:
+    """Stage ``stage``'s events in ``torch.distributed.pipelining.Schedule1F1B``, point-to-point included.
+
+    Events: ``("F", i)`` / ``("B", i)`` computes, ``("fire", ops)`` (posts a batch of
+    point-to-point ops, never blocks) and ``("wait", ops)`` (blocks until every op of the batch
+    has its peer's matching op posted).  An op is ``(direction, kind, index, from, to)``:
+    ``("send", "F", i, p, p + 1)`` on stage p matches ``("recv", "F", i, p, p + 1)`` on stage
+    p + 1.  As in torch (2.13): ``min(m, P - p)`` warm-up forwards, each send fired after the
+    compute and waited for after the next forward, the last warm-up send fused with the first
+    backward's receive, in the steady part each backward's send fused with the next forward's
+    receive, then the cool-down backwards.
+    """
+    m, p, s = micro_batches, stages, stage
+    if p < 1 or not 0 <= s < p:
+        raise PlanError(f"stage {stage} is not one of {stages} pipeline stages")
+
+    def fwd_send(i):
+        return (("send", "F", i, s, s + 1),) if s < p - 1 else ()
+
+    def fwd_recv(i):
+        return (("recv", "F", i, s - 1, s),) if s > 0 else ()
+
+    def bwd_send(i):
+        return (("send", "B", i, s, s - 1),) if s > 0 else ()
+
+    def bwd_recv(i):
+        return (("recv", "B", i, s + 1, s),) if s < p - 1 else ()
+
+    events: list[tuple] = []
+
+    def fire(ops):
+        if ops:
+            events.append(("fire", ops))
+
+    def wait(ops):
+        if ops:
+            events.append(("wait", ops))
+
+    if m == 0:
+        return events
+    warm = min(m, p - s)
+    fwd = bwd = 0
+    send_work: tuple = ()
+    sends: tuple = ()
+    for _ in range(warm):
+        fire(fwd_recv(fwd))
+        wait(fwd_recv(fwd))
+        events.append(("F", fwd))
+        wait(send_work)
+        sends = fwd_send(fwd)
+        if fwd != warm - 1:
+            fire(sends)
+            send_work = sends
+        fwd += 1
+    while True:
+        fire(sends + bwd_recv(bwd))
+        wait(sends + bwd_recv(bwd))
+        events.append(("B", bwd))
+        back = bwd_send(bwd)
+        bwd += 1
+        if fwd == m:
+            break
+        fire(back + fwd_recv(fwd))
+        wait(back + fwd_recv(fwd))
+        events.append(("F", fwd))
+        sends = fwd_send(fwd)
+        fwd += 1
+    fire(back)
+    send_work = back
+    while bwd < m:
+        fire(bwd_recv(bwd))
+        wait(bwd_recv(bwd))
+        events.append(("B", bwd))
+        wait(send_work)
+        send_work = bwd_send(bwd)
+        fire(send_work)
+        bwd += 1
+    wait(send_work)
+    return events
+
+
+TRANSFERS = ("buffered", "torch_1f1b")
+
+
+def deadlock_cycle(order: PipelineOrder, *, transfers: str = "buffered") -> list[str] | None:
     """A cycle of ops that wait for each other, or None when every stage's schedule runs to the end.
 
     Nodes are ops: ``(pipeline, stage, kind, index)``, with a ring item's op at one stage merged
     over its members into ``(item, stage, kind)``.  Edges: each stage's op order, a forward
     after the same micro-batch's forward on the previous stage, a backward after its forward
-    on the last stage and after its backward on the next stage.  Transfers between stages are
-    inputs, not rendezvous: a send does not wait for its receive (pipeline schedules post them
-    as non-blocking batched point-to-point ops).  An acyclic graph runs to the end (the earliest
-    op left in a topological order has all its inputs done and all its members there); a cycle
-    never does.
+    on the last stage and after its backward on the next stage.  With ``transfers="buffered"``
+    a transfer between stages is an input, not a rendezvous (a send does not wait for its
+    receive).  With ``"torch_1f1b"`` each stage runs :func:`torch_1f1b_program`: point-to-point
+    batches are nodes of their own, and a wait follows the peer's posting of every matching op
+    (a send may wait for its receive, the worst case).  An acyclic graph runs to the end (the
+    earliest op left in a topological order has all it waits for done and all its members
+    there); a cycle never does.
     """
+    if transfers not in TRANSFERS:
+        raise PlanError(f"transfers must be one of {TRANSFERS}, got {transfers!r}")
     p = order.stages
     rings = order.rings()
 
@@ -225,6 +314,29 @@ def deadlock_cycle(order: PipelineOrder) -> list[str] | None:
 
     for r, slots in enumerate(order.slots):
         m = len(slots)
+        if transfers == "torch_1f1b":
+            fired: dict[tuple, tuple] = {}  # a posted op -> its fire node
+            waits: list[tuple[tuple, tuple]] = []
+            for stage in range(p):
+                program = []
+                for j, ev in enumerate(torch_1f1b_program(m, p, stage)):
+                    if ev[0] in ("F", "B"):
+                        program.append(node(r, stage, ev[0], ev[1]))
+                        continue
+                    here = ("p2p", r, stage, j, ev[0])
+                    program.append(here)
+                    for op in ev[1]:
+                        if ev[0] == "fire":
+                            fired[op] = here
+                        else:
+                            waits.append((("recv" if op[0] == "send" else "send", *op[1:]), here))
+                for a in program:
+                    succ.setdefault(a, set())
+                for a, b in zip(program, program[1:], strict=False):
+                    edge(a, b)
+            for peer_op, here in waits:
+                edge(fired[peer_op], here)
+            continue
         for stage in range(p):
             ops = stage_ops(m, p, stage)
             program = [node(r, stage, k, i) for k, i in ops]
@@ -268,6 +380,9 @@ def deadlock_cycle(order: PipelineOrder) -> list[str] | None:
 
 
 def _describe(x: tuple, rings: dict[int, tuple[int, ...]]) -> str:
+    if x[0] == "p2p":
+        _, r, stage, j, what = x
+        return f"point-to-point {what} (event {j}) on pipeline {r} stage {stage}"
     if x[0] == "ring":
         _, item, stage, kind = x
         return f"{_KIND[kind]} of ring item {item} (pipelines {list(rings[item])}) at stage {stage}"
@@ -278,7 +393,7 @@ def _describe(x: tuple, rings: dict[int, tuple[int, ...]]) -> str:
 _KIND = {"F": "forward", "B": "backward"}
 
 
-def check_pipeline_order(order: PipelineOrder) -> PipelineOrder:
+def check_pipeline_order(order: PipelineOrder, *, transfers: str = "buffered") -> PipelineOrder:
     """Raise :class:`~.errors.PlanValidationError` when ``order``'s rings can deadlock; return it otherwise."""
     for r, slots in enumerate(order.slots):
         for mb in slots:
@@ -291,7 +406,7 @@ def check_pipeline_order(order: PipelineOrder) -> PipelineOrder:
     conflicts = ring_order_conflicts(order)
     if conflicts:
         raise PlanValidationError("pipeline rings reach ring items in different orders: " + conflicts[0])
-    cycle = deadlock_cycle(order)
+    cycle = deadlock_cycle(order, transfers=transfers)
     if cycle is not None:
         raise PlanValidationError("pipeline schedule deadlocks: " + " -> ".join(cycle) + " -> (again)")
     return order
