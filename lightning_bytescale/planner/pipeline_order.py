@@ -106,19 +106,23 @@ class PipelineOrder:
         return out
 
 
-def order_pipelines(plan: Plan, *, stages: int | None = None, strict: bool = False) -> PipelineOrder:
+def order_pipelines(
+    plan: Plan, *, stages: int | None = None, strict: bool = False, min_micro_batches: int = 0
+) -> PipelineOrder:
     """Order each pipeline's micro-batches by the index rule (module docstring); pad where locals run short.
 
     ``stages`` defaults to the plan's ``pipeline_degree``.  With one stage the plan's own order
     is kept (its item order is the whole rule there).  Ring items keep their relative order on
     every pipeline and local micro-batches theirs.  ``strict=True`` raises
-    :class:`~.errors.PlanError` instead of padding.  ``plan`` is not changed.
+    :class:`~.errors.PlanError` instead of padding gaps.  ``min_micro_batches`` pads every
+    pipeline with fewer at its end (torch's ``Schedule1F1B`` needs at least P; padding at the
+    end moves no ring item).  ``plan`` is not changed.
     """
     p = int(stages if stages is not None else (plan.options.get("pipeline_degree", 1) or 1))
     if p < 1:
         raise PlanError(f"pipeline degree must be >= 1, got {p}")
     if p == 1:
-        return PipelineOrder(1, [list(mbs) for mbs in plan.ranks])
+        return _padded(PipelineOrder(1, [list(mbs) for mbs in plan.ranks]), min_micro_batches)
     ring_mbs: dict[int, dict[int, MicroBatch]] = {}
     for r, mbs in enumerate(plan.ranks):
         for mb in mbs:
@@ -148,7 +152,13 @@ def order_pipelines(plan: Plan, *, stages: int | None = None, strict: bool = Fal
             )
         out: list[Slot] = [at[i] if i in at else (pool.pop(0) if pool else None) for i in range(nxt[r])]
         slots.append(out + pool)
-    return PipelineOrder(p, slots)
+    return _padded(PipelineOrder(p, slots), min_micro_batches)
+
+
+def _padded(order: PipelineOrder, least: int) -> PipelineOrder:
+    for s in order.slots:
+        s += [None] * max(0, least - len(s))
+    return order
 
 
 def index_rule_faults(order: PipelineOrder) -> list[str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from lightning_bytescale.planner import PlanError, PlanValidationError, make_plan
@@ -27,6 +27,7 @@ from lightning_bytescale.planner.pipeline_order import (
     order_pipelines,
     ring_order_conflicts,
     stage_ops,
+    torch_1f1b_program,
 )
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
 from lightning_bytescale.planner.zigzag import all_member_ranges
@@ -93,13 +94,12 @@ def _shifted(plan: Plan) -> PipelineOrder:
     """The rule's order with one local (or padding) micro-batch moved to the front of pipeline 0."""
     order = order_pipelines(plan)
     slots = [list(s) for s in order.slots]
-    if slots and slots[0]:
-        locals_ = [j for j, mb in enumerate(slots[0]) if mb is None or mb.ring is None]
-        slots[0] = (
-            [slots[0][locals_[-1]]] + slots[0][: locals_[-1]] + slots[0][locals_[-1] + 1 :]
-            if locals_
-            else [None] + slots[0]
-        )
+    first = slots[0] if slots else []
+    locals_ = [j for j, mb in enumerate(first) if mb is None or mb.ring is None]
+    if locals_:
+        first.insert(0, first.pop(locals_[-1]))
+    elif first:
+        first.insert(0, None)
     return PipelineOrder(order.stages, slots)
 
 
@@ -193,6 +193,31 @@ def test_the_clock_grows_along_every_dependency_of_one_pipeline(stages):
                 assert all(clock(s, "F", i) < clock(s, "B", i) for i in range(m))
 
 
+def test_torch_1f1b_program_runs_1f1b_and_one_pipeline_never_waits_forever():
+    # stage 0 of 2, two micro-batches: the last warm-up send is fused with the first backward's receive
+    assert torch_1f1b_program(2, 2, 0) == [
+        ("F", 0),
+        ("fire", (("send", "F", 0, 0, 1),)),
+        ("F", 1),
+        ("wait", (("send", "F", 0, 0, 1),)),
+        ("fire", (("send", "F", 1, 0, 1), ("recv", "B", 0, 1, 0))),
+        ("wait", (("send", "F", 1, 0, 1), ("recv", "B", 0, 1, 0))),
+        ("B", 0),
+        ("fire", (("recv", "B", 1, 1, 0),)),
+        ("wait", (("recv", "B", 1, 1, 0),)),
+        ("B", 1),
+    ]
+    for stages in range(1, 7):
+        for m in range(12):
+            for s in range(stages):
+                computes = [e for e in torch_1f1b_program(m, stages, s) if e[0] in ("F", "B")]
+                assert computes == stage_ops(m, stages, s), (stages, m, s)
+            one = PipelineOrder(stages, [[MicroBatch([Piece(0, ((0, 1),))]) for _ in range(m)]])
+            assert deadlock_cycle(one, transfers="torch_1f1b") is None, (stages, m)
+    with pytest.raises(PlanError, match="transfers"):
+        deadlock_cycle(one, transfers="blocking")
+
+
 # ---------------------------------------------------------------- hand cases
 
 
@@ -270,6 +295,10 @@ def test_ordered_plans_never_deadlock(plan):
     assert deadlock_cycle(order) is None
     assert check_pipeline_order(order) is order
     assert _runs_to_the_end(order)
+    torch_ready = order_pipelines(plan, min_micro_batches=p)  # torch's Schedule1F1B needs P or more
+    assert min(torch_ready.micro_batch_counts, default=p) >= p
+    assert check_pipeline_order(torch_ready, transfers="torch_1f1b") is torch_ready
+    assert torch_ready.ring_indices() == order.ring_indices()
     if not any(order.pads):
         Plan(plan.world_size, plan.capacity, "x", plan.lengths, order.slots, dict(plan.options)).validate()
     if p == 1:
@@ -291,17 +320,19 @@ def test_the_graph_check_agrees_with_running_the_stages(plan, how):
             check_pipeline_order(order)
 
 
+@pytest.mark.parametrize("transfers", ["buffered", "torch_1f1b"])
 @pytest.mark.parametrize("broken", [_as_placed, _ring_last, _shifted])
-def test_with_the_index_rule_broken_the_check_finds_a_deadlock(broken):
+def test_with_the_index_rule_broken_the_check_finds_a_deadlock(broken, transfers):
     found = find(
         plans(),
-        lambda plan: deadlock_cycle(broken(plan)) is not None,
-        settings=settings(max_examples=3000, deadline=None, database=None),
+        lambda plan: deadlock_cycle(broken(plan), transfers=transfers) is not None,
+        settings=settings(max_examples=3000, deadline=None, database=None, phases=[Phase.generate]),
     )
     order = broken(found)
     assert index_rule_faults(order)
-    assert not _runs_to_the_end(order)
-    assert deadlock_cycle(order_pipelines(found)) is None  # the same plan ordered by the rule runs
+    with pytest.raises(PlanValidationError):
+        check_pipeline_order(order, transfers=transfers)
+    assert deadlock_cycle(order_pipelines(found), transfers=transfers) is None  # ordered by the rule, it runs
 
 
 @pytest.mark.parametrize(("stages", "world", "seed"), [(2, 4, 0), (4, 4, 1), (4, 8, 2), (8, 8, 3)])
@@ -313,3 +344,4 @@ def test_the_planners_pipeline_plans_ordered_by_the_rule_run(stages, world, seed
     order = check_pipeline_order(order_pipelines(plan))
     assert index_rule_faults(order) == []
     assert _runs_to_the_end(order)
+    check_pipeline_order(order_pipelines(plan, min_micro_batches=stages), transfers="torch_1f1b")
