@@ -27,8 +27,9 @@ has a clock reading ``2i + p`` for the forward of index ``i`` on stage ``p`` and
 (program order on each stage, the activations going forward and the gradients going back
 between stages of one pipeline), with each ring op merged into one node over its members, has
 no cycle exactly when the schedule runs to the end; it returns a cycle where there is one.
-Stage-to-stage transfers are inputs, not rendezvous (a send does not wait for its receive;
-pipeline schedules post them as non-blocking batched ops).  :func:`ring_order_conflicts`
+Stage-to-stage transfers are inputs (a send does not wait for its receive), or with
+``transfers="torch_1f1b"`` the point-to-point batches of torch's ``Schedule1F1B``
+(:func:`torch_1f1b_program`), where a send may wait for its receive.  :func:`ring_order_conflicts`
 is the weaker, pairwise form (two member stages reaching two shared ring ops in different
 orders); :func:`index_rule_faults` checks the rule itself.
 """
