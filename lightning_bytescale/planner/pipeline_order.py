@@ -186,21 +186,21 @@ def ring_order_conflicts(order: PipelineOrder) -> list[str]:
     """Pairs of member stages that reach two shared ring ops in different orders (blocking rings deadlock)."""
     conflicts = []
     n = len(order.slots)
+    pairs = sorted({(a, b) for ring in order.rings().values() for a in ring for b in ring if a < b})
     for stage in range(order.stages):
         seqs = [_ring_ops(order, r, stage) for r in range(n)]
-        for a in range(n):
-            for b in range(a + 1, n):
-                common = set(seqs[a]) & set(seqs[b])
-                if len(common) < 2:
-                    continue
-                sa = [op for op in seqs[a] if op in common]
-                sb = [op for op in seqs[b] if op in common]
-                if sa != sb:
-                    j = next(k for k in range(len(sa)) if sa[k] != sb[k])
-                    conflicts.append(
-                        f"stage {stage}: pipeline {a} reaches {_name(sa[j])} before {_name(sb[j])}, "
-                        f"pipeline {b} the other way round"
-                    )
+        for a, b in pairs:
+            common = set(seqs[a]) & set(seqs[b])
+            if len(common) < 2:
+                continue
+            sa = [op for op in seqs[a] if op in common]
+            sb = [op for op in seqs[b] if op in common]
+            if sa != sb:
+                j = next(k for k in range(len(sa)) if sa[k] != sb[k])
+                conflicts.append(
+                    f"stage {stage}: pipeline {a} reaches {_name(sa[j])} before {_name(sb[j])}, "
+                    f"pipeline {b} the other way round"
+                )
     return conflicts
 
 
