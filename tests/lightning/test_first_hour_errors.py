@@ -3,22 +3,26 @@
 * the vocabulary check finds the model's vocabulary on the README's own module pattern
   (``self.model = LlamaModel(...)``, no ``vocab_size`` attribute);
 * an error every rank raises alike is printed once, with one traceback, by the lowest rank that
-  raised it; a different error of another rank is still printed;
-* the plain-DataLoader error names only what exists.
+  raised it; a different error of another rank is still printed.
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from _lifecycle import finish, started
 
 from lightning_bytescale import ByteScaleDataModule
 from lightning_bytescale.data import OutOfVocabularyError
 from lightning_bytescale.lightning.datamodule import model_vocab_size
+from lightning_bytescale.lightning.launcher import EXIT_SAME_ERROR
 from lightning_bytescale.models import LlamaConfig, LlamaModel
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 
 class ReadmeLM(pl.LightningModule):
@@ -49,3 +53,95 @@ def test_the_vocabulary_is_found_on_the_readme_module_pattern(tmp_path):
     with pytest.raises(OutOfVocabularyError, match=r"vocab_size=64: .* the tokenizer has 257 tokens"):
         dm.check_vocabulary(model_vocab_size(module))
     assert model_vocab_size(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
+
+
+# ------------------------------------------------------------------ one error, printed once
+LAUNCH = textwrap.dedent(
+    """
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning_bytescale.lightning.launcher import ByteScaleScriptLauncher
+
+    launcher = ByteScaleScriptLauncher(
+        LightningEnvironment(), num_processes=3, num_nodes=1, poll_s=0.1, settle_s=2.0, exit_grace_s=5.0
+    )
+
+
+    def main():
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=60))
+        if rank == 2:
+            raise ValueError("rank 2's own mistake")
+        raise ValueError("the same mistake on ranks 0 and 1")
+
+
+    launcher.launch(main)
+    """
+)
+
+
+def test_an_error_ranks_raise_alike_is_printed_once_and_another_rank_s_own_error_too(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(LAUNCH)
+    with started([str(script)], MASTER_ADDR="127.0.0.1") as process:
+        run = finish(process, 150)
+    out = run.output
+    assert run.returncode == 1, out[-4000:]
+    assert out.count("ValueError: the same mistake on ranks 0 and 1") == 1, out[-4000:]  # rank 0's
+    assert "[rank0]: ValueError: the same mistake" in out, out[-4000:]
+    assert out.count("ValueError: rank 2's own mistake") == 1, out[-4000:]  # a different error stays visible
+    assert out.count("Traceback") == 2, out[-4000:]  # rank 0's and rank 2's; rank 1's copy is silent
+    assert "[ByteScale] rank 1" not in out, out[-4000:]  # nor reported as a failure of its own
+
+
+README_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import lightning.pytorch as pl
+    import torch
+    import lightning_bytescale as lb
+    from lightning_bytescale.models import LlamaConfig, LlamaModel
+
+
+    class LM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = LlamaModel(LlamaConfig.preset("tiny"))  # vocab 64 < the byte tokenizer's 257
+
+        def training_step(self, mb, batch_idx):
+            return mb.loss(self.model(mb.input_ids, mb.position_ids))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+
+    if __name__ == "__main__":
+        data = lb.ByteScaleDataModule(source=sys.argv[1], cache_dir=sys.argv[2], tokens_per_step=256,
+                                      context_length=64, num_workers=0)
+        trainer = pl.Trainer(strategy=lb.ByteScaleStrategy(capacity=64, timeout=60), accelerator="cpu",
+                             devices=2, max_steps=2, logger=False, enable_progress_bar=False,
+                             enable_checkpointing=False, enable_model_summary=False)
+        trainer.fit(LM(), datamodule=data)
+    """
+)
+
+
+def test_the_readme_module_with_a_small_vocabulary_stops_once_with_the_documented_error(tmp_path):
+    script = tmp_path / "fit.py"
+    script.write_text(README_SCRIPT)
+    corpus = _corpus(tmp_path)
+    with started([str(script), str(corpus), str(tmp_path / "cache")], MASTER_ADDR="127.0.0.1") as process:
+        run = finish(process, 150)
+    out = run.output
+    assert run.returncode == 1, out[-5000:]
+    assert out.count("OutOfVocabularyError: token store") == 1, out[-5000:]
+    assert "vocab_size=64: its input embedding has 64 rows; the tokenizer has 257 tokens" in out
+    assert out.count("Traceback") == 1, out[-5000:]
+    assert "IndexError" not in out, out[-5000:]
+
+
+def test_the_same_error_exit_code_is_not_a_clean_exit():
+    assert EXIT_SAME_ERROR not in (0, 1, 124, 143)
