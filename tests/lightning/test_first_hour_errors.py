@@ -3,20 +3,23 @@
 * the vocabulary check finds the model's vocabulary on the README's own module pattern
   (``self.model = LlamaModel(...)``, no ``vocab_size`` attribute);
 * an error every rank raises alike is printed once, with one traceback, by the lowest rank that
-  raised it; a different error of another rank is still printed.
+  raised it; a different error of another rank is still printed;
+* the plain-DataLoader error names only what exists.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from _lifecycle import finish, started
+from test_docs_names import resolves
 
-from lightning_bytescale import ByteScaleDataModule
+from lightning_bytescale import ByteScaleDataModule, ByteScaleStrategy
 from lightning_bytescale.data import OutOfVocabularyError
 from lightning_bytescale.lightning.datamodule import model_vocab_size
 from lightning_bytescale.lightning.launcher import EXIT_SAME_ERROR
@@ -53,6 +56,17 @@ def test_the_vocabulary_is_found_on_the_readme_module_pattern(tmp_path):
     with pytest.raises(OutOfVocabularyError, match=r"vocab_size=64: .* the tokenizer has 257 tokens"):
         dm.check_vocabulary(model_vocab_size(module))
     assert model_vocab_size(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
+
+
+def test_the_plain_dataloader_error_names_only_what_exists():
+    strategy = ByteScaleStrategy(capacity=64)
+    with pytest.raises(TypeError) as err:
+        strategy.training_step(torch.zeros(3), 0)
+    text = str(err.value)
+    names = re.findall(r"\blightning_bytescale(?:\.[A-Za-z_]\w*)+", text)
+    assert names, text
+    assert all(resolves(n) for n in names), names
+    assert "ByteScaleDataModule" in text and "build_step" in text
 
 
 # ------------------------------------------------------------------ one error, printed once
