@@ -159,3 +159,38 @@ def test_the_readme_module_with_a_small_vocabulary_stops_once_with_the_documente
 
 def test_the_same_error_exit_code_is_not_a_clean_exit():
     assert EXIT_SAME_ERROR not in (0, 1, 124, 143)
+
+
+# ------------------------------------------------------------------ strategy="bytescale" without the import
+def test_without_the_import_lightning_s_message_is_the_one_the_readme_explains():
+    """Lightning 2.6 reads no entry point for strategies (only callbacks, after the strategy is
+    chosen): the name exists once ``lightning_bytescale`` is imported, and the README and the FAQ
+    quote the message a user gets without the import.  When Lightning reads entry points for
+    strategies, this test fails: register one in pyproject.toml then."""
+    import inspect
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import lightning.pytorch.strategies as pl_strategies
+    from lightning.pytorch.trainer.connectors import accelerator_connector
+
+    for module in (pl_strategies, accelerator_connector):
+        assert "entry_points" not in inspect.getsource(module), module.__name__
+    code = (
+        "import lightning.pytorch as pl\n"
+        "try:\n"
+        "    pl.Trainer(strategy='bytescale', accelerator='cpu', devices=1, logger=False)\n"
+        "except ValueError as err:\n"
+        "    print(str(err).split('.')[0])\n"
+        "import lightning_bytescale\n"
+        "print(type(pl.Trainer(strategy='bytescale', accelerator='cpu', devices=1, logger=False).strategy).__name__)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    said = run.stdout.strip().splitlines()
+    assert said == ["You selected an invalid strategy name: `strategy='bytescale'`", "ByteScaleStrategy"], run
+    root = Path(__file__).resolve().parents[2]
+    for page in ("README.md", "docs/faq.md"):
+        text = " ".join((root / page).read_text().split())
+        assert "You selected an invalid strategy name: `strategy='bytescale'`" in text, page
+        assert "import lightning_bytescale" in text, page
