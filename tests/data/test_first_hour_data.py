@@ -171,7 +171,7 @@ def test_a_chat_file_under_the_jsonl_source_is_pointed_to_the_chat_source(tmp_pa
     assert "this is a chat record (a 'messages' list)" in text and "data.field" not in text, text
     assert f"data=chat data.source.path={path}" in text, text
     assert f"ByteScaleDataModule(source={{'kind': 'chat', 'path': '{path}'}}" in text, text
-    assert make_source({"kind": "chat", "path": str(path)}).kind.startswith("chat")  # the hint's source exists
+    assert make_source({"kind": "chat", "path": str(path)}).kind.startswith("chat")  # it exists
     pair = tmp_path / "pairs.jsonl"
     pair.write_text(json.dumps({"prompt": "2+2?", "completion": "4"}) + "\n")
     with pytest.raises(DataError, match=r"chat record \(a prompt and a completion\).*data=chat"):
