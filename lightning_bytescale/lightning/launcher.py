@@ -303,21 +303,24 @@ def _default_store() -> Any:
 def same_error_below(
     store: Any, rank: int, signature: str, wait_s: float, poll_s: float = 0.05
 ) -> int | None:
-    """The lowest rank below ``rank`` that reported the error ``signature`` to ``store``, or None.
+    """A rank below ``rank`` that reported the error ``signature`` to ``store`` (the first found,
+    from rank 0 up), or None.
 
     Waits up to ``wait_s`` for the lower ranks that have reported nothing yet (ranks raising the
     same error raise it at about the same time); a lower rank with another error does not count.
+    That rank prints the error or defers to a still lower one, so the lowest rank that raised it
+    prints it.  When every rank raised it, each asks for rank 0's report first: one look-up each.
     """
     deadline = time.monotonic() + wait_s
     seen: dict[int, str] = {}
     while True:
         for r in range(rank):
             key = _FAILURE_KEY.format(rank=r)
-            if r not in seen and store.check([key]):
-                seen[r] = store.get(key).decode(errors="replace")
-        same = [r for r, sig in seen.items() if sig == signature]
-        if same:
-            return min(same)
+            if r in seen or not store.check([key]):
+                continue
+            seen[r] = store.get(key).decode(errors="replace")
+            if seen[r] == signature:
+                return r
         if len(seen) == rank or time.monotonic() >= deadline:
             return None
         time.sleep(poll_s)

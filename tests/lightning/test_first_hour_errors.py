@@ -111,6 +111,36 @@ def test_an_error_ranks_raise_alike_is_printed_once_and_another_rank_s_own_error
     assert "[ByteScale] rank 1" not in out, out[-4000:]  # nor reported as a failure of its own
 
 
+class DictStore:
+    """The two calls of a c10d store that the launcher uses, on a dict."""
+
+    def __init__(self, **reports: str) -> None:
+        self.data = {f"bytescale/failure/{k.removeprefix('r')}": v.encode() for k, v in reports.items()}
+        self.checks = 0
+
+    def check(self, keys):
+        self.checks += 1
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+def test_the_lowest_rank_with_the_error_prints_it_and_a_rank_without_reports_is_waited_for_briefly():
+    import time
+
+    from lightning_bytescale.lightning.launcher import same_error_below
+
+    every = DictStore(r0="X", r1="X", r2="X")
+    assert same_error_below(every, 3, "X", wait_s=5.0) == 0 and every.checks == 1  # one look-up
+    other = DictStore(r0="Y", r1="X", r2="X")  # rank 0 failed otherwise: rank 1 prints X, not 2 or 3
+    assert same_error_below(other, 1, "X", wait_s=5.0) is None
+    assert same_error_below(other, 3, "X", wait_s=5.0) == 1
+    start = time.monotonic()
+    assert same_error_below(DictStore(), 1, "X", wait_s=0.3) is None  # rank 0 raised nothing (yet)
+    assert 0.3 <= time.monotonic() - start < 2.0
+
+
 README_SCRIPT = textwrap.dedent(
     """
     import sys
