@@ -16,11 +16,14 @@ imports of Lightning, torch and the floors that load them sit in the functions t
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
 import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +33,15 @@ from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+)
 
 from lightning_bytescale.lightning.wandb_offline import find_run_files, wandb_offline_by_default
-from lightning_bytescale.recipes.config import PRIMARY, ConfigError, config_source
+from lightning_bytescale.recipes.config import PRIMARY, ConfigError, compose_pretrain, config_source
 from lightning_bytescale.recipes.sweep_table import write_job_summary
 
 log = logging.getLogger("lightning_bytescale.recipes")
@@ -363,14 +371,60 @@ def _hydra_main() -> Any:
     return hydra.main(version_base="1.3", config_path=config_source(), config_name=PRIMARY)(train)
 
 
+def _unknown_key(err: BaseException) -> OmegaConfBaseException | None:
+    """The OmegaConf error of a key the schema does not have, from a composition error's causes."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, (ConfigAttributeError, ConfigKeyError)) and getattr(seen, "full_key", None):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def override_typo(args: Sequence[str]) -> str | None:
+    """The message for a command-line key the config does not have (``strategy.plannr=static``),
+    naming the closest key; None when the overrides compose, fail for another reason, or name a
+    key close to none of the schema's (Hydra's own message, add it with ``+``, stands).
+
+    Hydra's own message proposes ``+strategy.plannr=static``, which adds the key and fails later in
+    the component that gets it.  Only plain overrides are checked (no ``--`` flags but ``-m``).
+    """
+    overrides = [a for a in args if not a.startswith("-")]
+    dotted = [a for a in overrides if "=" in a and "." in a.split("=", 1)[0] and a[0] not in "+~"]
+    if not dotted or any(a.startswith("-") and a not in ("-m", "--multirun") for a in args):
+        return None
+    try:
+        compose_pretrain(overrides, hydra_config=False)
+    except ConfigError as err:
+        found = _unknown_key(err)
+        if found is None:
+            return None
+        full_key = str(getattr(found, "full_key", ""))
+        parent, _, key = full_key.rpartition(".")
+        schema = getattr(found, "object_type", None)
+        names = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+        if not close:
+            return None  # Hydra's own message (add the key with +) stands
+        given = next((a for a in dotted if a.split("=", 1)[0] == full_key), f"{full_key}=...")
+        where = f"the {parent} config" + (f" ({schema.__name__})" if isinstance(schema, type) else "")
+        fixed = f"{parent}.{close[0]}={given.split('=', 1)[1]}"
+        return f"{full_key} is not a key of {where}: did you mean {parent}.{close[0]}? ({fixed})"
+    return None
+
+
 def main() -> None:
     """Console script ``bytescale-train``: Hydra's command line over the packaged
     ``conf/pretrain.yaml`` (``pkg://lightning_bytescale.recipes.conf``)."""
     try:
         entry = _hydra_main()
+        typo = override_typo(sys.argv[1:])
     except ConfigError as err:
         print(f"bytescale-train: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    if typo is not None:
+        print(f"bytescale-train: {typo}", file=sys.stderr)
+        raise SystemExit(2)
     entry()
 
 
