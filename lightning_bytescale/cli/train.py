@@ -16,11 +16,14 @@ imports of Lightning, torch and the floors that load them sit in the functions t
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
 import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +33,16 @@ from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+)
 
 from lightning_bytescale.lightning.wandb_offline import find_run_files, wandb_offline_by_default
-from lightning_bytescale.recipes.config import PRIMARY, ConfigError, config_source
+from lightning_bytescale.recipes.config import PRIMARY, ConfigError, compose_pretrain, config_source
+from lightning_bytescale.recipes.sweep_table import write_job_summary
 
 log = logging.getLogger("lightning_bytescale.recipes")
 
@@ -90,6 +99,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     import torch
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
+    from lightning_bytescale.lightning.run_summary import RunSummary
     from lightning_bytescale.lightning.run_timer import RunTimer
 
     _prepare(cfg)
@@ -104,7 +114,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         datamodule.model_vocab_size = _model_vocab(model)
     strategy = instantiate(_plain(cfg.strategy))
     logger = instantiate(_plain(cfg.logger)) if cfg.get("logger") is not None else None
-    callbacks = [instantiate(_plain(cfg.telemetry))]
+    callbacks = [instantiate(_plain(cfg.telemetry)), RunSummary()]
     trainer_cfg = _plain(cfg.trainer)
     max_time = trainer_cfg.pop("max_time", None)
     if max_time is not None:
@@ -307,13 +317,18 @@ def train(cfg: DictConfig) -> float | None:
 
 
 def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: float) -> None:
-    # With the spawn launcher the fitted state stays in the worker processes: no step count here.
-    timer = next((c for c in trainer.callbacks if type(c).__name__ == "RunTimer"), None)
-    ran = timer.steps_this_run(trainer) if timer is not None else trainer.global_step
-    steps = f"{ran} steps" if trainer.global_step else "finished"
-    if trainer.global_step and cfg.get("ckpt_path"):
+    # Under the spawn/fork launchers the fitted state stays in the workers: the step count and
+    # tokens/s come back through callback_metrics (lightning/run_summary.py).
+    from lightning_bytescale.lightning.run_summary import run_figures  # loads Lightning (see above)
+
+    figures = run_figures(trainer)
+    ran = int(figures.get("run/steps", 0))
+    steps = f"{ran} steps" if ran else "no step"
+    if ran and cfg.get("ckpt_path") and trainer.global_step:
         steps += f" (resumed; step {trainer.global_step} now)"
-    lines = [f"[bytescale-train] {cfg.name}: {steps} in {seconds:.1f} s"]
+    lines = [f"[bytescale-train] {_job_label(cfg)}: {steps} in {seconds:.1f} s"]
+    if "run/tokens_per_s" in figures:
+        lines[0] += f", {figures['run/tokens_per_s']:,.0f} tokens/s"
     if loss is not None:
         lines[0] += f", last loss {float(loss):.4f}"
     lines.append(f"  outputs: {cfg.run_dir}")
@@ -323,6 +338,31 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
             lines.append(f"  offline W&B run: {runs[-1].parent}")
             lines.append(f"  upload it with:  wandb sync {runs[-1].parent}")
     print("\n".join(lines), flush=True)
+    write_job_summary(
+        cfg.run_dir,
+        {
+            "name": str(cfg.name),
+            "overrides": _job_overrides(),
+            "planner": str(cfg.strategy.get("planner")),
+            "seconds": seconds,
+            "loss": float(loss) if loss is not None else None,
+            **figures,
+        },
+    )
+
+
+def _job_overrides() -> str:
+    if not HydraConfig.initialized():
+        return ""
+    return str(HydraConfig.get().job.get("override_dirname") or "")
+
+
+def _job_label(cfg: DictConfig) -> str:
+    """The run's name, and in a sweep the job's number and overrides."""
+    if not _is_multirun():
+        return str(cfg.name)
+    job = HydraConfig.get().job
+    return f"{cfg.name} job {job.get('num', 0)} ({_job_overrides() or 'defaults'})"
 
 
 def _hydra_main() -> Any:
@@ -331,14 +371,60 @@ def _hydra_main() -> Any:
     return hydra.main(version_base="1.3", config_path=config_source(), config_name=PRIMARY)(train)
 
 
+def _unknown_key(err: BaseException) -> OmegaConfBaseException | None:
+    """The OmegaConf error of a key the schema does not have, from a composition error's causes."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, (ConfigAttributeError, ConfigKeyError)) and getattr(seen, "full_key", None):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def override_typo(args: Sequence[str]) -> str | None:
+    """The message for a command-line key the config does not have (``strategy.plannr=static``),
+    naming the closest key; None when the overrides compose, fail for another reason, or name a
+    key close to none of the schema's (Hydra's own message, add it with ``+``, stands).
+
+    Hydra's own message proposes ``+strategy.plannr=static``, which adds the key and fails later in
+    the component that gets it.  Only plain overrides are checked (no ``--`` flags but ``-m``).
+    """
+    overrides = [a for a in args if not a.startswith("-")]
+    dotted = [a for a in overrides if "=" in a and "." in a.split("=", 1)[0] and a[0] not in "+~"]
+    if not dotted or any(a.startswith("-") and a not in ("-m", "--multirun") for a in args):
+        return None
+    try:
+        compose_pretrain(overrides, hydra_config=False)
+    except ConfigError as err:
+        found = _unknown_key(err)
+        if found is None:
+            return None
+        full_key = str(getattr(found, "full_key", ""))
+        parent, _, key = full_key.rpartition(".")
+        schema = getattr(found, "object_type", None)
+        names = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+        if not close:
+            return None  # Hydra's own message (add the key with +) stands
+        given = next((a for a in dotted if a.split("=", 1)[0] == full_key), f"{full_key}=...")
+        where = f"the {parent} config" + (f" ({schema.__name__})" if isinstance(schema, type) else "")
+        fixed = f"{parent}.{close[0]}={given.split('=', 1)[1]}"
+        return f"{full_key} is not a key of {where}: did you mean {parent}.{close[0]}? ({fixed})"
+    return None
+
+
 def main() -> None:
     """Console script ``bytescale-train``: Hydra's command line over the packaged
     ``conf/pretrain.yaml`` (``pkg://lightning_bytescale.recipes.conf``)."""
     try:
         entry = _hydra_main()
+        typo = override_typo(sys.argv[1:])
     except ConfigError as err:
         print(f"bytescale-train: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    if typo is not None:
+        print(f"bytescale-train: {typo}", file=sys.stderr)
+        raise SystemExit(2)
     entry()
 
 

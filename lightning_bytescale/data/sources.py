@@ -108,6 +108,27 @@ def _lines(path: Path) -> Iterator[bytes]:
         raise _read_error(path, err) from err
 
 
+def missing_folder(path: str | Path) -> str | None:
+    """Why ``path`` (a file, a folder or a glob) finds nothing when what it names does not exist:
+    ``"the folder /data/corpus does not exist (/data exists)"``; None when it exists."""
+    text = str(path)
+    base = text
+    if globlib.has_magic(text):  # the fixed part before the first wildcard
+        fixed = []
+        for part in Path(text).parts:
+            if globlib.has_magic(part):
+                break
+            fixed.append(part)
+        base = str(Path(*fixed)) if fixed else "."
+    if os.path.exists(base):
+        return None
+    above = Path(os.path.abspath(base)).parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    what = "the folder" if globlib.has_magic(text) or not Path(base).suffix else "the path"
+    return f"{what} {base} does not exist ({above} exists); check the path"
+
+
 def _read_error(path: str | Path, err: OSError) -> DataError:
     return DataError(
         f"cannot read source file {path}: {err.strerror or err}; check the path and its permissions"
@@ -219,6 +240,9 @@ class TextFilesSource(FileSourceMixin):
         if self.max_files is not None:
             found = found[: self.max_files]
         if not found:
+            missing = missing_folder(path)
+            if missing is not None:
+                raise DataError(f"text source {str(path)!r}: {missing}")
             where = f"folder {path} (pattern {self.pattern!r})" if os.path.isdir(path) else f"glob {path!r}"
             raise DataError(
                 f"no text files found in {where}; check the path, or choose the files: {PATTERN_HOW}"
@@ -292,7 +316,8 @@ class JsonlSource(FileSourceMixin):
         for pat in pats:
             hits = sorted(globlib.glob(str(pat), recursive=True))
             if not hits:
-                raise DataError(f"JSONL source {pat!r} matches no file")
+                missing = missing_folder(pat)
+                raise DataError(f"JSONL source {pat!r}: {missing or 'matches no file'}")
             for h in hits:
                 if os.path.isdir(h):
                     raise DataError(
@@ -363,6 +388,12 @@ class JsonlSource(FileSourceMixin):
         if obj is None:
             return
         if self.field not in obj:
+            if "messages" in obj or {"prompt", "completion"} <= obj.keys():
+                what = "a 'messages' list" if "messages" in obj else "a prompt and a completion"
+                raise DataError(
+                    f"{p}:{lineno}: no field {self.field!r}: this is a chat record ({what}), not a text "
+                    f"document; train it as chat data: {chat_how(p)}"
+                )
             raise DataError(
                 f"{p}:{lineno}: no field {self.field!r} (its keys: {sorted(obj)[:10]}); name the key that "
                 f"holds the text: {FIELD_HOW}"
@@ -456,6 +487,17 @@ class HFSource:
 FIELD_HOW = (
     "data.field=<key> on the bytescale-train command line, ByteScaleDataModule(field='<key>') in Python"
 )
+
+
+def chat_how(path: str | Path) -> str:
+    """How to train the chat records of ``path``, on the command line and in Python."""
+    return (
+        f"data=chat data.source.path={path} on the bytescale-train command line (with data.tokenizer=<a "
+        f"tokenizer with a chat template>), ByteScaleDataModule(source={{'kind': 'chat', 'path': '{path}'}}, "
+        "tokenizer=...) in Python"
+    )
+
+
 PATTERN_HOW = (
     "data.pattern='*.md' on the bytescale-train command line, ByteScaleDataModule(pattern='*.md') in Python"
 )

@@ -38,6 +38,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 from filelock import Timeout
+from torch import nn
 
 from lightning_bytescale.data.errors import DataError, OutOfVocabularyError, StoreNotFoundError
 from lightning_bytescale.data.loader import PredictSteps, StepDataset, StepLoader
@@ -896,12 +897,14 @@ def _planner_config(base: PlannerConfig | None, options: dict[str, Any]) -> Plan
 
 
 def model_vocab_size(module: Any) -> int | None:
-    """A model's vocabulary: its ``vocab_size`` attribute, else the rows of a Hugging Face model's
-    input embeddings (``get_input_embeddings()``) found among its modules; None if neither."""
+    """A model's vocabulary, found where it is: the module's ``vocab_size`` attribute, else the rows
+    of a Hugging Face model's input embeddings (``get_input_embeddings()``) found among its modules,
+    else the rows of its first ``nn.Embedding`` (``self.model = LlamaModel(...)``: ``model.embed``);
+    None if none of them."""
     value = getattr(module, "vocab_size", None)
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    modules = module.modules() if callable(getattr(module, "modules", None)) else ()
+    modules = list(module.modules()) if callable(getattr(module, "modules", None)) else []
     for m in modules:
         get = getattr(m, "get_input_embeddings", None)
         if callable(get):
@@ -909,6 +912,9 @@ def model_vocab_size(module: Any) -> int | None:
                 rows = getattr(get(), "num_embeddings", None)
                 if isinstance(rows, int) and rows > 0:
                     return rows
+    for m in modules:  # the first embedding of the module tree: the token embedding of a plain model
+        if isinstance(m, nn.Embedding) and m.num_embeddings > 0:
+            return int(m.num_embeddings)
     return None
 
 

@@ -62,9 +62,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Exit codes a child may end with that are not a failure of its own: success, and a preempted
-# rank that saved its share of the checkpoint (rank 0 exits with the same code itself).
+#: The exit code of a rank that raised the same error (type and message) as a lower rank: the lower
+#: rank printed it with its traceback; this one ends without printing it a second time.
+EXIT_SAME_ERROR = 3
+
+# Exit codes a child may end with that are not a failure of its own to report: success, a preempted
+# rank that saved its share of the checkpoint (rank 0 exits with the same code itself), and a rank
+# whose error a lower rank printed.
 _CLEAN_EXITS = (0, EXIT_PREEMPTED)
+_NOT_REPORTED = (*_CLEAN_EXITS, EXIT_SAME_ERROR)
+
+_FAILURE_KEY = "bytescale/failure/{rank}"
 
 _SIGNAL_CAUSES: dict[int, str] = {
     signal.SIGKILL: (
@@ -199,8 +207,9 @@ class ByteScaleScriptLauncher(_SubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
-        except Exception:
+        except Exception as err:
             self._failed_here = True  # the others wait for this rank in vain: see _end_ranks_at_exit
+            print_once(err, wait_s=self.settle_s)
             raise
 
     @override
@@ -221,7 +230,7 @@ class ByteScaleScriptLauncher(_SubprocessScriptLauncher):
         return [
             (self.global_rank(i), p)
             for i, p in enumerate(self.procs)
-            if p.poll() is not None and p.returncode not in _CLEAN_EXITS
+            if p.poll() is not None and p.returncode not in _NOT_REPORTED
         ]
 
     def report_and_exit(self, rank: int, process: subprocess.Popen) -> None:
@@ -271,6 +280,88 @@ class ByteScaleScriptLauncher(_SubprocessScriptLauncher):
             rank, process = failed[0]
             logging.shutdown()
             self.report_and_exit(rank, process)
+
+
+def error_signature(err: BaseException) -> str:
+    """What makes two ranks' errors the same one: the class and the message."""
+    return f"{type(err).__module__}.{type(err).__qualname__}: {err}"
+
+
+def _default_store() -> Any:
+    """The default process group's store (rank 0 serves it), or None before ``init_process_group``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - no store, no de-duplication: every rank prints its own error
+        return None
+
+
+def same_error_below(
+    store: Any, rank: int, signature: str, wait_s: float, poll_s: float = 0.05
+) -> int | None:
+    """A rank below ``rank`` that reported the error ``signature`` to ``store`` (the first found,
+    from rank 0 up), or None.
+
+    Waits up to ``wait_s`` for the lower ranks that have reported nothing yet (ranks raising the
+    same error raise it at about the same time); a lower rank with another error does not count.
+    That rank prints the error or defers to a still lower one, so the lowest rank that raised it
+    prints it.  When every rank raised it, each asks for rank 0's report first: one look-up each.
+    """
+    deadline = time.monotonic() + wait_s
+    seen: dict[int, str] = {}
+    while True:
+        for r in range(rank):
+            key = _FAILURE_KEY.format(rank=r)
+            if r in seen or not store.check([key]):
+                continue
+            seen[r] = store.get(key).decode(errors="replace")
+            if seen[r] == signature:
+                return r
+        if len(seen) == rank or time.monotonic() >= deadline:
+            return None
+        time.sleep(poll_s)
+
+
+def print_once(err: BaseException, wait_s: float) -> bool:
+    """Let one rank print an error that several ranks raise; True if this rank's copy stays silent.
+
+    Each failing rank reports ``error_signature(err)`` to the process group's store.  Rank 0
+    prints its own error (Python's traceback, as always).  Another rank whose error is the same
+    as a lower rank's (waiting ``wait_s`` for them) does not print it again: if the error reaches
+    the top of the script uncaught, the rank exits with :data:`EXIT_SAME_ERROR` and no traceback.
+    A different error, or one no lower rank raised, is printed by its rank as before.
+    """
+    store = _default_store()
+    if store is None:
+        return False
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    signature = error_signature(err)
+    try:
+        store.set(_FAILURE_KEY.format(rank=rank), signature)
+        if rank == 0 or same_error_below(store, rank, signature, wait_s) is None:
+            return False
+    except Exception:  # noqa: BLE001 - the store is gone (rank 0 ended): print this rank's error
+        return False
+    previous = sys.excepthook
+
+    def _silent_for_this_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if value is not err:
+            previous(kind, value, tb)
+            return
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        atexit._run_exitfuncs()  # what a normal exit runs (loggers, W&B), then the distinct code
+        os._exit(EXIT_SAME_ERROR)
+
+    sys.excepthook = _silent_for_this_error
+    return True
 
 
 class RankObserver(_ChildProcessObserver):

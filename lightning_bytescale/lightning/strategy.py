@@ -626,8 +626,9 @@ class ByteScaleStrategy(ParallelStrategy):
         if not isinstance(batch, StepBatch):
             raise TypeError(
                 f"ByteScaleStrategy expects each training batch to be a StepBatch (one optimizer step), got "
-                f"{type(batch).__name__}. Use ByteScaleDataModule, or a loader whose items come from "
-                "lightning_bytescale.engine.batch.build_step."
+                f"{type(batch).__name__}. Use lightning_bytescale.ByteScaleDataModule (docs/data.md), or a "
+                "loader whose items are built with lightning_bytescale.engine.build_step from a plan of "
+                "lightning_bytescale.planner.make_plan (docs/engine.md)."
             )
         trainer = compat.module_trainer(self.lightning_module)
         if trainer is not None:

@@ -157,3 +157,39 @@ def test_pattern_field_and_splits_are_hydra_keys(tmp_path):
     assert data("data=text", "data.source=/x/notes", "data.pattern=*.md").source.pattern == "*.md"
     with pytest.raises(Exception, match="predict_split"):
         data("data=jsonl", "data.source=/x/c.jsonl", "data.predict_split=everything")
+
+
+# ------------------------------------------------------- hints that lead somewhere (issue 29, item 3)
+def test_a_chat_file_under_the_jsonl_source_is_pointed_to_the_chat_source(tmp_path):
+    from lightning_bytescale.data.source_spec import make_source
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataError) as err:
+        ByteScaleDataModule(source=str(path), cache_dir=str(tmp_path / "c")).prepare_data()
+    text = str(err.value)
+    assert "this is a chat record (a 'messages' list)" in text and "data.field" not in text, text
+    assert f"data=chat data.source.path={path}" in text, text
+    assert f"ByteScaleDataModule(source={{'kind': 'chat', 'path': '{path}'}}" in text, text
+    assert make_source({"kind": "chat", "path": str(path)}).kind.startswith("chat")  # it exists
+    pair = tmp_path / "pairs.jsonl"
+    pair.write_text(json.dumps({"prompt": "2+2?", "completion": "4"}) + "\n")
+    with pytest.raises(DataError, match=r"chat record \(a prompt and a completion\).*data=chat"):
+        ByteScaleDataModule(source=str(pair), cache_dir=str(tmp_path / "c")).prepare_data()
+
+
+@pytest.mark.parametrize("kind", ["folder", "glob", "jsonl", "jsonl_glob"])
+def test_a_folder_that_does_not_exist_is_named_as_missing(tmp_path, kind):
+    missing = tmp_path / "corpus"
+    source = {
+        "folder": str(missing),
+        "glob": str(missing / "**" / "*.md"),
+        "jsonl": str(missing / "docs.jsonl"),
+        "jsonl_glob": str(missing / "*.jsonl"),
+    }[kind]
+    with pytest.raises(DataError) as err:
+        ByteScaleDataModule(source=source, cache_dir=str(tmp_path / "c")).source.files()
+    text = str(err.value)
+    named = missing / "docs.jsonl" if kind == "jsonl" else missing
+    assert f"{named} does not exist ({tmp_path} exists)" in text, text
+    assert "matches no file" not in text and "no text files found" not in text, text

@@ -79,3 +79,28 @@ def test_a_budget_found_wrong_only_once_the_store_is_built_is_still_one_line(tmp
         tmp_path, before_launch=False,
     )  # fmt: skip
     assert "tokens_per_step=100 is smaller than the longest sample (512 tokens" in _one_error_line(proc)
+
+
+def test_a_misspelt_key_is_answered_with_the_key_meant_not_with_plus(monkeypatch, capsys):
+    import sys
+
+    import pytest
+
+    from lightning_bytescale.cli.train import main, override_typo
+
+    monkeypatch.setattr(sys, "argv", ["bytescale-train", "strategy.plannr=static", "trainer.max_steps=1"])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "bytescale-train: strategy.plannr is not a key of the strategy config (StrategyConfig): "
+        "did you mean strategy.planner? (strategy.planner=static)"
+    )
+    assert override_typo(["trainer.max_step=3"]).endswith(
+        "did you mean trainer.max_steps? (trainer.max_steps=3)"
+    )
+    # valid overrides, sweeps, keys added with +, and keys close to nothing are left to Hydra
+    for args in (["strategy.planner=static"], ["-m", "strategy.planner=static,naive"], ["+strategy.plannr=1"],
+                 ["strategy.zzzzq=1"]):  # fmt: skip
+        assert override_typo(args) is None, args

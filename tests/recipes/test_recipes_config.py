@@ -276,9 +276,11 @@ def test_command_line_rejects_a_malformed_config_fast():
         timeout=60,
         env=env,
     )
-    assert proc.returncode != 0
-    assert "Key 'plannr' not in 'StrategyConfig'" in proc.stderr, proc.stderr
-    assert "+strategy.plannr" in proc.stderr  # Hydra's own hint
+    assert proc.returncode == 2, proc.stderr
+    # the key meant, the first time (Hydra's own hint, +strategy.plannr, would add the typo)
+    assert "strategy.plannr is not a key of the strategy config (StrategyConfig)" in proc.stderr, proc.stderr
+    assert "did you mean strategy.planner? (strategy.planner=static)" in proc.stderr, proc.stderr
+    assert "+strategy.plannr" not in proc.stderr
     assert not Path("/tmp/never").exists()  # nothing ran
 
 
