@@ -94,7 +94,10 @@ class HFCausalLM(pl.LightningModule):
     e.g. float64 under ``precision="64-true"``, float32 under ``"bf16-mixed"``).
     ``load_on="rank_zero"`` (default) reads a checkpoint on global rank 0 only under
     ``ByteScaleStrategy`` (the others receive rank 0's weights); ``"every_rank"`` loads it on
-    every rank.  Optimizer: AdamW with ``lr``, ``weight_decay``, ``betas``, ``eps``,
+    every rank.  ``tensor_parallel=True`` shards the model over ``device_mesh["tensor_parallel"]``
+    with its own plan (:func:`~lightning_bytescale.hf.tensor_parallel.parallelize_hf`) in
+    ``configure_model``, after every rank received rank 0's whole weights; it needs
+    ``ByteScaleStrategy(tensor_parallel_size > 1)``.  Optimizer: AdamW with ``lr``, ``weight_decay``, ``betas``, ``eps``,
     ``warmup_steps``, ``schedule`` (``constant``/``linear``/``cosine``) and ``min_lr_ratio``.
     """
 
@@ -117,6 +120,7 @@ class HFCausalLM(pl.LightningModule):
         warmup_steps: int = 0,
         schedule: str = "constant",
         min_lr_ratio: float = 0.0,
+        tensor_parallel: bool = False,
     ) -> None:
         super().__init__()
         if load_on not in LOAD_ON:
@@ -140,6 +144,7 @@ class HFCausalLM(pl.LightningModule):
             min_lr_ratio=min_lr_ratio,
         )
         self.load_on = load_on
+        self.tensor_parallel = bool(tensor_parallel)
         self.weights_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.model: nn.Module | None = None
         self.load_report: LoadReport | None = None
@@ -187,6 +192,23 @@ class HFCausalLM(pl.LightningModule):
         self.model = model
         if self._broadcast_fills_weights():
             self._check_same_structure()
+        if self.tensor_parallel:
+            self._shard_over_lanes()
+
+    def _shard_over_lanes(self) -> None:
+        """``tensor_parallel=True``: rank 0's whole weights on every rank, then each keeps its TP slice."""
+        from lightning_bytescale.engine.state_sync import broadcast_module_state
+        from lightning_bytescale.hf.tensor_parallel import parallelize_hf
+
+        mesh = self.device_mesh
+        if mesh is None:
+            raise ConfigError(
+                "HFCausalLM(tensor_parallel=True) needs a device mesh with a 'tensor_parallel' dimension: train "
+                "it with ByteScaleStrategy(tensor_parallel_size=N), N > 1"
+            )
+        assert self.model is not None
+        broadcast_module_state(self.model)  # parallelize_hf slices each rank's own whole tensor
+        parallelize_hf(self.model, mesh["tensor_parallel"])
 
     def _check_same_structure(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):

@@ -359,17 +359,31 @@ class ByteScaleDataModule(pl.LightningDataModule):
 
     @property
     def rank(self) -> int:
+        """This process's HDP rank: the global rank, or under tensor parallelism its TP group's index."""
         if self._rank is not None:
             return self._rank
-        trainer = self._trainer_or_none()
-        return int(trainer.global_rank) if trainer is not None else 0
+        return self._trainer_ranks()[0]
 
     @property
     def world_size(self) -> int:
+        """The HDP ranks the planner plans for (under tensor parallelism: the world // tensor_parallel_size)."""
         if self._world_size is not None:
             return self._world_size
+        return self._trainer_ranks()[1]
+
+    def _parallel_mesh(self) -> Any:
+        """The trainer's strategy's ``parallel_mesh`` (``ByteScaleStrategy(tensor_parallel_size>1)``), else ``None``."""
+        return getattr(getattr(self._trainer_or_none(), "strategy", None), "parallel_mesh", None)
+
+    def _trainer_ranks(self) -> tuple[int, int]:
+        """``(HDP rank, HDP ranks)`` from the trainer: every TP lane of an HDP rank reads the same share."""
         trainer = self._trainer_or_none()
-        return int(trainer.world_size) if trainer is not None else 1
+        if trainer is None:
+            return 0, 1
+        pmesh = self._parallel_mesh()
+        if pmesh is not None:
+            return pmesh.hdp_rank, pmesh.dims.data_parallel
+        return int(trainer.global_rank), int(trainer.world_size)
 
     def _trainer_or_none(self):
         return getattr(self, "trainer", None)
@@ -530,9 +544,10 @@ class ByteScaleDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         trainer = self._trainer_or_none()
         if trainer is not None:
+            hdp_rank, hdp_ranks = self._trainer_ranks()
             for name, mine, theirs in (
-                ("rank", self._rank, trainer.global_rank),
-                ("world_size", self._world_size, trainer.world_size),
+                ("rank", self._rank, hdp_rank),
+                ("world_size", self._world_size, hdp_ranks),
             ):
                 if mine is not None and mine != theirs:
                     raise DataError(
@@ -791,6 +806,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         dataset = StepDataset(
             self.store, samples, batching, self.rank, self.world_size,
             self.planner_options(), self.plan_seed(), self.validate_plans, split,
+            ring_ranks=None if (pmesh := self._parallel_mesh()) is None else pmesh.ring_ranks,
         )  # fmt: skip
         sampler = token_budget_sampler(batching, self.world_size, self.rank)
         return StepLoader(

@@ -416,6 +416,21 @@ class ForkCollectingLauncher(_MultiProcessingLauncher):
             gc.collect()
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        """Rank 0's weights for the main process; with tensor parallelism gathered whole from the shards first."""
+        if getattr(trainer.strategy, "parallel_mesh", None) is None:
+            return super()._collect_rank_zero_results(trainer, results)
+        from lightning_bytescale.lightning.mesh import full_state_dict
+
+        module = trainer.lightning_module
+        full = full_state_dict(module)  # a collective: every rank gathers
+        module.state_dict = lambda *a, **k: full  # what Lightning's launcher sends to the main process
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
+
 
 def _check_before_launch(trainer: pl.Trainer | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The strategy's checks of the run (``ByteScaleStrategy.check_before_launch``), once, before any rank starts."""

@@ -49,9 +49,11 @@ from lightning_bytescale.engine.zero import drop_unowned_gradients
 from lightning_bytescale.errors import CollectiveInMicroBatchError, GradientAccumulationError
 from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
+from lightning_bytescale.lightning import mesh as mesh_
 from lightning_bytescale.lightning.step_stats import step_stats
 from lightning_bytescale.offload.blocks import find_blocks
 from lightning_bytescale.offload.offloader import ActivationOffloader
+from lightning_bytescale.parallel import LocalShards, agree_across_lanes, start_step_check
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -203,6 +205,11 @@ class StepLoop:
         self.beat(text, waits_on_peers="(ring" in text or "(waits on every rank)" in text)
 
     # ------------------------------------------------------------------ pieces of the loop
+    def _plan_check(self, batch: StepBatch) -> Any:
+        """Start the plan-digest all-gather over every rank (on the mesh: a plan for the HDP ranks)."""
+        pmesh = self.strategy.parallel_mesh
+        return check_step(batch, wait=False) if pmesh is None else start_step_check(batch, pmesh)
+
     def offload_context(self, mb: PackedMicroBatch) -> contextlib.AbstractContextManager:
         offload = self.strategy.offload
         if offload in (None, False) or mb.offload_ratio <= 0:
@@ -254,7 +261,7 @@ class StepLoop:
         started = time.perf_counter()
         self.beat(f"the plan digest check of step {batch.step}", waits_on_peers=True)
         # an all-gather over all ranks, waited for before this rank's first ring P2P or gradient bucket
-        plan_check = check_step(batch, wait=False)
+        plan_check = self._plan_check(batch)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for _, p in named:
             p.grad = None
@@ -270,7 +277,9 @@ class StepLoop:
                     return self._training_forward(module, mb, rest, kwargs, None, dtypes)
             return self._training_forward(module, mb, rest, kwargs, extras, dtypes)
 
-        grad_sync = self._bucketed_sync(params)
+        grad_sync = self._bucketed_sync(params) if strategy.parallel_mesh is None else None
+        if strategy.fsdp is not None:
+            strategy.fsdp.begin_step()  # FSDP2: one all-gather per unit, before any ring exchange
         with self.micro_batches("training_step"):
             local = run_micro_batches(
                 module,
@@ -288,6 +297,8 @@ class StepLoop:
                 plan_check=plan_check,
                 locate_non_finite=strategy.locate_non_finite,
             )
+        if strategy.fsdp is not None:
+            strategy.fsdp.finish_step()  # FSDP2: one reduce-scatter per unit, after the last ring exchange
         step = TrainStep(batch, named, local, grad_sync, probing, started, dtypes[0], extras=extras)
         step.put_aside()
         return step
@@ -335,15 +346,29 @@ class StepLoop:
         self.beat(f"the gradient all-reduce of step {batch.step}", waits_on_peers=True)
         preemption = strategy._preemption
         n = strategy.check_parameters_every_n_steps
-        result = sync_step(
-            step.named,
-            batch,
-            step.local,
-            check_finite=strategy.check_finite,
-            check_parameters=n > 0 and (self.steps_run == 0 or batch.step % n == 0),
-            stop_request=preemption is not None and preemption.requested,
-            grad_sync=step.grad_sync,
+        pmesh = strategy.parallel_mesh
+        fsdp = strategy.fsdp
+        # on the mesh: DTensors as their local shards, without the ones FSDP2 reduced already
+        shards = (
+            None if pmesh is None else LocalShards(step.named if fsdp is None else fsdp.unmanaged(step.named))
         )
+
+        def sync() -> StepResult:
+            result = sync_step(
+                step.named if shards is None else shards.named,
+                batch,
+                step.local,
+                group=None if pmesh is None else pmesh.dp_group,  # the mesh: this lane's HDP ranks
+                check_finite=strategy.check_finite,
+                check_parameters=n > 0 and (self.steps_run == 0 or batch.step % n == 0),
+                stop_request=preemption is not None and preemption.requested,
+                grad_sync=step.grad_sync,
+            )
+            if shards is not None:
+                shards.write_back()
+            return result
+
+        result = sync() if pmesh is None else agree_across_lanes(sync, pmesh, batch.step)
         if strategy._grad_owners is not None and step.grad_sync is None:  # ZeRO-2 after a flat all-reduce
             drop_unowned_gradients([p for _, p in step.named], strategy._grad_owners, strategy.global_rank)
         if preemption is not None:  # the preemption callback acts on it after this step
@@ -408,9 +433,9 @@ class StepLoop:
                 loss.detach().to(torch.float64) if loss is not None else torch.zeros((), dtype=torch.float64)
             )
 
-        plan_check = check_step(batch, wait=False)
+        plan_check = self._plan_check(batch)
         try:
-            with context(), self.micro_batches(hook):
+            with context(), mesh_.gathered(self.strategy.fsdp), self.micro_batches(hook):
                 local = run_micro_batches(
                     module,
                     batch.micro_batches,
@@ -449,8 +474,12 @@ class StepLoop:
             self.eval_loss[(hook, loader)] = EvalLoss()
         totals = self.eval_loss.setdefault((hook, loader), EvalLoss())
         totals.other_outputs |= any(_loss_of(out) is None for out in outputs)
-        totals.ce_sum += float(local.loss) * int(batch.num_global_tokens)
-        totals.tokens += int(local.loss_tokens)
+        pmesh = strategy.parallel_mesh
+        if (
+            pmesh is None or pmesh.lane == 0
+        ):  # the TP lanes of an HDP rank hold the same tokens: count them once
+            totals.ce_sum += float(local.loss) * int(batch.num_global_tokens)
+            totals.tokens += int(local.loss_tokens)
         if self._last_eval_batch(batch_idx, loader):
             self._end_eval_epoch(hook, totals)
         return outputs

@@ -66,6 +66,7 @@ from lightning_bytescale.errors import ConfigError
 # still being imported.
 from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
+from lightning_bytescale.lightning import mesh as mesh_
 from lightning_bytescale.lightning import step as step_loop
 from lightning_bytescale.lightning import strategy_options as options_
 from lightning_bytescale.lightning.checkpoint import (
@@ -113,6 +114,9 @@ class ByteScaleStrategy(ParallelStrategy):
             ``ZeroRedundancyOptimizer``; ``2`` gradients too, each reduced to the rank owning its
             state (:mod:`~lightning_bytescale.engine.zero`); clipping uses the global norm at every level.
         zero1: the older spelling of ``zero=1`` (``True``); contradicting ``zero`` is an error.
+        tensor_parallel_size: ``N > 1``: an HDP rank is a group of ``N`` ranks on the mesh
+            ``(data_parallel, tensor_parallel)``, the LightningModule's ``device_mesh`` in
+            ``configure_model`` (:mod:`~lightning_bytescale.lightning.mesh`, docs/tensor-parallel.md).
         timeout: process-group timeout (seconds or ``timedelta``): a dead or stuck peer gives
             an error within it instead of a hang.
         check_finite: stop with :class:`~lightning_bytescale.errors.NonFiniteError` (naming ranks,
@@ -164,6 +168,7 @@ class ByteScaleStrategy(ParallelStrategy):
         options: dict[str, Any] | None = None,
         zero: int = 0,
         zero1: bool | None = None,
+        tensor_parallel_size: int = 1,
         timeout: float | int | timedelta | None = default_pg_timeout,
         check_finite: bool = True,
         locate_non_finite: bool = False,
@@ -215,6 +220,11 @@ class ByteScaleStrategy(ParallelStrategy):
         self.zero = resolve_zero_level(zero, zero1)
         self.zero1 = self.zero >= 1  # optimizer state is sharded (ZeRO-1 and ZeRO-2)
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
+        self.tensor_parallel_size = mesh_.check_options(
+            tensor_parallel_size, zero=self.zero, checkpoint_format=checkpoint_format
+        )
+        self.parallel_mesh: Any = None  # the ParallelMesh (tensor_parallel_size > 1), built at set-up
+        self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
         self.check_finite = bool(check_finite)
         self.locate_non_finite = bool(locate_non_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
@@ -274,6 +284,9 @@ class ByteScaleStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        pmesh = self.parallel_mesh
+        if pmesh is not None:  # one replica per HDP rank
+            return {"num_replicas": pmesh.dims.data_parallel, "rank": pmesh.hdp_rank}
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -294,6 +307,7 @@ class ByteScaleStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        mesh_.check_world(self.tensor_parallel_size, self.num_processes, self.num_nodes)  # in Trainer(...)
         if self._start_method == "popen":
             # Lightning's popen launcher, with ranks that die with rank 0 and named causes of death.
             # Under torchrun or SLURM it starts no process but still checks devices x num_nodes
@@ -334,9 +348,8 @@ class ByteScaleStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        # Here a device mesh would be made (Lightning's ModelParallelStrategy sets
-        # ``lightning_module._device_mesh`` at this point, before ``configure_model``); today
-        # every rank is one HDP rank over the global group.
+        if self.tensor_parallel_size > 1:  # the mesh (once), the module's device_mesh before configure_model
+            self.parallel_mesh = mesh_.build_mesh(self, self.parallel_mesh)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -356,12 +369,18 @@ class ByteScaleStrategy(ParallelStrategy):
             )
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if self.parallel_mesh is not None:
+            mesh_.check_setup(self, trainer)  # what TP cannot run with yet (a meta-device model among them)
         compat._materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # What DDP does when it wraps a model: every rank starts from rank 0's state.
         self._phase = "the broadcast of rank 0's parameters and buffers"
-        broadcast_module_state(self.model)
+        self.fsdp = mesh_.fsdp_driver(self.model, self.parallel_mesh)  # fully_shard in configure_model
+        if self.parallel_mesh is not None:
+            mesh_.broadcast_state(self.model, self.parallel_mesh)
+        else:
+            broadcast_module_state(self.model)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -374,6 +393,7 @@ class ByteScaleStrategy(ParallelStrategy):
             and self._grad_group is None
             and compat._distributed_is_initialized()
             and self.world_size > 1
+            and self.parallel_mesh is None  # the mesh sums gradients after the loop (docs/tensor-parallel.md)
         ):
             # the bucket all-reduces' own group (created once, here, on every rank): they may be
             # in flight while other ranks' ring exchanges run point-to-point on the global group
@@ -394,7 +414,7 @@ class ByteScaleStrategy(ParallelStrategy):
         if self._watchdog is None and self.watchdog is not False and seconds is not None:
             option = f"ByteScaleStrategy({'watchdog' if self.watchdog is not True else 'timeout'}=...)"
             self._watchdog = StepWatchdog(float(seconds), self.global_rank, timeout_option=option).start()
-        if self.preemption is False or trainer.state.fn != TrainerFn.FITTING:
+        if self.preemption is False or self.parallel_mesh or trainer.state.fn != TrainerFn.FITTING:
             return
         callback = next((c for c in trainer.callbacks if isinstance(c, PreemptionCallback)), None)
         if callback is None:
@@ -446,6 +466,8 @@ class ByteScaleStrategy(ParallelStrategy):
         self._grad_owners = owner_ranks(self.optimizers) if self.zero == 2 else None
         if self.zero == 2:
             self._clip_by_global_norm()
+        if self.parallel_mesh is not None:
+            mesh_.clip_by_global_norm(self.precision_plugin)
 
     def _clip_by_global_norm(self) -> None:
         """ZeRO-2: each rank holds only its shard of the gradients, so clipping by norm needs the global norm.
@@ -515,10 +537,30 @@ class ByteScaleStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Sharded: this rank's own state by parameter name (no gather); else Lightning's (ZeRO: gathered on rank 0)."""
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self.parallel_mesh is not None:  # DTensor state whole (every rank gathers; rank 0 writes)
+            return mesh_.optimizer_state(self.lightning_module, inner)
         if not self.sharded_checkpoints:
             return super().optimizer_state(inner)
         assert self.lightning_module is not None
         return sharded_optimizer_state(inner, self.lightning_module)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.parallel_mesh is None:
+            return super().lightning_module_state_dict()
+        return mesh_.model_state(self.lightning_module)  # DTensors whole (every rank gathers)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self.parallel_mesh is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        mesh_.load_model_state(self.lightning_module, checkpoint["state_dict"], strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self.parallel_mesh is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        mesh_.load_optimizer_states(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
 
     @override
     def save_checkpoint(
@@ -545,6 +587,8 @@ class ByteScaleStrategy(ParallelStrategy):
         """A sharded folder: each rank reads the model and its own optimizer entries; a file: Lightning's load."""
         if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self.parallel_mesh is not None:
+            raise ConfigError("a sharded checkpoint folder cannot be loaded with tensor_parallel_size > 1")
         module = self.lightning_module
         assert module is not None
         self._phase = f"loading the sharded checkpoint {checkpoint_path}"

@@ -1,0 +1,305 @@
+"""``ByteScaleStrategy(tensor_parallel_size=N)``: what the ``(data_parallel, tensor_parallel)`` mesh changes.
+
+With ``tensor_parallel_size=1`` (the default) nothing here runs but the check that
+``configure_model`` applied no ``fully_shard`` (:func:`fsdp_driver`): every rank is one HDP rank over
+the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ranks
+(:mod:`lightning_bytescale.parallel.dims`) and the strategy
+
+* checks the sizes when the Trainer is made (:func:`check_world`) and refuses, by name, the
+  options it cannot run exactly with TP yet (:func:`check_options`, :func:`check_setup`);
+* builds the mesh once after the process group, and hands it to the LightningModule as
+  ``device_mesh`` before ``configure_model``, with Lightning ``ModelParallelStrategy``'s names
+  (:func:`build_mesh`);
+* gives every rank HDP rank 0's parameters of its own lane (:func:`broadcast_state`): a TP
+  shard only travels to the same shard of the other HDP ranks;
+* runs the step's checks and gradient sum on the lane's data-parallel group, through
+  :mod:`lightning_bytescale.parallel.step`'s pieces (the step loop calls them), and clips by the
+  global norm over DTensor shards (:func:`clip_by_global_norm`);
+* drives FSDP2 when ``configure_model`` applied ``fully_shard`` over ``device_mesh["data_parallel"]``
+  (:func:`fsdp_driver`, :func:`gathered`);
+* writes consolidated checkpoints with the DTensor state whole and loads them back as each rank's
+  shards, on any mesh (:func:`model_state`, :func:`optimizer_state`, :func:`load_model_state`,
+  :func:`load_optimizer_states`).
+
+The data module plans for ``data_parallel`` ranks and reads the share of the rank's HDP rank
+(``ByteScaleDataModule`` asks the strategy's :attr:`parallel_mesh`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_bytescale.engine.state_sync import broadcast_tensors
+from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.parallel import (
+    DATA_PARALLEL,
+    FSDPSettingError,
+    FSDPStepDriver,
+    ParallelDims,
+    ParallelMesh,
+)
+from lightning_bytescale.parallel import clip_grad_norm_ as mesh_clip_grad_norm_
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def check_options(tensor_parallel_size: Any, *, zero: int, checkpoint_format: str) -> int:
+    """``tensor_parallel_size`` itself, and the options that cannot run with it yet (at construction)."""
+    tp = tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(
+            f"tensor_parallel_size must be a positive integer (1: no tensor parallelism), got {tp!r}"
+        )
+    if tp == 1:
+        return tp
+    if zero >= 1:
+        raise ConfigError(
+            f"ByteScaleStrategy(zero={zero}) is not supported with tensor_parallel_size={tp} yet: ZeRO's "
+            "optimizer sharding and gradient owners work on plain tensors, not on DTensor shards. Use zero=0 "
+            'with tensor parallelism (or fully_shard(..., mesh=self.device_mesh["data_parallel"]) in '
+            "configure_model to shard over the HDP ranks)"
+        )
+    if checkpoint_format == "sharded":
+        raise ConfigError(
+            f"checkpoint_format='sharded' is not supported with tensor_parallel_size={tp} yet: sharded "
+            "checkpoints of DTensor state are not built. Leave checkpoint_format='auto' (consolidated: the "
+            "DTensors gathered whole, resuming on any mesh)"
+        )
+    return tp
+
+
+def check_world(tensor_parallel_size: int, num_processes: int, num_nodes: int) -> ParallelDims:
+    """The run's dims: TP must divide the world and a node's processes (a ``ParallelDimsError`` otherwise)."""
+    return ParallelDims(
+        max(1, num_nodes) * max(1, num_processes), tensor_parallel_size, ranks_per_node=max(1, num_processes)
+    )
+
+
+def build_mesh(strategy: Any, built: ParallelMesh | None = None) -> ParallelMesh:
+    """The 2-D mesh (``built`` if given: its groups are made once), and the LightningModule's ``device_mesh``.
+
+    Called in ``setup_environment``, after the process group and before ``configure_model``.
+    """
+    pmesh = built
+    if pmesh is None:
+        dims = check_world(strategy.tensor_parallel_size, strategy.num_processes, strategy.num_nodes)
+        pmesh = dims.build(strategy.root_device.type)
+    module = strategy.lightning_module
+    if module is not None:
+        module._device_mesh = pmesh.mesh  # what Lightning's ModelParallelStrategy sets
+    return pmesh
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sharded_over_hdp_ranks(t: Any) -> bool:
+    """A DTensor sharded on ``"data_parallel"`` (FSDP2): each HDP rank holds a different part."""
+    names = tuple(t.device_mesh.mesh_dim_names or ())
+    # not is_shard(): FSDP2 around a TP shard uses _StridedShard, which is no Shard in every torch release
+    return DATA_PARALLEL in names and not t.placements[names.index(DATA_PARALLEL)].is_replicate()
+
+
+@torch.no_grad()
+def broadcast_state(module: nn.Module, pmesh: ParallelMesh) -> None:
+    """Every rank starts from HDP rank 0's parameters and buffers of its own lane.
+
+    Plain tensors (replicated on every lane: norms, tied embeddings, buffers) come from global
+    rank 0; DTensor shards from the same lane of HDP rank 0, over the lane's data-parallel group.
+    Parameters FSDP2 shards over the HDP ranks are left as they are: ``fully_shard`` cut each
+    rank's part from the whole tensor that rank built, so every rank must build the same one
+    (seed before building the model).
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    plain: list[torch.Tensor] = []
+    shards: list[torch.Tensor] = []
+    for t in (*module.parameters(), *module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if not isinstance(t, DTensor):
+            plain.append(t)
+        elif not _sharded_over_hdp_ranks(t):
+            shards.append(t)
+    broadcast_tensors(plain, src=0)
+    src = pmesh.dims.global_rank(0, pmesh.lane)
+    broadcast_tensors([_local(t) for t in shards], src=src, group=pmesh.dp_group)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every DTensor gathered whole (a collective: call on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
+def clip_by_global_norm(plugin: Any) -> None:
+    """The precision plugin's ``clip_grad_by_norm`` by the norm over DTensor shards and plain replicas, each element once."""
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+        mesh_clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm
+
+
+def fsdp_driver(module: nn.Module, pmesh: ParallelMesh | None) -> FSDPStepDriver | None:
+    """The FSDP2 step driver when ``configure_model`` applied ``fully_shard`` (``None`` when it did not).
+
+    The outermost unit (``fully_shard(self.model, ...)``, applied last) must hold every other one;
+    it and every unit must shard over ``device_mesh["data_parallel"]`` with
+    ``reshard_after_forward=False`` (:class:`~lightning_bytescale.parallel.FSDPStepDriver` refuses
+    the rest by name).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        return None
+    if pmesh is None:
+        raise FSDPSettingError(
+            "configure_model applied fully_shard, but ByteScaleStrategy runs FSDP2 only on its mesh: pass "
+            'tensor_parallel_size > 1 and shard with fully_shard(..., mesh=self.device_mesh["data_parallel"])'
+        )
+    outer = [u for u in units if not any(u is not o and u in set(o.modules()) for o in units)]
+    if len(outer) != 1:
+        raise FSDPSettingError(
+            f"configure_model made {len(outer)} outermost fully_shard units; apply fully_shard last to the one "
+            "module that holds all of them (fully_shard(self.model, ...), with the LightningModule's parameters inside it)"
+        )
+    root = outer[0]
+    inside = {id(p) for p in root.parameters()}
+    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        raise FSDPSettingError(
+            f"parameters {outside[:3]} are outside the outermost fully_shard unit {type(root).__name__}; keep every "
+            "trained parameter inside it"
+        )
+    driver = FSDPStepDriver(root, pmesh.dp_group)
+    stale = [n for n, p in driver.unmanaged(module.named_parameters()) if p.requires_grad]
+    if stale:
+        raise FSDPSettingError(
+            f"parameters {stale[:3]} are no longer the ones fully_shard manages (new Parameters assigned to the "
+            "module after fully_shard?), so FSDP2 would gather and reduce others; assign parameters before "
+            "fully_shard in configure_model"
+        )
+    return driver
+
+
+@contextmanager
+def gathered(fsdp: FSDPStepDriver | None) -> Iterator[None]:
+    """An evaluation loop with FSDP2: every unit gathered once before it and resharded after it (no backward)."""
+    if fsdp is None:
+        yield
+        return
+    fsdp.begin_step()
+    try:
+        yield
+    finally:
+        for unit in fsdp.units:
+            unit.reshard()
+
+
+def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
+    """What cannot run with tensor parallelism yet, refused at set-up by the setting's name."""
+    tp = strategy.tensor_parallel_size
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} cannot run with a float16 GradScaler (precision='16-mixed'): each "
+            "lane would decide on its own gradient shards whether to skip a step. Use precision='bf16-mixed' "
+            "or '32-true'"
+        )
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if any(p.is_meta for p in strategy.model.parameters()):
+        raise ConfigError(
+            f"tensor_parallel_size={tp}: the model has parameters on the meta device (Trainer.init_module("
+            "empty_init=True)); build it on the device in configure_model before parallelize_module"
+        )
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in strategy.model.parameters()):
+        rank_zero_warn(
+            f"ByteScaleStrategy(tensor_parallel_size={tp}): configure_model sharded no parameter (none is a "
+            "DTensor), so every lane of an HDP rank runs the whole model on the same micro-batches. Apply "
+            'parallelize_module(..., self.device_mesh["tensor_parallel"], plan) (or parallelize_llama / '
+            "parallelize_hf) in configure_model, or use tensor_parallel_size=1"
+        )
+    if fitting and strategy.preemption is not False:
+        rank_zero_warn(
+            f"ByteScaleStrategy(tensor_parallel_size={tp}): preemption checkpoints are not supported with "
+            "tensor parallelism yet, so the strategy's SIGTERM handler is not installed (pass preemption=False "
+            "to silence this)"
+        )
+
+
+# ----------------------------------------------------------------------------- consolidated checkpoints
+# With tensor parallelism (and FSDP2) the model and AdamW state are DTensors.  A consolidated
+# checkpoint holds them whole: torch.distributed.checkpoint.state_dict gathers them on every rank
+# (collectives on the mesh; rank 0 writes the file) and, on load, gives each rank its own shards of
+# the whole tensors, so a checkpoint resumes on any mesh, any data-parallel size included.
+
+
+def _full_options(strict: bool = True) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=False, strict=strict)
+
+
+def model_state(module: nn.Module) -> dict[str, Any]:
+    """The module's state with every DTensor whole (call on every rank)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_full_options())
+
+
+def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's state by parameter name, every DTensor whole (call on every rank)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=_full_options())
+
+
+def load_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> None:
+    """Whole tensors into the module: each rank keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(module, state, options=_full_options(strict))
+
+
+def load_optimizer_states(
+    module: nn.Module, optimizers: list[Optimizer], states: list[dict[str, Any]]
+) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    for optimizer, state in zip(optimizers, states):
+        set_optimizer_state_dict(module, optimizer, state, options=_full_options())
+
+
+__all__ = [
+    "broadcast_state",
+    "build_mesh",
+    "check_options",
+    "check_setup",
+    "check_world",
+    "clip_by_global_norm",
+    "fsdp_driver",
+    "full_state_dict",
+    "gathered",
+    "load_model_state",
+    "load_optimizer_states",
+    "model_state",
+    "optimizer_state",
+]

@@ -1,0 +1,174 @@
+"""``HFCausalLM(tensor_parallel=True)`` under ``ByteScaleStrategy(tensor_parallel_size=2)`` on 4 ranks, against one process.
+
+A tiny Qwen3 (per-head ``q_norm`` / ``k_norm``: the plan's ``replicated_with_grad_allreduce``
+style) saved as a checkpoint and loaded by global rank 0 only (``load_on="rank_zero"``: the other
+ranks build it empty and receive rank 0's whole weights before sharding), float64, sharded in
+``configure_model`` by transformers' own plan
+(``parallelize_hf`` over ``device_mesh["tensor_parallel"]``), trained with the balance planner and
+rings for four steps (one in which HDP rank 1 runs no micro-batch), clipping in every step.  The
+reference loads the same checkpoint in one process with ``"sdpa"`` attention on each whole sequence, the same AdamW parameter groups.  Parameters and
+logged losses must agree to 1e-10.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from _strategy_helpers import QUIET, global_batch  # noqa: E402
+from test_hf_families import tiny_config  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from lightning_bytescale import ByteScaleStrategy  # noqa: E402
+from lightning_bytescale.engine.micro_batch import build_step  # noqa: E402
+from lightning_bytescale.hf import HFCausalLM  # noqa: E402
+from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan  # noqa: E402
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+CAPACITY = 24
+STEPS = 4
+IDLE_STEP = 2
+LR, WEIGHT_DECAY, MAX_NORM = 1e-2, 0.1, 0.05
+FAMILY = "qwen3"
+
+
+def _plan(k: int, lengths: list[int]) -> Plan:
+    from lightning_bytescale.planner import make_plan
+
+    if k == IDLE_STEP:  # HDP rank 0 runs everything, HDP rank 1 nothing
+        mbs = [MicroBatch([Piece(j, ((0, n),))]) for j, n in enumerate(lengths)]
+        return Plan(
+            world_size=2, capacity=48, planner="hand", lengths=tuple(lengths), ranks=[mbs, []]
+        ).validate()
+    return make_plan(tuple(lengths), world_size=2, capacity=CAPACITY, planner="balance", seed=k)
+
+
+class Steps(Dataset):
+    def __init__(self, pmesh) -> None:
+        self.pmesh = pmesh
+
+    def __len__(self) -> int:
+        return STEPS
+
+    def __getitem__(self, k: int):
+        seqs = global_batch(k)
+        plan = _plan(k, [len(s) for s in seqs])
+        return build_step(
+            plan, self.pmesh.hdp_rank, lambda j: seqs[j], step=k, ring_ranks=self.pmesh.ring_ranks
+        )
+
+
+class Data(pl.LightningDataModule):
+    def train_dataloader(self):
+        return StatefulDataLoader(Steps(self.trainer.strategy.parallel_mesh), batch_size=None, shuffle=False)
+
+
+def _full(module) -> dict[str, torch.Tensor]:
+    from lightning_bytescale.lightning.mesh import full_state_dict
+
+    return {k: v.detach().clone() for k, v in full_state_dict(module).items()}
+
+
+class Recorder(pl.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out, self.losses = out, []
+
+    def on_train_start(self, trainer, pl_module):
+        from torch.distributed.tensor import DTensor
+
+        self.sharded = sum(isinstance(p, DTensor) for p in pl_module.parameters())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+    def on_train_end(self, trainer, pl_module):
+        final = _full(pl_module)
+        r = trainer.global_rank
+        torch.save(final, self.out / f"final_{r}.pt")
+        (self.out / f"report_{r}.json").write_text(
+            json.dumps({"losses": self.losses, "sharded": self.sharded})
+        )
+
+
+def _checkpoint(path: Path) -> Path:
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(FAMILY), dtype=torch.float64).save_pretrained(path)
+    return path
+
+
+def _reference(path: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float64)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    for k in range(STEPS):
+        seqs = global_batch(k)
+        n = sum(len(s) - 1 for s in seqs)
+        opt.zero_grad()
+        total = 0.0
+        for s in seqs:
+            logits = model(
+                input_ids=s[None], position_ids=torch.arange(len(s))[None], use_cache=False
+            ).logits[0]
+            loss = F.cross_entropy(logits[:-1], s[1:], reduction="sum") / n
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        assert norm > MAX_NORM, "clipping must act in every step"
+        opt.step()
+        losses.append(total)
+    return {f"model.{k}": v for k, v in model.state_dict().items()}, losses
+
+
+def test_hf_qwen3_with_transformers_tp_plan_under_the_strategy_equals_one_process(tmp_path):
+    os.environ.pop("MASTER_PORT", None)
+    path = _checkpoint(tmp_path / "checkpoint")
+    module = HFCausalLM(
+        str(path),
+        dtype=torch.float64,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        tensor_parallel=True,
+        local_files_only=True,
+    )
+    strategy = ByteScaleStrategy(tensor_parallel_size=2, capacity=CAPACITY, start_method="fork", timeout=120)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, precision="64-true", default_root_dir=tmp_path,
+        max_steps=STEPS, gradient_clip_val=MAX_NORM, callbacks=[Recorder(tmp_path)], **QUIET,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=Data())
+    expected, losses = _reference(path)
+    worst_param = worst_loss = 0.0
+    for r in range(4):
+        got = torch.load(tmp_path / f"final_{r}.pt")
+        rep = json.loads((tmp_path / f"report_{r}.json").read_text())
+        assert rep["sharded"] > 0, "parallelize_hf sharded nothing"
+        shared = [k for k in expected if k in got]
+        assert len(shared) == len(expected)
+        worst_param = max(worst_param, max((got[k] - expected[k]).abs().max().item() for k in shared))
+        worst_loss = max(worst_loss, max(abs(a - b) for a, b in zip(rep["losses"], losses)))
+    print(
+        f"HF {FAMILY} (2, 2): max parameter difference {worst_param:.3e}, max loss difference {worst_loss:.3e}"
+    )
+    assert worst_param <= 1e-10 and worst_loss <= 1e-10, (worst_param, worst_loss)
+
+
+def test_tensor_parallel_without_a_mesh_is_refused():
+    from lightning_bytescale.errors import ConfigError
+
+    module = HFCausalLM(tiny_config(FAMILY), dtype=torch.float64, tensor_parallel=True)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=N"):
+        module.configure_model()

@@ -1,0 +1,442 @@
+"""``ByteScaleStrategy(tensor_parallel_size=2)`` under a real Trainer (gloo, fork launcher, float64) against one process.
+
+The LightningModule is written as for Lightning's ``ModelParallelStrategy``: its ``configure_model``
+applies ``parallelize_llama(self.model, self.device_mesh["tensor_parallel"])``.  The data reads
+the strategy's mesh as ``ByteScaleDataModule`` does: every rank plans the global batch for the
+HDP ranks and builds its HDP rank's share with its lane's ring ranks.  The reference is an
+independent single process on whole sequences (plain causal SDPA, the loss over all tokens,
+``torch.nn.utils.clip_grad_norm_``, AdamW with weight decay).
+
+* ``(data_parallel=2, tensor_parallel=2)``: ten steps, the balance planner with rings (sequences
+  longer than C), and one hand plan in which HDP rank 1 runs no micro-batch; untied embeddings
+  (the vocabulary is sharded).
+* ``(1, 2)``: four steps, tied embeddings (replicated on both lanes).
+
+Clipping acts in every step (the max norm is below the gradient norms).  Parameters (gathered
+from the shards), the logged losses and ``val/loss`` after the last step (two held-out global
+batches, one with an idle HDP rank on ``(2, 2)``) must equal the reference to 1e-10, the step statistics
+must count each HDP rank once, and no process group may be made after set-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _strategy_helpers import QUIET, causal_sdpa, global_batch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightning_bytescale import ByteScaleStrategy, token_loss
+from lightning_bytescale.engine.micro_batch import build_step
+from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
+from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+INIT_SEED = 1234
+LR = 1e-2
+MAX_NORM = 0.05  # below the gradient norms: clipping acts in every step
+TOLERANCE = 1e-10
+IDLE_STEP = 2  # on data_parallel=2: HDP rank 1 runs no micro-batch
+VAL_STEPS, VAL_SEED = 2, 7  # validation after the last step: two global batches of another seed
+
+
+def _capacity(dp: int) -> int:
+    return 24 if dp > 1 else 48  # one HDP rank holds every sequence (no ring); two need rings
+
+
+def _idle_plan(lengths: list[int], capacity: int) -> Plan:
+    """HDP rank 0 runs every sequence (one per micro-batch), HDP rank 1 nothing."""
+    mbs = [MicroBatch([Piece(j, ((0, n),))]) for j, n in enumerate(lengths)]
+    plan = Plan(world_size=2, capacity=capacity, planner="hand", lengths=tuple(lengths), ranks=[mbs, []])
+    return plan.validate()
+
+
+def _plan(k: int, lengths: list[int], dp: int) -> Plan:
+    from lightning_bytescale.planner import make_plan
+
+    cap = _capacity(dp)
+    if dp == 2 and k == IDLE_STEP:
+        return _idle_plan(lengths, 48)
+    return make_plan(tuple(lengths), world_size=dp, capacity=cap, planner="balance", seed=k)
+
+
+class MeshSteps(Dataset):
+    """Item ``k``: this HDP rank's share of global batch ``k``, with this lane's ring ranks."""
+
+    def __init__(self, pmesh, steps: int, seed: int = 0) -> None:
+        self.pmesh, self.steps, self.seed = pmesh, steps, seed
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, k: int):
+        seqs = global_batch(k, self.seed)
+        plan = _plan(k if self.seed == 0 else k + 1, [len(s) for s in seqs], self.pmesh.dims.data_parallel)
+        return build_step(
+            plan, self.pmesh.hdp_rank, lambda j: seqs[j], step=k, ring_ranks=self.pmesh.ring_ranks
+        )
+
+
+class MeshData(pl.LightningDataModule):
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+
+    def train_dataloader(self):
+        pmesh = self.trainer.strategy.parallel_mesh
+        return StatefulDataLoader(MeshSteps(pmesh, self.steps), batch_size=None, shuffle=False)
+
+    def val_dataloader(self):
+        pmesh = self.trainer.strategy.parallel_mesh
+        return StatefulDataLoader(MeshSteps(pmesh, VAL_STEPS, seed=VAL_SEED), batch_size=None, shuffle=False)
+
+
+class TPLM(pl.LightningModule):
+    """A model written for ModelParallelStrategy: built whole, sharded in configure_model."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        torch.manual_seed(INIT_SEED)
+        self.model = LlamaModel(LlamaConfig.preset("tiny", tie_embeddings=tied))
+        self.heads_seen: set[tuple[int, int]] = set()
+
+    def configure_model(self) -> None:
+        from lightning_bytescale.packed_attention import attention
+        from lightning_bytescale.parallel import parallelize_llama
+
+        assert self.device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
+        parallelize_llama(self.model, self.device_mesh["tensor_parallel"])
+
+        def recording_attention(q, k, v):
+            self.heads_seen.add((q.shape[1], k.shape[1]))
+            return attention(q, k, v)
+
+        self.model.attention_fn = recording_attention
+
+    def training_step(self, mb, batch_idx):
+        logits = self.model(mb.input_ids, mb.position_ids)
+        return token_loss(logits, mb.labels, mb.num_global_tokens)
+
+    def validation_step(self, mb, batch_idx):
+        logits = self.model(mb.input_ids, mb.position_ids)
+        return token_loss(logits, mb.labels, mb.num_global_tokens)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+
+class TPFSDPLM(TPLM):
+    """The same, with FSDP2 over the HDP ranks around the tensor-parallel blocks (ModelParallelStrategy style)."""
+
+    reshard_after_forward = False
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        super().configure_model()
+        dp = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=dp, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(self.model, mesh=dp, reshard_after_forward=self.reshard_after_forward)
+
+
+def _process_groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+class Recorder(pl.Callback):
+    """Every rank writes the logged losses, step statistics, micro-batch counts and gathered parameters."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.rows: list[dict] = []
+        self.groups_after_setup = -1
+
+    def on_train_start(self, trainer, pl_module):
+        from _parallel import CallLog
+
+        self.groups_after_setup = _process_groups()
+        self.calls = CallLog()  # this rank's torch.distributed calls from here on
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stats = trainer.strategy.step_stats
+        self.rows.append(
+            {
+                "step": batch.step,
+                "logged": float(trainer.callback_metrics["train/loss"]),
+                "loss_tokens": stats["loss_tokens"],
+                "num_micro_batches": stats["num_micro_batches"],
+                "rings": sum(mb.layout.ring is not None for mb in batch.micro_batches),
+                "ring_peers": sorted(
+                    {r for mb in batch.micro_batches if mb.layout.ring is not None for r in mb.layout.ring}
+                ),
+            }
+        )
+
+    def on_train_end(self, trainer, pl_module):
+        pmesh = trainer.strategy.parallel_mesh
+        full = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in pl_module.state_dict().items()
+        }
+        report = {
+            "rows": self.rows,
+            "coords": [pmesh.hdp_rank, pmesh.lane, list(pmesh.ring_ranks)],
+            "groups_after_setup": self.groups_after_setup,
+            "groups_at_end": _process_groups(),
+            "p2p_peers": sorted(
+                {p for name, _, ps in self.calls.events if name == "batch_isend_irecv" for p in ps}
+            ),
+            "p2p_groups": sorted({r for name, r, _ in self.calls.events if name == "batch_isend_irecv"}),
+            "group_calls": sum(
+                e[0] in ("new_group", "new_subgroups", "split_group") for e in self.calls.events
+            ),
+            "heads_seen": sorted(pl_module.heads_seen),
+            "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
+            "dtensor_params": sum(isinstance(p, DTensor) for p in pl_module.parameters()),
+        }
+        r = trainer.global_rank
+        (self.out / f"report_{r}.json").write_text(json.dumps(report))
+        torch.save(full, self.out / f"params_{r}.pt")
+
+
+def _fit(
+    out: Path,
+    world: int,
+    *,
+    steps: int,
+    tied: bool,
+    module: type[TPLM] = TPLM,
+    data_steps: int | None = None,
+    ckpt_every: int | None = None,
+    resume: Path | None = None,
+    **strategy_options,
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.pop("MASTER_PORT", None)
+    dp = world // 2
+    strategy = ByteScaleStrategy(
+        tensor_parallel_size=2, capacity=_capacity(dp), start_method="fork", timeout=120, **strategy_options
+    )
+    callbacks: list[pl.Callback] = [Recorder(out)]
+    if ckpt_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=ckpt_every))
+    options = {**QUIET, "enable_checkpointing": bool(ckpt_every)}
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, precision="64-true", default_root_dir=out,
+        max_steps=steps, gradient_clip_val=MAX_NORM, callbacks=callbacks, **options,
+    )  # fmt: skip
+    trainer.fit(module(tied), datamodule=MeshData(data_steps or steps), ckpt_path=resume)
+
+
+def _reference(steps: int, tied: bool) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """One process, whole sequences, float64: parameters, losses and gradient norms."""
+    torch.manual_seed(INIT_SEED)
+    model = LlamaModel(LlamaConfig.preset("tiny", tie_embeddings=tied), attention_fn=causal_sdpa).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    losses, norms = [], []
+    for k in range(steps):
+        seqs = global_batch(k)
+        n = sum(len(s) - 1 for s in seqs)
+        opt.zero_grad()
+        total = 0.0
+        for s in seqs:
+            loss = F.cross_entropy(model(s, torch.arange(len(s)))[:-1], s[1:], reduction="sum") / n
+            loss.backward()
+            total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        losses.append(total)
+    with torch.no_grad():  # the validation loss of the final model: every token of the batches once
+        seqs = [s for k in range(VAL_STEPS) for s in global_batch(k, VAL_SEED)]
+        ce = sum(F.cross_entropy(model(s, torch.arange(len(s)))[:-1], s[1:], reduction="sum") for s in seqs)
+        losses.append(float(ce) / sum(len(s) - 1 for s in seqs))
+    return {f"model.{k}": v for k, v in model.state_dict().items()}, losses, norms
+
+
+def _check(out: Path, world: int, steps: int, tied: bool) -> dict:
+    expected, losses, norms = _reference(steps, tied)
+    val_loss = losses.pop()
+    assert min(norms) > MAX_NORM, "clipping must act in every step"
+    dp = world // 2
+    reports = [json.loads((out / f"report_{r}.json").read_text()) for r in range(world)]
+    worst_param = worst_loss = 0.0
+    for r, rep in enumerate(reports):
+        got = torch.load(out / f"params_{r}.pt")
+        assert got.keys() == expected.keys()
+        for k, v in expected.items():
+            worst_param = max(worst_param, (got[k] - v).abs().max().item())
+        worst_loss = max(worst_loss, abs(rep["val_loss"] - val_loss))
+        if r == 0:
+            print(f"val/loss difference {abs(rep['val_loss'] - val_loss):.1e}")
+        rows = rep["rows"]
+        assert [row["step"] for row in rows] == list(range(steps))
+        per_step = [abs(row["logged"] - loss) for row, loss in zip(rows, losses)]
+        worst_loss = max(worst_loss, max(per_step))
+        if r == 0:
+            print("loss differences per step:", " ".join(f"{d:.1e}" for d in per_step))
+        assert rep["coords"][:2] == [r // 2, r % 2]  # TP inner: HDP rank g // 2, lane g % 2
+        assert rep["coords"][2] == [g for g in range(world) if g % 2 == r % 2]
+        assert rep["heads_seen"] == [[2, 1]], "attention must get this lane's 4/2 heads and 2/2 KV heads"
+        assert rep["dtensor_params"] > 0
+        assert rep["groups_at_end"] == rep["groups_after_setup"] > 0, "a process group made after set-up"
+        assert rep["group_calls"] == 0
+        # every ring transfer goes to the same lane of another HDP rank, on the one global group
+        assert set(rep["p2p_peers"]) <= {g for g in range(world) if g % 2 == r % 2 and g != r}
+        assert rep["p2p_groups"] in ([], [list(range(world))])
+        for k, row in enumerate(rows):
+            seqs = global_batch(k)
+            assert row["loss_tokens"] == sum(len(s) - 1 for s in seqs)  # each token once, not per lane
+            plan = _plan(k, [len(s) for s in seqs], dp)
+            assert row["num_micro_batches"] == [len(m) for m in plan.ranks]  # one report per HDP rank
+            assert set(row["ring_peers"]) <= set(rep["coords"][2]), "a ring left this lane"
+    return {"param": worst_param, "loss": worst_loss, "reports": reports}
+
+
+def test_2x2_balance_with_rings_and_an_idle_hdp_rank_equals_one_process(tmp_path):
+    steps = 10
+    _fit(tmp_path, 4, steps=steps, tied=False)
+    result = _check(tmp_path, 4, steps, tied=False)
+    print(f"(2, 2): max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
+    assert result["param"] <= TOLERANCE, result["param"]
+    assert result["loss"] <= TOLERANCE, result["loss"]
+    rows = result["reports"][0]["rows"]
+    assert rows[IDLE_STEP]["num_micro_batches"][1] == 0, "HDP rank 1 must run no micro-batch in one step"
+    assert any(row["rings"] for rep in result["reports"] for row in rep["rows"]), "no ring ran"
+    assert [rep["p2p_peers"] for rep in result["reports"]] == [[2], [3], [0], [1]]
+
+
+def test_1x2_tied_embeddings_equals_one_process(tmp_path):
+    steps = 4
+    _fit(tmp_path, 2, steps=steps, tied=True)
+    result = _check(tmp_path, 2, steps, tied=True)
+    print(f"(1, 2): max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
+    assert result["param"] <= TOLERANCE, result["param"]
+    assert result["loss"] <= TOLERANCE, result["loss"]
+
+
+def test_2x2_fsdp2_on_data_parallel_around_tp_equals_one_process(tmp_path):
+    steps = 3  # includes IDLE_STEP: HDP rank 1 runs no micro-batch but joins every FSDP collective
+    _fit(tmp_path, 4, steps=steps, tied=False, module=TPFSDPLM)
+    result = _check(tmp_path, 4, steps, tied=False)
+    print(
+        f"(2, 2) FSDP2: max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}"
+    )
+    assert result["param"] <= TOLERANCE, result["param"]
+    assert result["loss"] <= TOLERANCE, result["loss"]
+    assert result["reports"][0]["rows"][IDLE_STEP]["num_micro_batches"][1] == 0
+
+
+def test_fsdp2_reshard_after_forward_is_refused_at_set_up(tmp_path):
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    class Resharding(TPFSDPLM):
+        reshard_after_forward = True
+
+    with pytest.raises(ProcessRaisedException, match=r"reshard_after_forward=True"):
+        _fit(tmp_path, 2, steps=1, tied=False, module=Resharding)
+
+
+def _resume(tmp_path: Path, module: type[TPLM], worlds: tuple[tuple[str, int], ...]) -> None:
+    """Three steps on (2, 2) with a checkpoint, then to six steps from it on each of ``worlds``."""
+    total = 6
+    _fit(tmp_path / "first", 4, steps=3, tied=False, module=module, data_steps=total, ckpt_every=3)
+    (ckpt,) = (tmp_path / "first" / "ckpt").glob("*.ckpt")
+    expected, losses, _ = _reference(total, tied=False)
+    for name, world in worlds:
+        out = tmp_path / name
+        _fit(out, world, steps=total, tied=False, module=module, data_steps=total, resume=ckpt)
+        worst_param = worst_loss = 0.0
+        for r in range(world):
+            got = torch.load(out / f"params_{r}.pt")
+            worst_param = max(worst_param, max((got[k] - v).abs().max().item() for k, v in expected.items()))
+            rows = json.loads((out / f"report_{r}.json").read_text())["rows"]
+            assert [row["step"] for row in rows] == list(range(3, total))
+            worst_loss = max(worst_loss, max(abs(row["logged"] - losses[row["step"]]) for row in rows))
+        print(
+            f"resume {module.__name__} (2, 2) -> {name}: max parameter difference {worst_param:.3e}, loss {worst_loss:.3e}"
+        )
+        assert worst_param <= TOLERANCE and worst_loss <= TOLERANCE, (name, worst_param, worst_loss)
+
+
+def test_resume_from_a_consolidated_checkpoint_is_exact_on_the_same_and_another_mesh(tmp_path):
+    _resume(tmp_path, TPLM, (("2x2", 4), ("1x2", 2)))
+
+
+def test_resume_with_fsdp2_from_a_consolidated_checkpoint_is_exact(tmp_path):
+    _resume(tmp_path, TPFSDPLM, (("2x2", 4),))
+
+
+# ----------------------------------------------------------------------------- refusals (no processes)
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
+        ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive integer"),
+        ({"tensor_parallel_size": 2, "zero": 1}, r"zero=1\) is not supported with tensor_parallel_size=2"),
+        ({"tensor_parallel_size": 2, "zero": 2}, r"zero=2\) is not supported"),
+        ({"tensor_parallel_size": 2, "checkpoint_format": "sharded"}, "checkpoint_format='sharded'"),
+    ],
+)
+def test_construction_refuses_what_tp_cannot_run(options, match):
+    with pytest.raises(ConfigError, match=match):
+        ByteScaleStrategy(**options)
+
+
+def test_trainer_refuses_a_tp_size_that_does_not_divide_the_world():
+    from lightning_bytescale.lightning.mesh import check_world
+    from lightning_bytescale.parallel import ParallelDimsError
+
+    with pytest.raises(ParallelDimsError, match=r"tensor_parallel_size=2 does not divide the world of 3"):
+        pl.Trainer(accelerator="cpu", devices=3, strategy=ByteScaleStrategy(tensor_parallel_size=2), **QUIET)
+    with pytest.raises(ParallelDimsError, match=r"larger than the 2 ranks of a node"):
+        check_world(4, num_processes=2, num_nodes=2)  # 2 nodes of 2: a TP group would span both
+    with pytest.raises(ParallelDimsError, match=r"does not divide the 6 ranks of a node"):
+        check_world(4, num_processes=6, num_nodes=2)
+    assert check_world(2, num_processes=4, num_nodes=2).data_parallel == 4
+
+
+def test_default_builds_no_mesh():
+    strategy = ByteScaleStrategy()
+    assert strategy.tensor_parallel_size == 1 and strategy.parallel_mesh is None
+
+
+def test_datamodule_plans_for_hdp_ranks_and_reads_its_hdp_ranks_share_with_the_lanes_ring_ranks(tmp_path):
+    """Under tensor_parallel_size=2 on 4 ranks, global rank 3 is HDP rank 1 of 2, lane 1 (rings with 1 and 3)."""
+    from types import SimpleNamespace
+
+    from lightning_bytescale import ByteScaleDataModule
+    from lightning_bytescale.parallel import ParallelDims
+
+    dims = ParallelDims(4, tensor_parallel=2)
+    pmesh = SimpleNamespace(dims=dims, hdp_rank=dims.hdp_rank(3), lane=1, ring_ranks=dims.lane_ranks(1))
+    strategy = ByteScaleStrategy(tensor_parallel_size=2, capacity=96)
+    strategy.parallel_mesh = pmesh
+    dm = ByteScaleDataModule(
+        source={"kind": "synthetic", "name": "github", "num_samples": 120, "scale": 1 / 256},
+        cache_dir=tmp_path / "cache",
+        tokens_per_step=512,
+        num_workers=0,
+    )
+    dm.prepare_data()
+    dm.trainer = SimpleNamespace(global_rank=3, world_size=4, strategy=strategy, overfit_batches=0)
+    assert (dm.rank, dm.world_size) == (1, 2)
+    dm.setup("fit")
+    assert dm.pool_tokens(None) == 2 * 96  # capacity is per HDP rank
+    loader = dm.train_dataloader()
+    dataset = loader.dataset
+    assert (dataset.rank, dataset.world_size, dataset.ring_ranks) == (1, 2, (1, 3))
+    batch = next(iter(loader))
+    assert batch.stats["world_size"] == 2
+    for mb in batch.micro_batches:
+        assert mb.layout.ring is None or set(mb.layout.ring) <= {1, 3}
