@@ -65,6 +65,7 @@ from lightning_bytescale.data.store import (
 from lightning_bytescale.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_bytescale.errors import PlannerOptionsConflictError
 from lightning_bytescale.planner.config import PlannerConfig
+from lightning_bytescale.planner.cost_model import CostModel
 from lightning_bytescale.planner.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -433,7 +434,19 @@ class ByteScaleDataModule(pl.LightningDataModule):
     def planner_options(self) -> dict:
         """:attr:`planner_config` as ``make_plan`` keyword options (without the seed and ``None`` values)."""
         opts = self.planner_config.as_options()
-        return {k: v for k, v in opts.items() if v is not None and k != "seed"}
+        opts = {k: v for k, v in opts.items() if v is not None and k != "seed"}
+        pmesh = self._parallel_mesh()
+        tp = int(pmesh.dims.tensor_parallel) if pmesh is not None else 1
+        if tp > 1:
+            # ranks_per_node (the option or the cost model's) counts devices; the planner places
+            # rings over HDP ranks, tp devices each (as the simulator's Scenario.ranks_per_node)
+            per_node = opts.get("ranks_per_node")
+            if per_node is None:
+                cost = opts.get("cost_model") or CostModel.paper_preset()
+                per_node = cost.ranks_per_node
+            if per_node is not None:
+                opts["ranks_per_node"] = max(1, int(per_node) // tp)
+        return opts
 
     def plan_seed(self) -> int:
         """The base of every step's planning seed: the planner config's ``seed`` if it gives one."""
