@@ -120,6 +120,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
                 every_n_train_steps=cfg.get("checkpoint_every_n_steps"),
             )
         )
+    stop = _stop_callback(strategy, cfg)
+    if stop is not None:
+        callbacks.append(stop)
     trainer = instantiate(
         trainer_cfg,
         strategy=strategy,
@@ -134,6 +137,28 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         "logger": logger,
         "trainer": trainer,
     }
+
+
+def _stop_callback(strategy: Any, cfg: DictConfig) -> Any:
+    """The strategy's preemption callback, ending with the command that resumes this run.
+
+    Under the default (popen) launcher Ctrl-C stops the same way as SIGTERM: a checkpoint at the
+    next step boundary (a second Ctrl-C stops at once).  With spawn or fork the launching
+    process holds no training state and Lightning's own Ctrl-C handling is kept.
+    """
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lightning_bytescale.cli._run_end import ResumeHint, command_overrides
+    from lightning_bytescale.lightning.preemption import PreemptionCallback, PreemptionHandler
+
+    chosen = getattr(strategy, "preemption", False)
+    if chosen is False:
+        return None
+    signals = ("SIGTERM",) if chosen is True else tuple(chosen)
+    if chosen is True and getattr(strategy, "start_method", "popen") == "popen":
+        signals += ("SIGINT",)
+    hint = ResumeHint(command_overrides(), str(Path(str(cfg.run_dir)).absolute()), SLURMEnvironment.detect())
+    return PreemptionCallback(PreemptionHandler(signals), resume_hint=hint)
 
 
 def _validate_data(datamodule: Any, strategy: Any, trainer: Any) -> None:
@@ -287,6 +312,12 @@ def train(cfg: DictConfig) -> float | None:
     start = time.perf_counter()
     try:
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+    except SystemExit as err:
+        from lightning_bytescale.lightning.preemption import PreemptedError  # loads Lightning (see above)
+
+        if trainer.interrupted and not isinstance(err, PreemptedError) and trainer.is_global_zero:
+            _report_interrupt(cfg, trainer)  # Lightning's Ctrl-C handling (a second Ctrl-C, or during set-up)
+        raise
     except Exception as err:
         from lightning_bytescale.data.errors import DataError  # loads torch (see above)
 
@@ -317,12 +348,52 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
     if loss is not None:
         lines[0] += f", last loss {float(loss):.4f}"
     lines.append(f"  outputs: {cfg.run_dir}")
+    lines += _checkpoint_lines(cfg, trainer, ran)
     if logger is not None and type(logger).__name__ == "WandbLogger":
         runs = find_run_files(os.path.join(str(logger.save_dir), "wandb"))
         if runs and "offline-run" in runs[-1].parent.name:
             lines.append(f"  offline W&B run: {runs[-1].parent}")
             lines.append(f"  upload it with:  wandb sync {runs[-1].parent}")
     print("\n".join(lines), flush=True)
+
+
+def _checkpoint_lines(cfg: DictConfig, trainer: Any, ran: int) -> list[str]:
+    """Where the run's checkpoint is and the command that trains on from it."""
+    from lightning_bytescale.cli._run_end import checkpoint_step, command_overrides, resume_command
+
+    callback = trainer.checkpoint_callback
+    if callback is None or callback.dirpath is None:
+        return []
+    last = Path(callback.dirpath) / "last.ckpt"
+    if not last.exists():
+        return []
+    step = trainer.global_step or checkpoint_step(last)  # spawn: the state stayed in the workers
+    limit = int(cfg.trainer.get("max_steps") or -1)
+    more = None
+    if step is not None and 0 < limit <= step:  # it used up its steps: resuming as it is would stop at once
+        more = step + (ran or limit)
+    where = f"  checkpoint: {last}" + (f" (step {step})" if step is not None else "")
+    lines = [where, f"  resume with:  {resume_command(command_overrides(), last, more)}"]
+    if more is not None:
+        lines[-1] += f"   # to step {more}"
+    return lines
+
+
+def _report_interrupt(cfg: DictConfig, trainer: Any) -> None:
+    """Rank 0's lines after Lightning's Ctrl-C handling: the newest checkpoint and its command."""
+    from lightning_bytescale.cli._run_end import command_overrides, newest_checkpoint, resume_command
+
+    callback = trainer.checkpoint_callback
+    found = newest_checkpoint(str(cfg.run_dir), getattr(callback, "dirpath", None))
+    lines = [
+        f"[bytescale-train] {cfg.name}: interrupted after step {trainer.global_step}, without a checkpoint there"
+    ]
+    if found is not None:
+        lines.append(f"  newest checkpoint: {found}")
+        lines.append(f"  resume with:  {resume_command(command_overrides(), found)}")
+    else:
+        lines.append("  nothing was saved (the first Ctrl-C of a training run saves one at the next step)")
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _hydra_main() -> Any:

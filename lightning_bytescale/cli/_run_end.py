@@ -1,0 +1,89 @@
+"""How a ``bytescale-train`` run ends: where its checkpoint is, and the command that resumes it.
+
+Every way a run ends prints its next step once, on rank 0: the summary of a finished run
+(``checkpoint:`` and ``resume with:`` lines), the preemption message of a run stopped by SIGTERM or
+Ctrl-C (:class:`ResumeHint`, given to the :class:`PreemptionCallback`), and the line of a run
+interrupted before it could save (a second Ctrl-C).  The command repeats the run's own
+command-line overrides with ``ckpt_path=`` (and ``trainer.max_steps=`` raised where the run
+used up its steps): it starts a new run folder, as every ``bytescale-train`` does, and
+trains on from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_./:@+-]+$")
+_STEP = re.compile(r"step=(\d+)")
+
+
+def command_overrides() -> list[str]:
+    """This run's command-line overrides (Hydra's ``overrides.task``), or none outside Hydra."""
+    if not HydraConfig.initialized():
+        return []
+    return [str(o) for o in HydraConfig.get().overrides.task]
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def resume_command(overrides: list[str], checkpoint: Path | str, max_steps: int | None = None) -> str:
+    """``bytescale-train <overrides> ckpt_path=<checkpoint> [trainer.max_steps=N]``, shell-quoted."""
+    drop = {"ckpt_path"} | ({"trainer.max_steps"} if max_steps is not None else set())
+    args = [o for o in overrides if _key(o) not in drop]
+    path = str(Path(checkpoint).absolute()) if "://" not in str(checkpoint) else str(checkpoint)
+    args.append(f"ckpt_path={path}" if _PLAIN.match(path) else f"ckpt_path='{path}'")  # Hydra's quotes
+    if max_steps is not None:
+        args.append(f"trainer.max_steps={max_steps}")
+    return shlex.join(["bytescale-train", *args])
+
+
+@dataclass
+class ResumeHint:
+    """The end of the preemption message under ``bytescale-train``: the command that resumes.
+
+    Picklable (the spawn launcher sends the callbacks to its workers).
+    """
+
+    overrides: list[str] = field(default_factory=list)
+    run_dir: str = ""
+    slurm: bool = False
+
+    def __call__(self, checkpoint: Path | str) -> str:
+        text = f"Resume it with:\n  {resume_command(self.overrides, checkpoint)}"
+        if self.slurm:
+            text += (
+                "\n  (a requeued SLURM job resumes from it by itself only in the same run folder: "
+                f"hydra.run.dir={self.run_dir})"
+            )
+        return text
+
+
+def checkpoint_step(path: Path | str) -> int | None:
+    """The step in a checkpoint's name (``epoch=0-step=200.ckpt``; ``last.ckpt`` through its link)."""
+    text = str(path)
+    if "://" not in text:
+        text = os.path.realpath(text)
+    found = _STEP.findall(os.path.basename(text))
+    return int(found[-1]) if found else None
+
+
+def newest_checkpoint(run_dir: Path | str, dirpath: Path | str | None) -> Path | None:
+    """The newest checkpoint this run folder holds: a preemption one or the ``last`` one."""
+    candidates: list[Path] = []
+    root = Path(run_dir)
+    if root.is_dir():
+        candidates += [p for p in root.iterdir() if p.name.startswith("hpc_ckpt_")]
+    if dirpath is not None and Path(dirpath).is_dir():
+        last = Path(dirpath) / "last.ckpt"
+        candidates += [last] if last.exists() else list(Path(dirpath).glob("*.ckpt"))
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: p.lstat().st_mtime)
