@@ -1,4 +1,5 @@
-"""How a ``bytescale-train`` run ends: where its checkpoint is, and the command that resumes it.
+"""How a ``bytescale-train`` run ends: where its checkpoint is, and the command that resumes it;
+and no run folder left behind by a run that failed before its first step.
 
 Every way a run ends prints its next step once, on rank 0: the summary of a finished run
 (``checkpoint:`` and ``resume with:`` lines), the preemption message of a run stopped by SIGTERM or
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_./:@+-]+$")
 _STEP = re.compile(r"step=(\d+)")
+_CHECKPOINT = re.compile(r"\.ckpt$|^hpc_ckpt_")
 
 
 def command_overrides() -> list[str]:
@@ -87,3 +90,30 @@ def newest_checkpoint(run_dir: Path | str, dirpath: Path | str | None) -> Path |
     if not candidates:
         return None
     return max(candidates, key=lambda p: p.lstat().st_mtime)
+
+
+def _holds_a_checkpoint(folder: Path) -> bool:
+    return any(_CHECKPOINT.search(p.name) for p in folder.rglob("*"))
+
+
+def fresh_run_folder(run_dir: Path | str) -> bool:
+    """Whether the run folder holds only what Hydra wrote for this run (checked before it starts)."""
+    folder = Path(run_dir)
+    if not folder.is_dir():
+        return True
+    return all(p.name == ".hydra" or p.suffix == ".log" for p in folder.iterdir())
+
+
+def remove_unused_run_folder(run_dir: Path | str, was_fresh: bool, name: str | None = None) -> bool:
+    """Delete the folder of a run that failed before its first step (call it only then), when
+    the folder was new (:func:`fresh_run_folder`) and holds no checkpoint: what is left is
+    Hydra's config and log, and loggers' files without a metric; True when it was removed.
+    The folder above goes too when it is empty and named ``name`` (Hydra's ``outputs/<name>``)."""
+    folder = Path(run_dir)
+    if not was_fresh or not folder.is_dir() or _holds_a_checkpoint(folder):
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    parent = folder.parent  # outputs/<name>/: gone too when this was its only run
+    if name is not None and parent.name == name and parent.is_dir() and not any(parent.iterdir()):
+        parent.rmdir()
+    return not folder.exists()

@@ -116,7 +116,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(
             ModelCheckpoint(
                 dirpath=os.path.join(str(cfg.run_dir), "checkpoints"),
-                save_last=True,
+                save_last="link",  # last.ckpt: a link to the newest checkpoint, not a second copy
                 every_n_train_steps=cfg.get("checkpoint_every_n_steps"),
             )
         )
@@ -290,13 +290,52 @@ def _one_line_per_log_message() -> None:
         logger.propagate = True
 
 
+def _output_dir(cfg: DictConfig) -> Path:
+    """The folder Hydra made for this run (``run_dir`` outside Hydra)."""
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(str(cfg.run_dir))
+
+
 def train(cfg: DictConfig) -> float | None:
-    """Run the recipe; returns the last logged training loss (the value sweepers optimise)."""
+    """Run the recipe; returns the last logged training loss (the value sweepers optimise).
+
+    A run that fails before its first step leaves no run folder behind when the folder was new
+    and holds no checkpoint (``cli/_run_end.py``).
+    """
+    from lightning_bytescale.cli._run_end import fresh_run_folder
+
     _one_line_per_log_message()
     if cfg.get("print_config"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
+    folder = _output_dir(cfg)
+    fresh = os.environ.get("RANK", "0") == "0" and fresh_run_folder(folder)
     try:
-        parts = build(cfg)  # the data options are validated here, before any other process starts
+        parts = _build(cfg)
+    except BaseException:
+        _remove_unused(cfg, folder, fresh)
+        raise
+    try:
+        return _fit(cfg, parts)
+    except BaseException:
+        trainer = parts["trainer"]
+        # with spawn or fork the steps ran in the workers: this process cannot tell
+        popen = getattr(trainer.strategy, "start_method", "popen") == "popen"
+        if trainer.is_global_zero and popen and trainer.global_step == 0:
+            _remove_unused(cfg, folder, fresh)
+        raise
+
+
+def _remove_unused(cfg: DictConfig, folder: Path, fresh: bool) -> None:
+    from lightning_bytescale.cli._run_end import remove_unused_run_folder
+
+    # the log files stay open: their handlers write on into the unlinked files, never recreate them
+    remove_unused_run_folder(folder, fresh, name=str(cfg.get("name")))
+
+
+def _build(cfg: DictConfig) -> dict[str, Any]:
+    try:
+        return build(cfg)  # the data options are validated here, before any other process starts
     except Exception as err:
         reason = _before_launch_error(err)
         if reason is None:
@@ -304,6 +343,9 @@ def train(cfg: DictConfig) -> float | None:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank builds: one line, not one per rank
             print(f"bytescale-train: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _fit(cfg: DictConfig, parts: dict[str, Any]) -> float | None:
     trainer, logger = parts["trainer"], parts["logger"]
     if logger is not None:
         from lightning_bytescale.lightning.config_logger import ConfigLogger  # loads Lightning (see above)
