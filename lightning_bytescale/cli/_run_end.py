@@ -1,5 +1,6 @@
 """How a ``bytescale-train`` run ends: where its checkpoint is, and the command that resumes it;
 and no run folder left behind by a run that failed before its first step.
+It loads Lightning: ``cli/train.py`` imports it only in the functions that build and run.
 
 Every way a run ends prints its next step once, on rank 0: the summary of a finished run
 (``checkpoint:`` and ``resume with:`` lines), the preemption message of a run stopped by SIGTERM or
@@ -18,8 +19,10 @@ import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_./:@+-]+$")
 _STEP = re.compile(r"step=(\d+)")
@@ -117,3 +120,19 @@ def remove_unused_run_folder(run_dir: Path | str, was_fresh: bool, name: str | N
     if name is not None and parent.name == name and parent.is_dir() and not any(parent.iterdir()):
         parent.rmdir()
     return not folder.exists()
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint``, restored without a warning in a new run folder.
+
+    Every ``bytescale-train`` run has its own folder, so a resumed checkpoint's ``dirpath`` is
+    an earlier run's, and Lightning's "The dirpath has changed" warning (once per rank) says
+    nothing new.  What Lightning drops then is dropped here too: only ``best_model_path`` is
+    restored, so no file of the earlier run is ever deleted.
+    """
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("dirpath", self.dirpath) != self.dirpath:
+            self.best_model_path = state_dict["best_model_path"]
+            return
+        super().load_state_dict(state_dict)

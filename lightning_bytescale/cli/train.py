@@ -88,8 +88,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     # here, not at the top: Lightning and torch load only when a run is built (module docstring)
     import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.callbacks import LearningRateMonitor
 
+    from lightning_bytescale.cli._run_end import RunCheckpoint
     from lightning_bytescale.lightning.run_timer import RunTimer
 
     _prepare(cfg)
@@ -114,12 +115,16 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(
-            ModelCheckpoint(
+            RunCheckpoint(  # Lightning's ModelCheckpoint, quiet about the earlier run's folder
                 dirpath=os.path.join(str(cfg.run_dir), "checkpoints"),
                 save_last="link",  # last.ckpt: a link to the newest checkpoint, not a second copy
                 every_n_train_steps=cfg.get("checkpoint_every_n_steps"),
             )
         )
+    if trainer_cfg.get("enable_progress_bar", True):
+        bar = _step_progress_bar()
+        if bar is not None:
+            callbacks.append(bar)
     stop = _stop_callback(strategy, cfg)
     if stop is not None:
         callbacks.append(stop)
@@ -137,6 +142,17 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         "logger": logger,
         "trainer": trainer,
     }
+
+
+def _step_progress_bar() -> Any:
+    """``Epoch 0 (to step 200)`` instead of Lightning's ``Epoch 0/-2``; None without ``rich``
+    (Lightning's TQDM bar then, which shows no epoch limit)."""
+    from lightning_bytescale.lightning.progress import StepProgressBar
+
+    try:
+        return StepProgressBar()
+    except ModuleNotFoundError:
+        return None
 
 
 def _stop_callback(strategy: Any, cfg: DictConfig) -> Any:

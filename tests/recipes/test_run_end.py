@@ -65,6 +65,9 @@ def test_a_finished_run_prints_the_command_that_trains_on_from_its_checkpoint(tm
     assert f"ckpt_path={last}" in args and "trainer.max_steps=4" in args  # it used up its steps: 2 more
     second = run_train([*args, f"hydra.run.dir={tmp_path / 'b'}"], tmp_path)
     assert "cpu_smoke: 2 steps (resumed; step 4 now)" in second.stdout, second.stdout[-2000:]
+    # item 6: the bar names the step limit, and no "dirpath has changed" warning per rank on resume
+    assert "Epoch 0/-2" not in first.stdout and "(to step 2)" in first.stdout, first.stdout[-2000:]
+    assert "dirpath has changed" not in second.stderr + second.stdout, second.stderr[-3000:]
 
 
 def _stop_after_first_step(args: list[str], tmp: Path, sig: signal.Signals) -> subprocess.CompletedProcess:
