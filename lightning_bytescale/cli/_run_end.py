@@ -95,6 +95,30 @@ def newest_checkpoint(run_dir: Path | str, dirpath: Path | str | None) -> Path |
     return max(candidates, key=lambda p: p.lstat().st_mtime)
 
 
+def named_resume_error(ckpt_path: str | None, run_dir: Path | str, dirpath: Path | str | None) -> str | None:
+    """The one-line error for ``ckpt_path=hpc`` or ``ckpt_path=last`` under ``bytescale-train``:
+    Lightning looks for them in this run's own folder, which is new; None where one is there."""
+    if ckpt_path not in ("hpc", "last") or newest_checkpoint(run_dir, dirpath) is not None:
+        return None
+    earlier = [
+        p
+        for folder in Path(run_dir).parent.glob("*")
+        if folder != Path(run_dir) and folder.is_dir()
+        for p in [newest_checkpoint(folder, folder / "checkpoints")]
+        if p is not None
+    ]
+    text = (
+        f"ckpt_path={ckpt_path} looks for a checkpoint in this run's own folder, and every run has a new "
+        "one; give the checkpoint's path"
+    )
+    if earlier:
+        newest = max(earlier, key=lambda p: p.lstat().st_mtime)
+        text += f": the newest of {Path(run_dir).parent} is ckpt_path={newest.absolute()}"
+    else:
+        text += ", e.g. ckpt_path=outputs/<name>/<date>/checkpoints/last.ckpt"
+    return text
+
+
 def _holds_a_checkpoint(folder: Path) -> bool:
     return any(_CHECKPOINT.search(p.name) for p in folder.rglob("*"))
 

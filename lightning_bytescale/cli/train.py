@@ -367,6 +367,14 @@ def _fit(cfg: DictConfig, parts: dict[str, Any]) -> float | None:
         from lightning_bytescale.lightning.config_logger import ConfigLogger  # loads Lightning (see above)
 
         trainer.callbacks.append(ConfigLogger(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+    from lightning_bytescale.cli._run_end import named_resume_error
+
+    callback = trainer.checkpoint_callback
+    wrong = named_resume_error(cfg.get("ckpt_path"), str(cfg.run_dir), getattr(callback, "dirpath", None))
+    if wrong is not None:
+        if trainer.is_global_zero:
+            print(f"bytescale-train: {wrong}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     start = time.perf_counter()
     try:
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))

@@ -117,3 +117,17 @@ def test_a_stopped_run_saves_and_prints_the_command_that_resumes_it(tmp_path, si
     assert f"ckpt_path={path}" in args
     resumed = run_train([*args, f"hydra.run.dir={tmp_path / 'b'}"], tmp_path)
     assert f"cpu_smoke: 1 steps (resumed; step {step + 1} now)" in resumed.stdout, resumed.stdout[-2000:]
+
+
+@pytest.mark.multiprocess
+def test_ckpt_path_hpc_names_the_newest_checkpoint_of_the_earlier_runs(tmp_path):
+    """Lightning's "hpc" looks in the run's own folder, which is new under bytescale-train."""
+    earlier = tmp_path / "outputs" / "cpu_smoke" / "2026-01-01_00-00-00"
+    earlier.mkdir(parents=True)
+    (earlier / "hpc_ckpt_1.ckpt").write_bytes(b"")
+    proc = run_train(["experiment=cpu_smoke", "trainer.devices=1", "ckpt_path=hpc"], tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("bytescale-train:")]
+    assert len(lines) == 1 and f"ckpt_path={earlier / 'hpc_ckpt_1.ckpt'}" in lines[0], proc.stderr[-3000:]
+    assert sorted(p.name for p in earlier.parent.iterdir()) == [earlier.name]  # its own folder removed
