@@ -452,13 +452,15 @@ def _report_interrupt(cfg: DictConfig, trainer: Any) -> None:
     callback = trainer.checkpoint_callback
     found = newest_checkpoint(str(cfg.run_dir), getattr(callback, "dirpath", None))
     lines = [
-        f"[bytescale-train] {cfg.name}: interrupted after step {trainer.global_step}, without a checkpoint there"
+        f"[bytescale-train] {cfg.name}: interrupted after step {trainer.global_step} without saving a checkpoint"
     ]
     if found is not None:
         lines.append(f"  newest checkpoint: {found}")
         lines.append(f"  resume with:  {resume_command(command_overrides(), found)}")
     else:
-        lines.append("  nothing was saved (the first Ctrl-C of a training run saves one at the next step)")
+        lines.append(
+            "  no checkpoint in this run (one Ctrl-C while training saves one at the next step; a second stops at once)"
+        )
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
