@@ -43,6 +43,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "ByteScaleStrategy": "lightning_bytescale.lightning.strategy",
     "ByteScaleDataModule": "lightning_bytescale.lightning.datamodule",
+    "TelemetryCallback": "lightning_bytescale.lightning.telemetry",
     "attention": "lightning_bytescale.packed_attention.api",
     "attention_context": "lightning_bytescale.packed_attention.context",
     "token_loss": "lightning_bytescale.engine.loss",
@@ -58,6 +59,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time ``__getattr__`` imp
     from lightning_bytescale.engine.loss import token_loss
     from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
     from lightning_bytescale.lightning.strategy import ByteScaleStrategy
+    from lightning_bytescale.lightning.telemetry import TelemetryCallback
     from lightning_bytescale.packed_attention.api import attention
     from lightning_bytescale.packed_attention.context import attention_context
     from lightning_bytescale.planner.config import PlannerConfig
@@ -79,6 +81,7 @@ __all__ = [
     "PlanWorldSizeError",
     "PlannerConfig",
     "StepError",
+    "TelemetryCallback",
     "__version__",
     "attention",
     "attention_context",

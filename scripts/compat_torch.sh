@@ -19,11 +19,13 @@ VENV=${COMPAT_VENV:-.venv-torch-compat}
 "$VENV/bin/python" -m pip install -q -e ".[dev,hf]"
 "$VENV/bin/python" -c "import sys, torch; v = torch.__version__; print('compat: torch', v); sys.exit(0 if v.split('+')[0] == '$TORCH' else 1)"
 export OMP_NUM_THREADS=1 WANDB_MODE=offline WANDB_SILENT=true
+# The floors whose code calls torch APIs that change between releases (attention kernels and
+# their feature detection, fake CUDA, DTensor/FSDP2, the collectives, one Trainer file); the rest
+# of the suite runs once, on the pinned torch (CONTRIBUTING.md, "The lowest torch").
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=10 \
-    tests/fake_cuda tests/packed_attention tests/models tests/offload \
-    tests/engine --ignore=tests/engine/test_watchdog.py \
-    tests/hf/test_hf_attention.py tests/hf/test_hf_module.py tests/hf/test_hf_equivalence.py \
-    tests/parallel tests/hf/test_hf_tensor_parallel.py \
-    tests/lightning/test_strategy.py tests/lightning/test_strategy_features.py \
-    tests/lightning/test_strategy_same_model.py tests/lightning/test_zero.py \
+    tests/fake_cuda tests/packed_attention tests/models tests/offload tests/parallel \
+    --ignore=tests/packed_attention/test_attention_gpu_check.py \
+    tests/engine/test_engine_distributed.py tests/engine/test_grad_sync.py \
+    tests/hf/test_hf_attention.py tests/hf/test_hf_equivalence.py tests/hf/test_hf_tensor_parallel.py \
+    tests/lightning/test_strategy.py \
     "$@"

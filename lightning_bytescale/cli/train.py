@@ -34,6 +34,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from lightning_bytescale.lightning.wandb_offline import find_run_files, wandb_offline_by_default
 from lightning_bytescale.recipes.config import PRIMARY, ConfigError, config_source
+from lightning_bytescale.recipes.sweep_table import write_job_summary
 
 log = logging.getLogger("lightning_bytescale.recipes")
 
@@ -91,6 +92,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     from lightning_bytescale.cli._run_end import RunCheckpoint
+    from lightning_bytescale.lightning.run_summary import RunSummary
     from lightning_bytescale.lightning.run_timer import RunTimer
 
     _prepare(cfg)
@@ -105,7 +107,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         datamodule.model_vocab_size = _model_vocab(model)
     strategy = instantiate(_plain(cfg.strategy))
     logger = instantiate(_plain(cfg.logger)) if cfg.get("logger") is not None else None
-    callbacks = [instantiate(_plain(cfg.telemetry))]
+    callbacks = [instantiate(_plain(cfg.telemetry)), RunSummary()]
     trainer_cfg = _plain(cfg.trainer)
     max_time = trainer_cfg.pop("max_time", None)
     if max_time is not None:
@@ -404,13 +406,18 @@ def _fit(cfg: DictConfig, parts: dict[str, Any]) -> float | None:
 
 
 def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: float) -> None:
-    # With the spawn launcher the fitted state stays in the worker processes: no step count here.
-    timer = next((c for c in trainer.callbacks if type(c).__name__ == "RunTimer"), None)
-    ran = timer.steps_this_run(trainer) if timer is not None else trainer.global_step
-    steps = f"{ran} steps" if trainer.global_step else "finished"
-    if trainer.global_step and cfg.get("ckpt_path"):
+    # Under the spawn/fork launchers the fitted state stays in the workers: the step count and
+    # tokens/s come back through callback_metrics (lightning/run_summary.py).
+    from lightning_bytescale.lightning.run_summary import run_figures  # loads Lightning (see above)
+
+    figures = run_figures(trainer)
+    ran = int(figures.get("run/steps", 0))
+    steps = f"{ran} steps" if ran else "no step"
+    if ran and cfg.get("ckpt_path") and trainer.global_step:
         steps += f" (resumed; step {trainer.global_step} now)"
-    lines = [f"[bytescale-train] {cfg.name}: {steps} in {seconds:.1f} s"]
+    lines = [f"[bytescale-train] {_job_label(cfg)}: {steps} in {seconds:.1f} s"]
+    if "run/tokens_per_s" in figures:
+        lines[0] += f", {figures['run/tokens_per_s']:,.0f} tokens/s"
     if loss is not None:
         lines[0] += f", last loss {float(loss):.4f}"
     lines.append(f"  outputs: {cfg.run_dir}")
@@ -421,6 +428,31 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
             lines.append(f"  offline W&B run: {runs[-1].parent}")
             lines.append(f"  upload it with:  wandb sync {runs[-1].parent}")
     print("\n".join(lines), flush=True)
+    write_job_summary(
+        cfg.run_dir,
+        {
+            "name": str(cfg.name),
+            "overrides": _job_overrides(),
+            "planner": str(cfg.strategy.get("planner")),
+            "seconds": seconds,
+            "loss": float(loss) if loss is not None else None,
+            **figures,
+        },
+    )
+
+
+def _job_overrides() -> str:
+    if not HydraConfig.initialized():
+        return ""
+    return str(HydraConfig.get().job.get("override_dirname") or "")
+
+
+def _job_label(cfg: DictConfig) -> str:
+    """The run's name, and in a sweep the job's number and overrides."""
+    if not _is_multirun():
+        return str(cfg.name)
+    job = HydraConfig.get().job
+    return f"{cfg.name} job {job.get('num', 0)} ({_job_overrides() or 'defaults'})"
 
 
 def _checkpoint_lines(cfg: DictConfig, trainer: Any, ran: int) -> list[str]:

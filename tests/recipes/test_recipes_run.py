@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 from _recipe_helpers import run_train
@@ -78,7 +79,7 @@ def test_recipe_with_overrides_on_two_processes_writes_an_offline_wandb_run(tmp_
 @pytest.mark.slow
 def test_planner_sweep_with_the_spawn_launcher(tmp_path):
     sweep = tmp_path / "sweep"
-    run_train(
+    proc = run_train(
         [
             "-m",
             "experiment=cpu_smoke",
@@ -101,3 +102,17 @@ def test_planner_sweep_with_the_spawn_launcher(tmp_path):
         steps = {r["step"] for r in rows if r.get("perf/tokens_per_s")}
         assert len(steps) == 2, f"{job.name}: {rows}"
         assert any(r.get("balance/bubble_fraction") for r in rows)
+    # each job's closing line keeps its step count and tokens/s under spawn, and the sweep ends
+    # with one table of both jobs
+    for num, planner in enumerate(("naive", "balance")):
+        assert re.search(
+            rf"cpu_smoke job {num} \([^)]*strategy.planner={planner}[^)]*\): 2 steps in [\d.]+ s, [\d,]+ tokens/s",
+            proc.stdout,
+        ), proc.stdout[-3000:]
+    table = proc.stdout[proc.stdout.index("[bytescale-train] sweep ") :].splitlines()
+    assert table[1].split()[:2] == ["job", "steps"]
+    rows = [row.split() for row in table[2:4]]
+    assert [("planner=naive" in r[0], "planner=balance" in r[0], r[1]) for r in rows] == [
+        (True, False, "2"),
+        (False, True, "2"),
+    ]

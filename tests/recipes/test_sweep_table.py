@@ -1,0 +1,77 @@
+"""The sweep's closing table and the per-run figures it is built from."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_bytescale.lightning.run_summary import RunSummary, run_figures
+from lightning_bytescale.recipes.sweep_table import format_table, read_sweep, write_job_summary
+
+
+def test_table_lists_jobs_in_job_order_with_rates_relative_to_the_first(tmp_path):
+    jobs = [
+        (10, "strategy.planner=balance", 30, 4000.0, 3.0),
+        (0, "strategy.planner=static", 30, 2000.0, 3.5),
+        (2, "strategy.planner=naive", 30, 3000.0, None),
+    ]
+    for num, overrides, steps, rate, loss in jobs:
+        write_job_summary(
+            tmp_path / f"{num}_{overrides}",
+            {"overrides": overrides, "run/steps": steps, "run/tokens_per_s": rate, "loss": loss},
+        )
+    (tmp_path / "3_broken").mkdir()
+    (tmp_path / "3_broken" / "summary.json").write_text("{not json")
+    found = read_sweep(tmp_path)
+    assert [j["overrides"] for j in found] == [
+        "strategy.planner=static",
+        "strategy.planner=naive",
+        "strategy.planner=balance",
+    ]
+    lines = format_table(found).splitlines()
+    assert lines[0].split() == ["job", "steps", "tokens/s", "vs", "first", "last", "loss"]
+    assert lines[1].split() == ["strategy.planner=static", "30", "2,000", "1.00x", "3.5000"]
+    assert lines[2].split() == ["strategy.planner=naive", "30", "3,000", "1.50x", "-"]
+    assert lines[3].split() == ["strategy.planner=balance", "30", "4,000", "2.00x", "3.0000"]
+
+
+class _Trainer(SimpleNamespace):
+    pass
+
+
+def _trainer() -> _Trainer:
+    return _Trainer(
+        global_step=0,
+        strategy=SimpleNamespace(step_stats={}),
+        callback_metrics={},
+        is_global_zero=True,
+        loggers=[],
+    )
+
+
+def test_run_summary_counts_optimizer_steps_and_tokens_after_the_first(monkeypatch):
+    clock = iter([0.0, 2.0, 3.0, 3.5, 4.0])  # start, then the end of each batch
+    monkeypatch.setattr("lightning_bytescale.lightning.run_summary.time.perf_counter", lambda: next(clock))
+    trainer, summary = _trainer(), RunSummary()
+    summary.on_train_start(trainer, None)
+    for step, tokens in ((1, 100), (2, 200), (2, 999), (3, 400)):  # the third batch stepped nothing
+        trainer.global_step = step
+        trainer.strategy.step_stats = {"tokens": tokens}
+        summary.on_train_batch_end(trainer, None, None, None, 0)
+    summary.on_train_end(trainer, None)
+    figures = run_figures(trainer)
+    assert figures["run/steps"] == 3
+    assert figures["run/tokens"] == 700
+    assert figures["run/train_s"] == pytest.approx(3.5)
+    # steps 2 and 3 (600 tokens) between the end of step 1 (t=2) and of step 3 (t=3.5)
+    assert figures["run/tokens_per_s"] == pytest.approx(600 / 1.5)
+    assert all(isinstance(v, torch.Tensor) for v in trainer.callback_metrics.values())
+
+
+def test_run_summary_reports_nothing_without_a_step():
+    trainer, summary = _trainer(), RunSummary()
+    summary.on_train_start(trainer, None)
+    summary.on_train_end(trainer, None)
+    assert run_figures(trainer) == {}
