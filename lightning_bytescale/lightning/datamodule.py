@@ -588,6 +588,10 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self._check_budget(int(self.train_samples.length.max()))
         self.val_samples = self._samples(val_docs, "the validation split") if val_docs is not None else None
         self.test_samples = self._samples(test_docs, "the test split") if test_docs is not None else None
+        if trainer is not None and stage == "fit" and self.val_samples is None:
+            # No validation split: skip the loop as limit_val_batches=0 does, instead of handing
+            # Lightning an empty loader it warns about ("Total length of `list` across ranks is zero").
+            trainer.limit_val_batches = 0
 
     def _check_budget(self, longest: int, world_size: int | None = None, capacity: Any = None) -> None:
         """Fail if a global batch's budget cannot hold the longest training sample."""
@@ -745,17 +749,26 @@ class ByteScaleDataModule(pl.LightningDataModule):
             done = {"drop": "dropped", "truncate": "truncated", "split": "split"}.get(
                 self.long_document_policy
             )
-            log.warning(
+            self._warn_once(
                 "%s: %d %s longer than the context length %d were %s (long_document_policy=%r); raise "
                 "context_length (and capacity x world size) to keep them",
                 where, long, what, self.max_length, done, self.long_document_policy,
             )  # fmt: skip
         if s.report.get("no_loss_dropped") and self.rank == 0:
-            log.warning(
+            self._warn_once(
                 "%s: %d samples with no trained token (loss_on=%r) were dropped",
                 where, s.report["no_loss_dropped"], self.loss_on,
             )  # fmt: skip
         return s
+
+    def _warn_once(self, message: str, *args: Any) -> None:
+        """Log a data warning once per data module: ``setup`` runs for every stage (fit, test,
+        predict) and the loaders check the vocabulary for every split, with the same findings."""
+        text = message % args
+        seen = self.__dict__.setdefault("_warned", set())
+        if text not in seen:
+            seen.add(text)
+            log.warning(text)
 
     def _loss_tokens(self, s: Samples) -> np.ndarray:
         """Trained tokens of each sample: the index's count for whole documents, else from the mask."""
@@ -800,7 +813,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
             )
         store.vocab_limit = min(limit, store.vocab_size)
         if store.vocab_size > limit and self.rank == 0:
-            log.warning(
+            self._warn_once(
                 "the tokenizer has %d tokens, the model's vocabulary %d; the data's largest id (%s) fits",
                 store.vocab_size, limit, store.max_token_id,
             )  # fmt: skip
