@@ -588,10 +588,20 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self._check_budget(int(self.train_samples.length.max()))
         self.val_samples = self._samples(val_docs, "the validation split") if val_docs is not None else None
         self.test_samples = self._samples(test_docs, "the test split") if test_docs is not None else None
-        if trainer is not None and stage == "fit" and self.val_samples is None:
+        if trainer is not None and stage == "fit" and self.val_samples is None and trainer.limit_val_batches:
             # No validation split: skip the loop as limit_val_batches=0 does, instead of handing
             # Lightning an empty loader it warns about ("Total length of `list` across ranks is zero").
+            # teardown("fit") puts the trainer's value back, so a later fit with a split validates.
+            self._restore_limit_val_batches = (trainer, trainer.limit_val_batches)
             trainer.limit_val_batches = 0
+
+    def teardown(self, stage: str | None = None) -> None:
+        """Give back the trainer's ``limit_val_batches`` that :meth:`setup` set to 0 for a fit without a validation split."""
+        saved = getattr(self, "_restore_limit_val_batches", None)
+        if saved is not None and stage in (None, "fit"):
+            trainer, value = saved
+            trainer.limit_val_batches = value
+            self._restore_limit_val_batches = None
 
     def _check_budget(self, longest: int, world_size: int | None = None, capacity: Any = None) -> None:
         """Fail if a global batch's budget cannot hold the longest training sample."""

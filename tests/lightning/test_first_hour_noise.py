@@ -52,6 +52,24 @@ def test_each_data_warning_is_logged_once_over_the_splits_and_stages(tmp_path, c
     assert len(set(long)) == 3
 
 
+def test_a_fit_without_a_validation_split_skips_validation_and_gives_the_trainer_back(tmp_path):
+    """setup("fit") sets limit_val_batches=0 for the fit only: teardown puts the user's value back."""
+    dm = _dm(tmp_path)
+    dm.prepare_data()
+    dm.trainer = SimpleNamespace(
+        global_rank=0, world_size=1, strategy=None, overfit_batches=0, limit_val_batches=0.5
+    )
+    dm.setup("fit")
+    assert dm.trainer.limit_val_batches == 0
+    dm.teardown("fit")
+    assert dm.trainer.limit_val_batches == 0.5
+    with_split = _dm(tmp_path, val_fraction=0.2)
+    with_split.prepare_data()
+    with_split.trainer = dm.trainer
+    with_split.setup("fit")
+    assert dm.trainer.limit_val_batches == 0.5
+
+
 def test_the_progress_bar_names_the_step_limit_instead_of_epoch_minus_two():
     steps_only = SimpleNamespace(max_epochs=-1, max_steps=200)  # what Lightning sets for max_steps alone
     lightning_bar = RichProgressBar()
