@@ -588,7 +588,12 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self._check_budget(int(self.train_samples.length.max()))
         self.val_samples = self._samples(val_docs, "the validation split") if val_docs is not None else None
         self.test_samples = self._samples(test_docs, "the test split") if test_docs is not None else None
-        if trainer is not None and stage == "fit" and self.val_samples is None and trainer.limit_val_batches:
+        if (
+            trainer is not None
+            and stage == "fit"
+            and self.val_samples is None
+            and getattr(trainer, "limit_val_batches", 0)
+        ):
             # No validation split: skip the loop as limit_val_batches=0 does, instead of handing
             # Lightning an empty loader it warns about ("Total length of `list` across ranks is zero").
             # teardown("fit") puts the trainer's value back, so a later fit with a split validates.
