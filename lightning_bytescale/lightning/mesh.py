@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
@@ -222,7 +221,6 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             "lane would decide on its own gradient shards whether to skip a step. Use precision='bf16-mixed' "
             "or '32-true'"
         )
-    fitting = trainer.state.fn == TrainerFn.FITTING
     if any(p.is_meta for p in strategy.model.parameters()):
         raise ConfigError(
             f"tensor_parallel_size={tp}: the model has parameters on the meta device (Trainer.init_module("
@@ -236,12 +234,6 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             "DTensor), so every lane of an HDP rank runs the whole model on the same micro-batches. Apply "
             'parallelize_module(..., self.device_mesh["tensor_parallel"], plan) (or parallelize_llama / '
             "parallelize_hf) in configure_model, or use tensor_parallel_size=1"
-        )
-    if fitting and strategy.preemption is not False:
-        rank_zero_warn(
-            f"ByteScaleStrategy(tensor_parallel_size={tp}): preemption checkpoints are not supported with "
-            "tensor parallelism yet, so the strategy's SIGTERM handler is not installed (pass preemption=False "
-            "to silence this)"
         )
 
 
