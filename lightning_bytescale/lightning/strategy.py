@@ -461,7 +461,9 @@ class ByteScaleStrategy(ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self.zero >= 1:
+        if self.zero >= 1 and self.parallel_mesh is not None:  # ZeRO-1 over each lane's HDP ranks
+            mesh_.lane_zero(self.optimizers, self.parallel_mesh)
+        elif self.zero >= 1:
             self.optimizers = shard_optimizers(
                 self.optimizers, [c.scheduler for c in self.lr_scheduler_configs]
             )
