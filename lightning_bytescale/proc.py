@@ -202,7 +202,9 @@ class LoaderWorkerInit:
     process group; the rank turns it into a checkpoint at the next step boundary
     (:mod:`lightning_bytescale.lightning.preemption`) and still needs its workers until then.  So a
     worker ignores SIGTERM from anyone but its rank (the rank's own ``terminate()`` at shut-down
-    still ends it), and gets SIGKILL from the kernel when its rank dies.  ``user_fn`` (the
+    still ends it), and gets SIGKILL from the kernel when its rank dies.  Ctrl-C (SIGINT to the
+    terminal's process group) is ignored too: the rank decides what it means (``bytescale-train``
+    checkpoints at the next step, as for SIGTERM).  ``user_fn`` (the
     caller's own ``worker_init_fn``) runs afterwards.  Picklable, so it also works with the
     ``spawn`` and ``forkserver`` worker start methods.
     """
@@ -220,6 +222,7 @@ class LoaderWorkerInit:
         # With "forkserver" the kernel parent is the fork server, not the rank that asked for
         # the worker; die_with_parent then only exits when the rank itself is gone.
         die_with_parent(signal.SIGKILL, rank)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if sys.platform.startswith("linux"):
             ignore_sigterm_except_from(rank)
         if self.user_fn is not None:

@@ -97,8 +97,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     # here, not at the top: Lightning and torch load only when a run is built (module docstring)
     import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.callbacks import LearningRateMonitor
 
+    from lightning_bytescale.cli._run_end import RunCheckpoint
     from lightning_bytescale.lightning.run_summary import RunSummary
     from lightning_bytescale.lightning.run_timer import RunTimer
 
@@ -124,12 +125,19 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(
-            ModelCheckpoint(
+            RunCheckpoint(  # Lightning's ModelCheckpoint, quiet about the earlier run's folder
                 dirpath=os.path.join(str(cfg.run_dir), "checkpoints"),
-                save_last=True,
+                save_last="link",  # last.ckpt: a link to the newest checkpoint, not a second copy
                 every_n_train_steps=cfg.get("checkpoint_every_n_steps"),
             )
         )
+    if trainer_cfg.get("enable_progress_bar", True):
+        bar = _step_progress_bar()
+        if bar is not None:
+            callbacks.append(bar)
+    stop = _stop_callback(strategy, cfg)
+    if stop is not None:
+        callbacks.append(stop)
     trainer = instantiate(
         trainer_cfg,
         strategy=strategy,
@@ -144,6 +152,39 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         "logger": logger,
         "trainer": trainer,
     }
+
+
+def _step_progress_bar() -> Any:
+    """``Epoch 0 (to step 200)`` instead of Lightning's ``Epoch 0/-2``; None without ``rich``
+    (Lightning's TQDM bar then, which shows no epoch limit)."""
+    from lightning_bytescale.lightning.progress import StepProgressBar
+
+    try:
+        return StepProgressBar()
+    except ModuleNotFoundError:
+        return None
+
+
+def _stop_callback(strategy: Any, cfg: DictConfig) -> Any:
+    """The strategy's preemption callback, ending with the command that resumes this run.
+
+    Under the default (popen) launcher Ctrl-C stops the same way as SIGTERM: a checkpoint at the
+    next step boundary (a second Ctrl-C stops at once).  With spawn or fork the launching
+    process holds no training state and Lightning's own Ctrl-C handling is kept.
+    """
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lightning_bytescale.cli._run_end import ResumeHint, command_overrides
+    from lightning_bytescale.lightning.preemption import PreemptionCallback, PreemptionHandler
+
+    chosen = getattr(strategy, "preemption", False)
+    if chosen is False:
+        return None
+    signals = ("SIGTERM",) if chosen is True else tuple(chosen)
+    if chosen is True and getattr(strategy, "start_method", "popen") == "popen":
+        signals += ("SIGINT",)
+    hint = ResumeHint(command_overrides(), str(Path(str(cfg.run_dir)).absolute()), SLURMEnvironment.detect())
+    return PreemptionCallback(PreemptionHandler(signals), resume_hint=hint)
 
 
 def _validate_data(datamodule: Any, strategy: Any, trainer: Any) -> None:
@@ -275,13 +316,52 @@ def _one_line_per_log_message() -> None:
         logger.propagate = True
 
 
+def _output_dir(cfg: DictConfig) -> Path:
+    """The folder Hydra made for this run (``run_dir`` outside Hydra)."""
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(str(cfg.run_dir))
+
+
 def train(cfg: DictConfig) -> float | None:
-    """Run the recipe; returns the last logged training loss (the value sweepers optimise)."""
+    """Run the recipe; returns the last logged training loss (the value sweepers optimise).
+
+    A run that fails before its first step leaves no run folder behind when the folder was new
+    and holds no checkpoint (``cli/_run_end.py``).
+    """
+    from lightning_bytescale.cli._run_end import fresh_run_folder
+
     _one_line_per_log_message()
     if cfg.get("print_config"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
+    folder = _output_dir(cfg)
+    fresh = os.environ.get("RANK", "0") == "0" and fresh_run_folder(folder)
     try:
-        parts = build(cfg)  # the data options are validated here, before any other process starts
+        parts = _build(cfg)
+    except BaseException:
+        _remove_unused(cfg, folder, fresh)
+        raise
+    try:
+        return _fit(cfg, parts)
+    except BaseException:
+        trainer = parts["trainer"]
+        # with spawn or fork the steps ran in the workers: this process cannot tell
+        popen = getattr(trainer.strategy, "start_method", "popen") == "popen"
+        if trainer.is_global_zero and popen and trainer.global_step == 0:
+            _remove_unused(cfg, folder, fresh)
+        raise
+
+
+def _remove_unused(cfg: DictConfig, folder: Path, fresh: bool) -> None:
+    from lightning_bytescale.cli._run_end import remove_unused_run_folder
+
+    # the log files stay open: their handlers write on into the unlinked files, never recreate them
+    remove_unused_run_folder(folder, fresh, name=str(cfg.get("name")))
+
+
+def _build(cfg: DictConfig) -> dict[str, Any]:
+    try:
+        return build(cfg)  # the data options are validated here, before any other process starts
     except Exception as err:
         reason = _before_launch_error(err)
         if reason is None:
@@ -289,14 +369,31 @@ def train(cfg: DictConfig) -> float | None:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank builds: one line, not one per rank
             print(f"bytescale-train: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _fit(cfg: DictConfig, parts: dict[str, Any]) -> float | None:
     trainer, logger = parts["trainer"], parts["logger"]
     if logger is not None:
         from lightning_bytescale.lightning.config_logger import ConfigLogger  # loads Lightning (see above)
 
         trainer.callbacks.append(ConfigLogger(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+    from lightning_bytescale.cli._run_end import named_resume_error
+
+    callback = trainer.checkpoint_callback
+    wrong = named_resume_error(cfg.get("ckpt_path"), str(cfg.run_dir), getattr(callback, "dirpath", None))
+    if wrong is not None:
+        if trainer.is_global_zero:
+            print(f"bytescale-train: {wrong}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     start = time.perf_counter()
     try:
         trainer.fit(parts["model"], datamodule=parts["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+    except SystemExit as err:
+        from lightning_bytescale.lightning.preemption import PreemptedError  # loads Lightning (see above)
+
+        if trainer.interrupted and not isinstance(err, PreemptedError) and trainer.is_global_zero:
+            _report_interrupt(cfg, trainer)  # Lightning's Ctrl-C handling (a second Ctrl-C, or during set-up)
+        raise
     except Exception as err:
         from lightning_bytescale.data.errors import DataError  # loads torch (see above)
 
@@ -332,6 +429,7 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
     if loss is not None:
         lines[0] += f", last loss {float(loss):.4f}"
     lines.append(f"  outputs: {cfg.run_dir}")
+    lines += _checkpoint_lines(cfg, trainer, ran)
     if logger is not None and type(logger).__name__ == "WandbLogger":
         runs = find_run_files(os.path.join(str(logger.save_dir), "wandb"))
         if runs and "offline-run" in runs[-1].parent.name:
@@ -363,6 +461,47 @@ def _job_label(cfg: DictConfig) -> str:
         return str(cfg.name)
     job = HydraConfig.get().job
     return f"{cfg.name} job {job.get('num', 0)} ({_job_overrides() or 'defaults'})"
+
+
+def _checkpoint_lines(cfg: DictConfig, trainer: Any, ran: int) -> list[str]:
+    """Where the run's checkpoint is and the command that trains on from it."""
+    from lightning_bytescale.cli._run_end import checkpoint_step, command_overrides, resume_command
+
+    callback = trainer.checkpoint_callback
+    if callback is None or callback.dirpath is None:
+        return []
+    last = Path(callback.dirpath) / "last.ckpt"
+    if not last.exists():
+        return []
+    step = trainer.global_step or checkpoint_step(last)  # spawn: the state stayed in the workers
+    limit = int(cfg.trainer.get("max_steps") or -1)
+    more = None
+    if step is not None and 0 < limit <= step:  # it used up its steps: resuming as it is would stop at once
+        more = step + (ran or limit)
+    where = f"  checkpoint: {last}" + (f" (step {step})" if step is not None else "")
+    lines = [where, f"  resume with:  {resume_command(command_overrides(), last, more)}"]
+    if more is not None:
+        lines[-1] += f"   # to step {more}"
+    return lines
+
+
+def _report_interrupt(cfg: DictConfig, trainer: Any) -> None:
+    """Rank 0's lines after Lightning's Ctrl-C handling: the newest checkpoint and its command."""
+    from lightning_bytescale.cli._run_end import command_overrides, newest_checkpoint, resume_command
+
+    callback = trainer.checkpoint_callback
+    found = newest_checkpoint(str(cfg.run_dir), getattr(callback, "dirpath", None))
+    lines = [
+        f"[bytescale-train] {cfg.name}: interrupted after step {trainer.global_step} without saving a checkpoint"
+    ]
+    if found is not None:
+        lines.append(f"  newest checkpoint: {found}")
+        lines.append(f"  resume with:  {resume_command(command_overrides(), found)}")
+    else:
+        lines.append(
+            "  no checkpoint in this run (one Ctrl-C while training saves one at the next step; a second stops at once)"
+        )
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _hydra_main() -> Any:

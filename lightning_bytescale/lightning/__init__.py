@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "PreemptionCallback": "lightning_bytescale.lightning.preemption",
     "PreemptionHandler": "lightning_bytescale.lightning.preemption",
     "RunTimer": "lightning_bytescale.lightning.run_timer",
+    "StepProgressBar": "lightning_bytescale.lightning.progress",
     "TelemetryCallback": "lightning_bytescale.lightning.telemetry",
 }
 

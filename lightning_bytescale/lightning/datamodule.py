@@ -65,6 +65,7 @@ from lightning_bytescale.data.store import (
 from lightning_bytescale.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_bytescale.errors import PlannerOptionsConflictError
 from lightning_bytescale.planner.config import PlannerConfig
+from lightning_bytescale.planner.cost_model import CostModel
 from lightning_bytescale.planner.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -433,7 +434,19 @@ class ByteScaleDataModule(pl.LightningDataModule):
     def planner_options(self) -> dict:
         """:attr:`planner_config` as ``make_plan`` keyword options (without the seed and ``None`` values)."""
         opts = self.planner_config.as_options()
-        return {k: v for k, v in opts.items() if v is not None and k != "seed"}
+        opts = {k: v for k, v in opts.items() if v is not None and k != "seed"}
+        pmesh = self._parallel_mesh()
+        tp = int(pmesh.dims.tensor_parallel) if pmesh is not None else 1
+        if tp > 1:
+            # ranks_per_node (the option or the cost model's) counts devices; the planner places
+            # rings over HDP ranks, tp devices each (as the simulator's Scenario.ranks_per_node)
+            per_node = opts.get("ranks_per_node")
+            if per_node is None:
+                cost = opts.get("cost_model") or CostModel.paper_preset()
+                per_node = cost.ranks_per_node
+            if per_node is not None:
+                opts["ranks_per_node"] = max(1, int(per_node) // tp)
+        return opts
 
     def plan_seed(self) -> int:
         """The base of every step's planning seed: the planner config's ``seed`` if it gives one."""
@@ -575,6 +588,20 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self._check_budget(int(self.train_samples.length.max()))
         self.val_samples = self._samples(val_docs, "the validation split") if val_docs is not None else None
         self.test_samples = self._samples(test_docs, "the test split") if test_docs is not None else None
+        if trainer is not None and stage == "fit" and self.val_samples is None and trainer.limit_val_batches:
+            # No validation split: skip the loop as limit_val_batches=0 does, instead of handing
+            # Lightning an empty loader it warns about ("Total length of `list` across ranks is zero").
+            # teardown("fit") puts the trainer's value back, so a later fit with a split validates.
+            self._restore_limit_val_batches = (trainer, trainer.limit_val_batches)
+            trainer.limit_val_batches = 0
+
+    def teardown(self, stage: str | None = None) -> None:
+        """Give back the trainer's ``limit_val_batches`` that :meth:`setup` set to 0 for a fit without a validation split."""
+        saved = getattr(self, "_restore_limit_val_batches", None)
+        if saved is not None and stage in (None, "fit"):
+            trainer, value = saved
+            trainer.limit_val_batches = value
+            self._restore_limit_val_batches = None
 
     def _check_budget(self, longest: int, world_size: int | None = None, capacity: Any = None) -> None:
         """Fail if a global batch's budget cannot hold the longest training sample."""
@@ -732,17 +759,26 @@ class ByteScaleDataModule(pl.LightningDataModule):
             done = {"drop": "dropped", "truncate": "truncated", "split": "split"}.get(
                 self.long_document_policy
             )
-            log.warning(
+            self._warn_once(
                 "%s: %d %s longer than the context length %d were %s (long_document_policy=%r); raise "
                 "context_length (and capacity x world size) to keep them",
                 where, long, what, self.max_length, done, self.long_document_policy,
             )  # fmt: skip
         if s.report.get("no_loss_dropped") and self.rank == 0:
-            log.warning(
+            self._warn_once(
                 "%s: %d samples with no trained token (loss_on=%r) were dropped",
                 where, s.report["no_loss_dropped"], self.loss_on,
             )  # fmt: skip
         return s
+
+    def _warn_once(self, message: str, *args: Any) -> None:
+        """Log a data warning once per data module: ``setup`` runs for every stage (fit, test,
+        predict) and the loaders check the vocabulary for every split, with the same findings."""
+        text = message % args
+        seen = self.__dict__.setdefault("_warned", set())
+        if text not in seen:
+            seen.add(text)
+            log.warning(text)
 
     def _loss_tokens(self, s: Samples) -> np.ndarray:
         """Trained tokens of each sample: the index's count for whole documents, else from the mask."""
@@ -787,7 +823,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
             )
         store.vocab_limit = min(limit, store.vocab_size)
         if store.vocab_size > limit and self.rank == 0:
-            log.warning(
+            self._warn_once(
                 "the tokenizer has %d tokens, the model's vocabulary %d; the data's largest id (%s) fits",
                 store.vocab_size, limit, store.max_token_id,
             )  # fmt: skip

@@ -29,7 +29,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -101,6 +101,10 @@ class PreemptionHandler:
             add ``"SIGUSR1"`` for SLURM's ``#SBATCH --signal=USR1@120`` (a warning some
             seconds before the time limit) or Kubernetes set-ups that send another signal.
 
+    With ``"SIGINT"`` among them (what ``bytescale-train`` uses), the first Ctrl-C saves a
+    checkpoint at the next step boundary like SIGTERM, and a second one raises
+    :class:`KeyboardInterrupt` at once, as Ctrl-C does without this handler.
+
     ``install()`` replaces the handlers of these signals (from the main thread),
     ``uninstall()`` puts back the ones it replaced.  ``requested`` becomes True on the first
     signal and ``signal_name`` names it; nothing else runs inside the handler.
@@ -118,6 +122,8 @@ class PreemptionHandler:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only assignments: no I/O, no lock, no collective (the main thread may be inside one).
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint (Python's default)
         if not self.requested:
             self.signal_name = signal.Signals(signum).name
         self.requested = True
@@ -249,6 +255,10 @@ def _resume_hint() -> str:
 class PreemptionCallback(Callback):
     """Installs a :class:`PreemptionHandler` during training; on an agreed request, saves and exits.
 
+    ``resume_hint`` (optional) turns the saved checkpoint's path into the sentence that ends
+    rank 0's message (by default: ``trainer.fit(..., ckpt_path="hpc")``; ``bytescale-train``
+    gives the command line that resumes the run).
+
     After every training step (``on_train_batch_end``, where checkpoints are consistent: the
     optimizer step and the loop counters are done, the data position is the next step), it
     asks whether any rank was signalled: the value the strategy recorded from its step
@@ -257,8 +267,13 @@ class PreemptionCallback(Callback):
     (:func:`checkpoint_path`, ``trainer.save_checkpoint``) and raises :class:`PreemptedError`.
     """
 
-    def __init__(self, handler: PreemptionHandler | None = None) -> None:
+    def __init__(
+        self,
+        handler: PreemptionHandler | None = None,
+        resume_hint: Callable[[Path | str], str] | None = None,
+    ) -> None:
         self.handler = handler if handler is not None else PreemptionHandler()
+        self.resume_hint = resume_hint
 
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.handler.install()
@@ -279,14 +294,17 @@ class PreemptionCallback(Callback):
         """Save the preemption checkpoint on every rank together, then raise :class:`PreemptedError`."""
         path = checkpoint_path(trainer)
         trainer.save_checkpoint(path, weights_only=False)
+        name = self.handler.signal_name
         cause = (
-            f"{self.handler.signal_name} on rank {trainer.global_rank}"
+            f"{'Ctrl-C (SIGINT)' if name == 'SIGINT' else name} on rank {trainer.global_rank}"
             if self.handler.requested
             else "a stop signal on another rank"
         )
+        hint = self.resume_hint(path) if self.resume_hint is not None else _resume_hint()
+        what = "stopped" if name == "SIGINT" else "preempted"
         message = (
-            f"[ByteScale] preempted by {cause}: saved a checkpoint after step {trainer.global_step} to {path}; "
-            f"exiting with code {EXIT_PREEMPTED}. {_resume_hint()}"
+            f"[ByteScale] {what} by {cause}: saved a checkpoint after step {trainer.global_step} to {path}; "
+            f"exiting with code {EXIT_PREEMPTED}. {hint}"
         )
         self.handler.uninstall()
         if trainer.is_global_zero:

@@ -439,3 +439,26 @@ def test_datamodule_plans_for_hdp_ranks_and_reads_its_hdp_ranks_share_with_the_l
     assert batch.stats["world_size"] == 2
     for mb in batch.micro_batches:
         assert mb.layout.ring is None or set(mb.layout.ring) <= {1, 3}
+
+
+@pytest.mark.parametrize(("given", "expected"), [(8, 4), (None, 4), (1, 1)])
+def test_the_planner_counts_hdp_ranks_per_node_as_the_simulator_does(given, expected):
+    """ranks_per_node counts devices; with tensor_parallel_size=2 a node holds half as many HDP ranks."""
+    from types import SimpleNamespace
+
+    from lightning_bytescale import ByteScaleDataModule
+    from lightning_bytescale.parallel import ParallelDims
+    from lightning_bytescale.planner.cost_model import CostModel
+    from lightning_bytescale.sim.scenario import get_scenario
+
+    dims = ParallelDims(16, tensor_parallel=2, ranks_per_node=8)
+    strategy = ByteScaleStrategy(tensor_parallel_size=2, capacity=96, ranks_per_node=given)
+    strategy.parallel_mesh = SimpleNamespace(dims=dims, hdp_rank=0, lane=0, ring_ranks=dims.lane_ranks(0))
+    dm = ByteScaleDataModule(source="github", num_workers=0)
+    dm.trainer = SimpleNamespace(global_rank=0, world_size=16, strategy=strategy, overfit_batches=0)
+    assert CostModel.paper_preset().ranks_per_node == 8  # what None falls back to
+    assert dm.planner_options()["ranks_per_node"] == expected
+    assert dm.world_size == dims.data_parallel
+    if given == 8:
+        scenario = get_scenario("paper-7b-github-2m").with_(gpus=16, gpus_per_node=8, tensor_parallel=2)
+        assert (scenario.ranks, scenario.ranks_per_node) == (dm.world_size, expected)
