@@ -29,6 +29,11 @@ every subsection, so a run cut short keeps what it finished:
   an independent single-process float64 loop to 1e-10; the gradient finiteness flag on NaN,
   inf and huge values with no host synchronisation; and a larger Llama in ``bf16-mixed`` with
   its MFU (``TelemetryCallback``: model FLOPs over step time and the device's peak);
+* ``tensor_parallel``: ``ByteScaleStrategy(tensor_parallel_size=2)`` when two or more GPUs are
+  visible (``(1, 2)``, or ``(2, 2)`` with four), NCCL, the reference Llama with ``parallelize_llama``
+  (``benchmarks/_tp_check.py``): ``bf16-mixed`` (it ran, the lanes log the same finite losses, the
+  step time) and ``64-true`` against the single-process float64 loop to 1e-10; with fewer GPUs a
+  skip with the reason; the dry run trains the same code on 2 gloo CPU ranks;
 * ``offload``: activation offload on CUDA through ``benchmarks/gpu_offload_overlap.py``:
   gradients bit-identical to no offload, raw copy/compute overlap, step time and peak memory
   against the ratio;
@@ -785,6 +790,95 @@ def trainer_section(report: Report, device: torch.device, sizes: Sizes) -> None:
     section.run("mfu", mfu)
 
 
+# ----------------------------------------------------------------------------- tensor parallel
+def tensor_parallel_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    """``ByteScaleStrategy(tensor_parallel_size=2)`` on 2 GPUs (4 when visible: ``(2, 2)``), NCCL.
+
+    The run of ``benchmarks/_tp_check.py``: the reference Llama sharded by ``parallelize_llama`` in
+    ``configure_model``, under ``Trainer(strategy=ByteScaleStrategy(tensor_parallel_size=2))``, in
+    ``bf16-mixed`` (it ran on every rank, the lanes log the same finite losses, step time) and in
+    ``64-true`` against the single-process float64 loop (1e-10).  With fewer than two GPUs both
+    subsections record a skip with the reason.  The dry run trains the same code on 2 gloo CPU
+    ranks through the same spawn launcher.
+    """
+    import _tp_check  # benchmarks/_tp_check.py
+
+    from lightning_bytescale.models import LlamaConfig, LlamaModel
+
+    section = report.section("tensor_parallel")
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if visible < 2:
+            reason = f"needs two or more GPUs; {visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
+            for name in ("bf16_mixed", "float64"):
+                section.run(name, lambda sub: sub.out.update(skipped=reason, gpus_visible=visible))
+            return
+        world, accelerator, backend = (4 if visible >= 4 else 2), "gpu", "nccl"
+    else:
+        world, accelerator, backend = 2, "cpu", "gloo"
+    cfg = LlamaConfig.preset(sizes.preset)
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in LlamaModel(cfg).state_dict().items()}
+
+    def train(precision: str) -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            return _tp_check.fit(
+                Path(tmp), accelerator=accelerator, world=world, preset=sizes.preset, init=init,
+                steps=sizes.steps, capacity=sizes.capacity, precision=precision, start_method="spawn",
+            )  # fmt: skip
+
+    def ran(sub: Sub, result: dict) -> bool:
+        reports = result["reports"]
+        losses = [[row["loss"] for row in rep["rows"]] for rep in reports]
+        seconds = [row["seconds"] for row in reports[0]["rows"]]
+        warm = seconds[2:] or seconds  # the first steps pay start-up costs
+        sub.out.update(
+            world=world,
+            mesh=reports[0]["mesh"],
+            backend=[rep["backend"] for rep in reports],
+            devices=[rep["device"] for rep in reports],
+            steps=len(losses[0]),
+            losses=losses[0],
+            lanes_agree=all(ls == losses[0] for ls in losses),
+            step_seconds=seconds,
+            step_seconds_median=statistics.median(warm) if warm else None,
+            dtensor_params=reports[0]["dtensor_params"],
+        )
+        return bool(
+            all(b == backend for b in sub.out["backend"])
+            and sub.out["mesh"] == [world // 2, 2]
+            and all(len(ls) == sizes.steps for ls in losses)
+            and sub.out["lanes_agree"]
+            and sub.out["dtensor_params"] > 0
+        )
+
+    def bf16_mixed(sub: Sub) -> None:
+        result = train("bf16-mixed")
+        ok = ran(sub, result)
+        losses = sub.out["losses"]
+        sub.out["finite"] = all(math.isfinite(x) for x in losses)
+        sub.out["ran"] = True
+        sub.out["ok"] = bool(ok and sub.out["finite"])
+
+    def float64(sub: Sub) -> None:
+        result = train("64-true")
+        ok = ran(sub, result)
+        reference = _reference_fit(cfg, init, sizes, device)
+        got = result["params"]
+        errs = {n: _max_err(got[n].to(p), p) for n, p in reference.named_parameters()}
+        worst = max(errs, key=errs.get)
+        sub.out.update(
+            max_param_diff=errs[worst],
+            worst_param=worst,
+            max_param_change=max(_max_err(got[n], init[n].to(got[n])) for n in errs),
+            tolerance=1e-10,
+        )
+        sub.out["ok"] = bool(ok and errs[worst] <= 1e-10 and sub.out["max_param_change"] > 1e-4)
+
+    section.run("bf16_mixed", bf16_mixed)
+    section.run("float64", float64)
+
+
 # ----------------------------------------------------------------------------- offload
 def _offload_identity_cpu(sizes: Sizes) -> dict:
     """Dry run: the offloader's hooks on CPU leave gradients bit-identical at r = 0.25 / 0.5 / 1.0."""
@@ -915,6 +1009,7 @@ SECTIONS: dict[str, Callable[[Report, torch.device, Sizes], None]] = {
     "ring": ring_section,
     "host_syncs": host_syncs_section,
     "trainer": trainer_section,
+    "tensor_parallel": tensor_parallel_section,
     "offload": offload_section,
     "flash_attn": flash_attn_section,
 }

@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
@@ -61,12 +60,12 @@ def check_options(tensor_parallel_size: Any, *, zero: int, checkpoint_format: st
         )
     if tp == 1:
         return tp
-    if zero >= 1:
+    if zero >= 2:
         raise ConfigError(
-            f"ByteScaleStrategy(zero={zero}) is not supported with tensor_parallel_size={tp} yet: ZeRO's "
-            "optimizer sharding and gradient owners work on plain tensors, not on DTensor shards. Use zero=0 "
-            'with tensor parallelism (or fully_shard(..., mesh=self.device_mesh["data_parallel"]) in '
-            "configure_model to shard over the HDP ranks)"
+            f"ByteScaleStrategy(zero={zero}) is not supported with tensor_parallel_size={tp} yet: ZeRO-2's "
+            "gradient owners work on plain tensors, not on DTensor shards. Use zero=1 (the optimizer state "
+            "split over each lane's HDP ranks) or zero=0 with tensor parallelism (or "
+            'fully_shard(..., mesh=self.device_mesh["data_parallel"]) in configure_model)'
         )
     if checkpoint_format == "sharded":
         raise ConfigError(
@@ -222,7 +221,6 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             "lane would decide on its own gradient shards whether to skip a step. Use precision='bf16-mixed' "
             "or '32-true'"
         )
-    fitting = trainer.state.fn == TrainerFn.FITTING
     if any(p.is_meta for p in strategy.model.parameters()):
         raise ConfigError(
             f"tensor_parallel_size={tp}: the model has parameters on the meta device (Trainer.init_module("
@@ -237,12 +235,150 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             'parallelize_module(..., self.device_mesh["tensor_parallel"], plan) (or parallelize_llama / '
             "parallelize_hf) in configure_model, or use tensor_parallel_size=1"
         )
-    if fitting and strategy.preemption is not False:
-        rank_zero_warn(
-            f"ByteScaleStrategy(tensor_parallel_size={tp}): preemption checkpoints are not supported with "
-            "tensor parallelism yet, so the strategy's SIGTERM handler is not installed (pass preemption=False "
-            "to silence this)"
-        )
+
+
+# ----------------------------------------------------------------------------- ZeRO-1 on the mesh
+class LaneZero:
+    """ZeRO-1 with tensor parallelism: each lane's optimizer state split over its HDP ranks.
+
+    Every parameter (a DTensor shard or a plain replica) has one owner among the HDP ranks,
+    chosen the same way on every rank (largest first, to the least loaded).  The optimizer is the
+    user's own; its ``step`` runs the closure (forward, backward, the gradient sum over the lane's
+    data-parallel group, clipping on every rank as without ZeRO), hides the gradients of the
+    parameters this rank does not own (so the optimizer keeps no state for them and skips them),
+    steps, and then every owner broadcasts its updated local shards over the lane's data-parallel
+    group.  The update of a parameter is the one one process would make (AdamW and SGD are per
+    parameter), so the result is exact.  For a consolidated checkpoint
+    :meth:`materialized` gives every rank the whole state for a moment (the owners broadcast it),
+    which ``get_optimizer_state_dict`` then gathers across the lanes; :meth:`drop_unowned` frees it
+    again (and after a load).
+    """
+
+    def __init__(self, optimizer: Optimizer, pmesh: ParallelMesh) -> None:
+        self.optimizer, self.pmesh = optimizer, pmesh
+        self.params = list(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"]))
+        loads = [0] * pmesh.dims.data_parallel
+        self.owner: dict[int, int] = {}
+        for p in sorted(self.params, key=lambda p: -p.numel()):  # stable: ties in parameter order
+            i = loads.index(min(loads))
+            self.owner[id(p)] = i
+            loads[i] += p.numel()
+        self.split = True  # False: step every parameter (the state set-up of a checkpoint load)
+        inner = optimizer.step
+
+        def step(closure: Any = None, **kwargs: Any) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            held = {}
+            for p in self.params if self.split else ():
+                if not self.owns(p) and p.grad is not None:
+                    held[p], p.grad = p.grad, None
+            try:
+                inner(**kwargs)
+            finally:
+                for p, g in held.items():
+                    p.grad = g
+            if self.split:
+                self.broadcast_params()
+            return loss
+
+        optimizer.step = step  # type: ignore[method-assign]
+
+    def owns(self, p: torch.Tensor) -> bool:
+        return self.owner[id(p)] == self.pmesh.hdp_rank
+
+    def _src(self, i: int) -> int:
+        return self.pmesh.dims.global_rank(i, self.pmesh.lane)
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        for i in range(self.pmesh.dims.data_parallel):
+            mine = [_local(p) for p in self.params if self.owner[id(p)] == i]
+            broadcast_tensors(mine, src=self._src(i), group=self.pmesh.dp_group)
+
+    @torch.no_grad()
+    def materialize(self) -> None:
+        """Every rank of a lane gets the whole optimizer state of the lane (the owners broadcast it)."""
+        import torch.distributed as dist
+
+        state = self.optimizer.state
+        for i in range(self.pmesh.dims.data_parallel):
+            owned = [p for p in self.params if self.owner[id(p)] == i]
+            meta = [None]
+            if i == self.pmesh.hdp_rank:
+                meta = [
+                    [
+                        {
+                            k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else v
+                            for k, v in state[p].items()
+                        }
+                        if p in state
+                        else None
+                        for p in owned
+                    ]
+                ]
+            dist.broadcast_object_list(meta, src=self._src(i), group=self.pmesh.dp_group)
+            tensors = []
+            for p, keys in zip(owned, meta[0]):
+                if keys is None:
+                    continue
+                if i != self.pmesh.hdp_rank:
+                    entry = {}
+                    for k, v in keys.items():
+                        if not isinstance(v, tuple) or len(v) != 2 or not isinstance(v[1], torch.dtype):
+                            entry[k] = v
+                        elif tuple(v[0]) == tuple(p.shape):
+                            entry[k] = torch.zeros_like(p, dtype=v[1])  # a DTensor like the parameter
+                        else:
+                            entry[k] = torch.zeros(v[0], dtype=v[1], device=_local(p).device)
+                    state[p] = entry
+                tensors.extend(_local(v) for v in state[p].values() if torch.is_tensor(v))
+            broadcast_tensors(tensors, src=self._src(i), group=self.pmesh.dp_group)
+
+    def drop_unowned(self) -> None:
+        for p in self.params:
+            if not self.owns(p):
+                self.optimizer.state.pop(p, None)
+
+    @contextmanager
+    def materialized(self) -> Iterator[None]:
+        self.materialize()
+        try:
+            yield
+        finally:
+            self.drop_unowned()
+
+
+def lane_zero(optimizers: list[Optimizer], pmesh: ParallelMesh) -> list[LaneZero]:
+    """ZeRO-1 on the mesh for each optimizer (``ByteScaleStrategy(zero=1, tensor_parallel_size=N)``)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_bytescale.engine.zero import mark_step_calls
+
+    zeros = []
+    for opt in optimizers:
+        fsdp = [
+            p
+            for g in opt.param_groups
+            for p in g["params"]
+            if isinstance(p, DTensor) and _sharded_over_hdp_ranks(p)
+        ]
+        if fsdp:
+            raise ConfigError(
+                "ByteScaleStrategy(zero=1) cannot run with fully_shard over the data-parallel dimension: FSDP2 "
+                "already splits the parameters and their optimizer state over the HDP ranks. Use zero=0 with FSDP2"
+            )
+        zero = LaneZero(opt, pmesh)
+        opt._bytescale_lane_zero = zero  # type: ignore[attr-defined]
+        mark_step_calls(opt)
+        zeros.append(zero)
+    return zeros
+
+
+def _lane_zero_of(optimizer: Optimizer) -> LaneZero | None:
+    return getattr(optimizer, "_bytescale_lane_zero", None)
 
 
 # ----------------------------------------------------------------------------- consolidated checkpoints
@@ -269,7 +405,11 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """The optimizer's state by parameter name, every DTensor whole (call on every rank)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(module, optimizer, options=_full_options())
+    zero = _lane_zero_of(optimizer)
+    if zero is None:
+        return get_optimizer_state_dict(module, optimizer, options=_full_options())
+    with zero.materialized():  # ZeRO-1: every rank of a lane holds the whole state while it is gathered
+        return get_optimizer_state_dict(module, optimizer, options=_full_options())
 
 
 def load_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> None:
@@ -285,7 +425,18 @@ def load_optimizer_states(
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     for optimizer, state in zip(optimizers, states):
-        set_optimizer_state_dict(module, optimizer, state, options=_full_options())
+        zero = _lane_zero_of(getattr(optimizer, "_optimizer", optimizer))
+        if zero is None:
+            set_optimizer_state_dict(module, optimizer, state, options=_full_options())
+            continue
+        # ZeRO-1: torch sets up an empty state with a zero-learning-rate step of every parameter, so
+        # the whole state is loaded first; then each rank keeps its own parameters' state only
+        zero.split = False
+        try:
+            set_optimizer_state_dict(module, optimizer, state, options=_full_options())
+        finally:
+            zero.split = True
+        zero.drop_unowned()
 
 
 __all__ = [

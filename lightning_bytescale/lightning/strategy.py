@@ -137,6 +137,8 @@ class ByteScaleStrategy(ParallelStrategy):
         preemption: SIGTERM (or the signals named) sets a flag agreed in the step's all-reduce; at
             the next step boundary every rank saves ``hpc_ckpt_<n>.ckpt`` and exits with code 143
             (:mod:`~lightning_bytescale.lightning.preemption`); ``False`` leaves Lightning's handler.
+            With ``tensor_parallel_size > 1`` the flag also rides in the lanes' all-reduce, so every
+            rank of the mesh agrees on the same step.
         checkpoint_format: ``"sharded"`` (a folder every rank writes its part of, resharding on
             load: :mod:`~lightning_bytescale.lightning.checkpoint`), ``"consolidated"`` (one file
             from rank 0) or ``"auto"`` (sharded exactly when ``zero >= 1``); both formats load.
@@ -414,7 +416,7 @@ class ByteScaleStrategy(ParallelStrategy):
         if self._watchdog is None and self.watchdog is not False and seconds is not None:
             option = f"ByteScaleStrategy({'watchdog' if self.watchdog is not True else 'timeout'}=...)"
             self._watchdog = StepWatchdog(float(seconds), self.global_rank, timeout_option=option).start()
-        if self.preemption is False or self.parallel_mesh or trainer.state.fn != TrainerFn.FITTING:
+        if self.preemption is False or trainer.state.fn != TrainerFn.FITTING:
             return
         callback = next((c for c in trainer.callbacks if isinstance(c, PreemptionCallback)), None)
         if callback is None:
@@ -459,7 +461,9 @@ class ByteScaleStrategy(ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self.zero >= 1:
+        if self.zero >= 1 and self.parallel_mesh is not None:  # ZeRO-1 over each lane's HDP ranks
+            mesh_.lane_zero(self.optimizers, self.parallel_mesh)
+        elif self.zero >= 1:
             self.optimizers = shard_optimizers(
                 self.optimizers, [c.scheduler for c in self.lr_scheduler_configs]
             )

@@ -91,6 +91,10 @@ def agree_across_lanes(run: Callable[[], T], pmesh: ParallelMesh, step: int | No
     heads -- would otherwise stop that lane and leave the others waiting in the next step's TP
     collectives.  The lanes that failed raise their own error, the others
     :class:`~lightning_bytescale.parallel.errors.LaneDivergenceError`.
+
+    The same all-reduce carries a :class:`StepResult`'s ``stop_requested`` (a preemption signal):
+    ``run()`` OR-ed it over the lane's HDP ranks, so the MAX over the TP group is the OR over every
+    rank of the world, and every rank learns at the same step boundary that one was signalled.
     """
     failure: StepError | None = None
     result: T | None = None
@@ -102,9 +106,14 @@ def agree_across_lanes(run: Callable[[], T], pmesh: ParallelMesh, step: int | No
         device = torch.device(pmesh.mesh.device_type)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
-        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
+        stop = failure is None and bool(getattr(result, "stop_requested", False))
+        flag = torch.tensor([0 if failure is None else 1, int(stop)], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pmesh.tp_group)
-        if failure is None and int(flag.item()):
+        failed_somewhere, stop_somewhere = flag.tolist()
+        if failure is None and stop_somewhere and isinstance(result, StepResult):
+            # every lane's OR over its HDP ranks, OR-ed over the lanes: every rank of the world
+            result.stop_requested = True
+        if failure is None and failed_somewhere:
             where = "" if step is None else f" at step {step}"
             raise LaneDivergenceError(
                 f"another tensor-parallel lane of HDP rank {pmesh.hdp_rank} (global ranks "

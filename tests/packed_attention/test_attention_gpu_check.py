@@ -60,7 +60,7 @@ def test_dry_run_from_the_repository_root_passes_every_section(tmp_path):
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and report["device"] == "cpu" and report["ok"] is True
     assert Path(report["package"]) == ROOT / "lightning_bytescale"  # this checkout's package
-    for section in ("kernels", "ring", "host_syncs", "trainer", "offload", "flash_attn"):
+    for section in ("kernels", "ring", "host_syncs", "trainer", "tensor_parallel", "offload", "flash_attn"):
         assert report[section]["ok"], report[section]
         for name, sub in report[section].items():
             if isinstance(sub, dict):
@@ -95,6 +95,14 @@ def test_dry_run_from_the_repository_root_passes_every_section(tmp_path):
         trainer["mfu"]["mfu_median"] > 0
         and len(trainer["mfu"]["mfu_per_step"]) == report["sizes"]["mfu_steps"]
     )
+
+    tp = report["tensor_parallel"]  # the GPU section's code on 2 gloo ranks: (1, 2), spawn launcher
+    for name in ("bf16_mixed", "float64"):
+        assert tp[name]["mesh"] == [1, 2] and tp[name]["backend"] == ["gloo", "gloo"], tp[name]
+        assert tp[name]["steps"] == report["sizes"]["steps"] and tp[name]["lanes_agree"]
+        assert tp[name]["dtensor_params"] > 0 and tp[name]["step_seconds_median"] > 0
+    assert tp["bf16_mixed"]["ran"] and tp["bf16_mixed"]["finite"]
+    assert tp["float64"]["max_param_diff"] <= 1e-10 and tp["float64"]["max_param_change"] > 1e-4
 
     offload = report["offload"]
     assert set(offload["cpu_hooks"]["bit_identical"]) == {"0.25", "0.5", "1.0"}
@@ -169,3 +177,14 @@ def test_a_spent_budget_fails_the_subsections_it_cuts(tmp_path, monkeypatch):
     assert gpu_check.main(["--dry-run", "--out", str(out), "--budget-s", "-1"]) == 1
     late = json.loads(out.read_text())["kernels"]["late"]
     assert late["ok"] is False and "time budget" in late["skipped"]
+
+
+def test_tensor_parallel_section_records_a_skip_with_fewer_than_two_gpus(tmp_path, monkeypatch):
+    gpu_check = _load_script(monkeypatch)
+    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 1)
+    report = gpu_check.Report(tmp_path / "x.json", {}, 60.0)
+    gpu_check.tensor_parallel_section(report, gpu_check.torch.device("cuda", 0), gpu_check.GPU)
+    tp = json.loads((tmp_path / "x.json").read_text())["tensor_parallel"]
+    assert tp["ok"] is True  # a skip is not a failure
+    for name in ("bf16_mixed", "float64"):
+        assert "needs two or more GPUs; 1 visible" in tp[name]["skipped"] and tp[name]["gpus_visible"] == 1
