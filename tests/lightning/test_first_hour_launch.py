@@ -8,6 +8,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess  # two ranks through Lightning's own launcher
+
 SCRIPT = textwrap.dedent(
     """
     import lightning.pytorch as pl
