@@ -467,6 +467,7 @@ def _resume(
     worlds: tuple[tuple[str, int, dict], ...],
     checkpoint_format: str = "consolidated",
     consolidated: Path | None = None,
+    **save_options,
 ) -> Path:
     """Three steps on (2, 2) with a checkpoint, then to six steps from it on each of ``worlds``; the checkpoint."""
     total = 6
@@ -474,7 +475,7 @@ def _resume(
     probe = CheckpointProbe(first, consolidated)
     _fit(
         first, 4, steps=3, tied=False, module=module, data_steps=total, ckpt_every=3,
-        checkpoint_format=checkpoint_format, extra_callbacks=(probe,),
+        checkpoint_format=checkpoint_format, extra_callbacks=(probe,), **save_options,
     )  # fmt: skip
     (ckpt,) = (first / "ckpt").glob("*.ckpt")
     sharded = checkpoint_format != "consolidated"
@@ -546,7 +547,9 @@ def test_resume_is_exact_on_the_same_and_another_mesh(tmp_path, checkpoint_forma
     for k, v in whole["state_dict"].items():
         assert torch.equal(exported["state_dict"][k], v), k
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # the module as the float64 run built it, so the values fit exactly
+    torch.set_default_dtype(
+        torch.float64
+    )  # the module as the float64 run built it, so the values fit exactly
     try:
         loaded = TPLM.load_from_checkpoint(folder, tied=False)
     finally:
