@@ -430,12 +430,31 @@ def load_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> 
     set_model_state_dict(module, state, options=_full_options(strict))
 
 
+def keyed_by_name(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """PyTorch's indexed optimizer state (the one file of a run without TP, an exported sharded folder) keyed
+    by parameter name, as torch's full optimizer state dict is; a state keyed by name as it is.
+
+    Index ``i`` is the ``i``-th parameter of ``optimizer``'s groups, the order ``optimizer.state_dict()`` numbers them in.
+    """
+    indices = [*state["state"], *(i for g in state["param_groups"] for i in g["params"])]
+    if not all(isinstance(i, int) for i in indices):
+        return state
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    return {
+        "state": {order[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
 def load_optimizer_states(
     module: nn.Module, optimizers: list[Optimizer], states: list[dict[str, Any]]
 ) -> None:
+    """Whole tensors (keyed by name or, as PyTorch saves them, by index) into the optimizers: each rank keeps its shards."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     for optimizer, state in zip(optimizers, states):
+        state = keyed_by_name(module, optimizer, state)
         zero = _lane_zero_of(getattr(optimizer, "_optimizer", optimizer))
         if zero is None:
             set_optimizer_state_dict(module, optimizer, state, options=_full_options())
@@ -461,6 +480,7 @@ __all__ = [
     "full_state_dict",
     "gathered",
     "keeps_state",
+    "keyed_by_name",
     "load_model_state",
     "load_optimizer_states",
     "model_state",

@@ -365,7 +365,7 @@ class CheckpointProbe(pl.Callback):
     the tensor elements a sharded load reads, what the loaded optimizer state looks like.
 
     ``DTensor.redistribute`` is what ``full_tensor`` and torch's full-state-dict gathers call.
-    With ``consolidated`` set, after step 3 the same state is also saved as one file there.
+    With ``consolidated`` set, after step ``RESUME_AT`` the same state is also saved as one file there.
     """
 
     def __init__(self, out: Path, consolidated: Path | None = None) -> None:
@@ -446,7 +446,7 @@ class CheckpointProbe(pl.Callback):
         }
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.consolidated is not None and trainer.global_step == 3:
+        if self.consolidated is not None and trainer.global_step == RESUME_AT:
             strategy = trainer.strategy
             chosen, strategy.checkpoint_format = strategy.checkpoint_format, "consolidated"
             trainer.save_checkpoint(self.consolidated)
@@ -461,6 +461,23 @@ def _probes(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"probe_{r}.json").read_text()) for r in range(world)]
 
 
+RESUME_AT, RESUME_TO = 3, 6
+
+
+def _check_resumed(out: Path, world: int, what: str) -> None:
+    """Parameters and the logged losses of steps 3-5 of a resumed run equal one process's to 1e-10."""
+    expected, losses, _ = _reference(RESUME_TO, tied=False)
+    worst_param = worst_loss = 0.0
+    for r in range(world):
+        got = torch.load(out / f"params_{r}.pt")
+        worst_param = max(worst_param, max((got[k] - v).abs().max().item() for k, v in expected.items()))
+        rows = json.loads((out / f"report_{r}.json").read_text())["rows"]
+        assert [row["step"] for row in rows] == list(range(RESUME_AT, RESUME_TO))
+        worst_loss = max(worst_loss, max(abs(row["logged"] - losses[row["step"]]) for row in rows))
+    print(f"resume {what}: max parameter difference {worst_param:.3e}, loss {worst_loss:.3e}")
+    assert worst_param <= TOLERANCE and worst_loss <= TOLERANCE, (what, worst_param, worst_loss)
+
+
 def _resume(
     tmp_path: Path,
     module: type[TPLM],
@@ -470,11 +487,11 @@ def _resume(
     **save_options,
 ) -> Path:
     """Three steps on (2, 2) with a checkpoint, then to six steps from it on each of ``worlds``; the checkpoint."""
-    total = 6
+    total = RESUME_TO
     first = tmp_path / "first"
     probe = CheckpointProbe(first, consolidated)
     _fit(
-        first, 4, steps=3, tied=False, module=module, data_steps=total, ckpt_every=3,
+        first, 4, steps=RESUME_AT, tied=False, module=module, data_steps=total, ckpt_every=RESUME_AT,
         checkpoint_format=checkpoint_format, extra_callbacks=(probe,), **save_options,
     )  # fmt: skip
     (ckpt,) = (first / "ckpt").glob("*.ckpt")
@@ -482,25 +499,13 @@ def _resume(
     assert is_sharded_checkpoint(ckpt) == sharded
     for rep in _probes(first, 4):  # a consolidated save gathers (the probe sees it); a sharded one must not
         assert (rep["gathers"][f"save {ckpt.name}"] == 0) == sharded, rep["gathers"]
-    expected, losses, _ = _reference(total, tied=False)
     for name, world, options in worlds:
         out = tmp_path / name
         _fit(
             out, world, steps=total, tied=False, module=module, data_steps=total, resume=ckpt,
             extra_callbacks=(CheckpointProbe(out),), **options,
         )  # fmt: skip
-        worst_param = worst_loss = 0.0
-        for r in range(world):
-            got = torch.load(out / f"params_{r}.pt")
-            worst_param = max(worst_param, max((got[k] - v).abs().max().item() for k, v in expected.items()))
-            rows = json.loads((out / f"report_{r}.json").read_text())["rows"]
-            assert [row["step"] for row in rows] == list(range(3, total))
-            worst_loss = max(worst_loss, max(abs(row["logged"] - losses[row["step"]]) for row in rows))
-        print(
-            f"resume {module.__name__} {checkpoint_format} (2, 2) -> {name}: max parameter difference "
-            f"{worst_param:.3e}, loss {worst_loss:.3e}"
-        )
-        assert worst_param <= TOLERANCE and worst_loss <= TOLERANCE, (name, worst_param, worst_loss)
+        _check_resumed(out, world, f"{module.__name__} {checkpoint_format} (2, 2) -> {name}")
         for rep in _probes(out, world):
             assert rep["kept"] == rep["owned"], "a rank must keep the optimizer state of what it owns, only"
             assert rep["unlike_parameter"] == [], rep["unlike_parameter"]
@@ -546,6 +551,10 @@ def test_resume_is_exact_on_the_same_and_another_mesh(tmp_path, checkpoint_forma
     exported = torch.load(tmp_path / "exported.ckpt", weights_only=False)
     for k, v in whole["state_dict"].items():
         assert torch.equal(exported["state_dict"][k], v), k
+    # the exported file (optimizer state indexed, as PyTorch saves it) resumes a TP run too
+    out = tmp_path / "from-exported-1x2"
+    _fit(out, 2, steps=RESUME_TO, tied=False, data_steps=RESUME_TO, resume=tmp_path / "exported.ckpt")
+    _check_resumed(out, 2, "TPLM exported (2, 2) -> 1x2")
     default = torch.get_default_dtype()
     torch.set_default_dtype(
         torch.float64
