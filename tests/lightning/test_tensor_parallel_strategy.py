@@ -499,6 +499,7 @@ def _resume(
     assert is_sharded_checkpoint(ckpt) == sharded
     for rep in _probes(first, 4):  # a consolidated save gathers (the probe sees it); a sharded one must not
         assert (rep["gathers"][f"save {ckpt.name}"] == 0) == sharded, rep["gathers"]
+    print(f"DTensor redistributions per save on rank 0: {_probes(first, 4)[0]['gathers']}")
     for name, world, options in worlds:
         out = tmp_path / name
         _fit(
@@ -518,6 +519,8 @@ def _resume(
                 if hasattr(md, "size")
             )  # fmt: skip
             assert all(rep["read_elements"] < total_elements for rep in _probes(out, world))
+            read = [rep["read_elements"] for rep in _probes(out, world)]
+            print(f"{name}: tensor elements read per rank {read} of the folder's {total_elements}")
     return ckpt
 
 
