@@ -249,18 +249,23 @@ def _allocate_like(entry: _Entry, param: torch.Tensor) -> Any:
     """Where an optimizer entry of ``param`` is read to: shaped like ``param`` when it is a DTensor of its size.
 
     A DTensor template (the parameter's own mesh and placements) makes DCP read only this
-    rank's shard; anything else (a step count, the state of a plain parameter) is read whole.
+    rank's shard; a scalar (a step count) or the state of a plain parameter is read whole.  State
+    of a DTensor parameter in another shape is refused: read whole, it would not be a shard.
     """
     from torch.distributed.tensor import DTensor
 
     md = entry.metadata
-    if (
-        isinstance(param, DTensor)
-        and isinstance(md, TensorStorageMetadata)
-        and tuple(md.size) == tuple(param.shape)
-    ):
-        return torch.empty_like(param, dtype=md.properties.dtype)
-    return _allocate(entry, param.device)
+    if not isinstance(param, DTensor) or not isinstance(md, TensorStorageMetadata) or not md.size:
+        return _allocate(entry, param.device)
+    if tuple(md.size) != tuple(param.shape):
+        _, name, state_name = entry.path
+        raise CheckpointError(
+            f"the checkpoint's optimizer state {state_name!r} of {name!r} has shape {tuple(md.size)}, not its DTensor "
+            f"parameter's {tuple(param.shape)}: a sharded checkpoint reads a DTensor parameter's state into its "
+            "shards only when it is shaped like the parameter (AdamW, SGD with momentum) or a scalar; use "
+            "ByteScaleStrategy(checkpoint_format='consolidated') with this optimizer"
+        )
+    return torch.empty_like(param, dtype=md.properties.dtype)
 
 
 def _read(path: Path, template: dict[str, Any]) -> dict[str, Any]:
