@@ -15,7 +15,15 @@ save.  A *sharded* checkpoint is a folder instead:
 
 Because optimizer state is keyed by name, loading reshards: each rank reads the model and the
 entries of the parameters it owns under the *current* partition, whatever the world size and
-ZeRO setting of the run that saved.  :func:`export_consolidated` turns a folder into the one
+ZeRO setting of the run that saved.
+
+DTensor state (tensor parallelism, FSDP2 on the mesh) goes in as it is: each rank offers its
+local shards of the parameters and of the optimizer state (AdamW's moments are DTensors like
+their parameter), DCP records where each shard sits in the whole tensor and writes a shard that
+several ranks hold (the same TP shard on every HDP rank of a lane) once.  On load every rank
+reads into templates shaped like its *current* parameters (the parameters themselves, and
+``empty_like`` of them for the optimizer state), so it reads only the parts of the whole tensors
+its own shards cover, on whatever mesh; nothing is gathered on save or load.  :func:`export_consolidated` turns a folder into the one
 file a consolidated save writes (``state_dict``, ``optimizer_states`` in PyTorch's indexed
 layout, the rest), for sharing a model or loading it anywhere without a process group, and
 ``LightningModule.load_from_checkpoint`` reads a folder directly (:func:`load_for_module`).
@@ -66,7 +74,8 @@ def validate_format(value: Any) -> str:
         raise ConfigError(
             f"checkpoint_format must be one of {list(CHECKPOINT_FORMATS)}, got {value!r}: 'sharded' has every rank "
             "write its part of a checkpoint folder with torch.distributed.checkpoint, 'consolidated' gathers "
-            "everything on rank 0 into one file, 'auto' is 'sharded' exactly when optimizer state is sharded (ZeRO)"
+            "everything on rank 0 into one file, 'auto' is 'sharded' exactly when optimizer state is sharded over the ranks (ZeRO, or FSDP2 on the "
+            "tensor-parallel mesh)"
         )
     return str(value)
 
@@ -236,6 +245,29 @@ def _allocate(entry: _Entry, device: torch.device | None = None) -> Any:
     return None  # bytes: DCP puts the loaded object here
 
 
+def _allocate_like(entry: _Entry, param: torch.Tensor) -> Any:
+    """Where an optimizer entry of ``param`` is read to: shaped like ``param`` when it is a DTensor of its size.
+
+    A DTensor template (the parameter's own mesh and placements) makes DCP read only this
+    rank's shard; a scalar (a step count) or the state of a plain parameter is read whole.  State
+    of a DTensor parameter in another shape is refused: read whole, it would not be a shard.
+    """
+    from torch.distributed.tensor import DTensor
+
+    md = entry.metadata
+    if not isinstance(param, DTensor) or not isinstance(md, TensorStorageMetadata) or not md.size:
+        return _allocate(entry, param.device)
+    if tuple(md.size) != tuple(param.shape):
+        _, name, state_name = entry.path
+        raise CheckpointError(
+            f"the checkpoint's optimizer state {state_name!r} of {name!r} has shape {tuple(md.size)}, not its DTensor "
+            f"parameter's {tuple(param.shape)}: a sharded checkpoint reads a DTensor parameter's state into its "
+            "shards only when it is shaped like the parameter (AdamW, SGD with momentum) or a scalar; use "
+            "ByteScaleStrategy(checkpoint_format='consolidated') with this optimizer"
+        )
+    return torch.empty_like(param, dtype=md.properties.dtype)
+
+
 def _read(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Read the flat keys of ``template`` from the folder into it, on this rank only (no collectives)."""
     if template:
@@ -318,14 +350,16 @@ def load_sharded(
     *,
     strict: bool = True,
     weights_only: bool | None = None,
+    keeps_state: Callable[[Optimizer, torch.Tensor], bool] | None = None,
 ) -> dict[str, Any]:
     """Read a sharded checkpoint for this rank; returns the dict Lightning restores from.
 
-    The model's tensors are read *in place* into ``module``'s own state (every rank reads them);
-    ``state_dict`` in the result is the module's state, so Lightning's ``load_state_dict`` after
-    it changes nothing.  Each optimizer gets, in PyTorch's indexed layout, the entries of the
-    parameters this rank owns now (its ZeRO partition, or all), read from whichever ranks wrote
-    them.  No collectives: every rank reads on its own.
+    The model's tensors are read *in place* into ``module``'s own state (every rank reads them;
+    a DTensor only its local shard); ``state_dict`` in the result is the module's state, so
+    Lightning's ``load_state_dict`` after it changes nothing.  Each optimizer gets, in PyTorch's
+    indexed layout, the entries of the parameters this rank owns now (its ZeRO partition, those
+    ``keeps_state(optimizer, parameter)`` accepts, or all), read from whichever ranks wrote them;
+    a DTensor parameter's entries are DTensors like it.  No collectives: every rank reads on its own.
     """
     path = _check_local(path)
     meta, metadata = _load_meta(path, weights_only)
@@ -363,11 +397,16 @@ def load_sharded(
         order = _group_names(optimizer, names)
         _check_groups(i, layouts[i]["param_groups"], order)
         local = optimizer.optim if is_zero(optimizer) else optimizer  # type: ignore[attr-defined]
-        devices = {names[id(p)]: p.device for g in local.param_groups for p in g["params"]}
+        held = {
+            names[id(p)]: p
+            for g in local.param_groups
+            for p in g["params"]
+            if keeps_state is None or keeps_state(optimizer, p)
+        }
         template = {
-            e.key: _allocate(e, devices[e.path[1]])
+            e.key: _allocate_like(e, held[e.path[1]])
             for e in entries
-            if e.path[0] == optimizer_key(i) and len(e.path) == 3 and e.path[1] in devices
+            if e.path[0] == optimizer_key(i) and len(e.path) == 3 and e.path[1] in held
         }
         state = _nest(_read(path, template), by_key)
         states.append(_indexed(state, layouts[i]["param_groups"], order))

@@ -19,7 +19,9 @@ the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ra
   (:func:`fsdp_driver`, :func:`gathered`);
 * writes consolidated checkpoints with the DTensor state whole and loads them back as each rank's
   shards, on any mesh (:func:`model_state`, :func:`optimizer_state`, :func:`load_model_state`,
-  :func:`load_optimizer_states`).
+  :func:`load_optimizer_states`); sharded checkpoints (every rank writes its own DTensor shards)
+  are :mod:`lightning_bytescale.lightning.checkpoint`'s, told here which optimizer state a rank
+  keeps (:func:`keeps_state`) and when ``"auto"`` means sharded (:func:`state_sharded_over_hdp_ranks`).
 
 The data module plans for ``data_parallel`` ranks and reads the share of the rank's HDP rank
 (``ByteScaleDataModule`` asks the strategy's :attr:`parallel_mesh`).
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def check_options(tensor_parallel_size: Any, *, zero: int, checkpoint_format: str) -> int:
+def check_options(tensor_parallel_size: Any, *, zero: int) -> int:
     """``tensor_parallel_size`` itself, and the options that cannot run with it yet (at construction)."""
     tp = tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -66,12 +68,6 @@ def check_options(tensor_parallel_size: Any, *, zero: int, checkpoint_format: st
             "gradient owners work on plain tensors, not on DTensor shards. Use zero=1 (the optimizer state "
             "split over each lane's HDP ranks) or zero=0 with tensor parallelism (or "
             'fully_shard(..., mesh=self.device_mesh["data_parallel"]) in configure_model)'
-        )
-    if checkpoint_format == "sharded":
-        raise ConfigError(
-            f"checkpoint_format='sharded' is not supported with tensor_parallel_size={tp} yet: sharded "
-            "checkpoints of DTensor state are not built. Leave checkpoint_format='auto' (consolidated: the "
-            "DTensors gathered whole, resuming on any mesh)"
         )
     return tp
 
@@ -381,6 +377,21 @@ def _lane_zero_of(optimizer: Optimizer) -> LaneZero | None:
     return getattr(optimizer, "_bytescale_lane_zero", None)
 
 
+def keeps_state(optimizer: Optimizer, param: torch.Tensor) -> bool:
+    """Whether this rank keeps ``optimizer``'s state for ``param``: under ZeRO-1 on the mesh only its owner does."""
+    zero = _lane_zero_of(getattr(optimizer, "_optimizer", optimizer))
+    return zero is None or zero.owns(param)
+
+
+def state_sharded_over_hdp_ranks(optimizers: list[Optimizer], fsdp: FSDPStepDriver | None) -> bool:
+    """Whether the HDP ranks hold different parts of the optimizer state (ZeRO-1 on the mesh, or FSDP2).
+
+    What ``checkpoint_format="auto"`` means by "sharded" with tensor parallelism: then a
+    consolidated save would gather the HDP ranks' parts on rank 0, so each rank writes its own.
+    """
+    return fsdp is not None or any(_lane_zero_of(getattr(o, "_optimizer", o)) is not None for o in optimizers)
+
+
 # ----------------------------------------------------------------------------- consolidated checkpoints
 # With tensor parallelism (and FSDP2) the model and AdamW state are DTensors.  A consolidated
 # checkpoint holds them whole: torch.distributed.checkpoint.state_dict gathers them on every rank
@@ -419,12 +430,31 @@ def load_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> 
     set_model_state_dict(module, state, options=_full_options(strict))
 
 
+def keyed_by_name(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """PyTorch's indexed optimizer state (the one file of a run without TP, an exported sharded folder) keyed
+    by parameter name, as torch's full optimizer state dict is; a state keyed by name as it is.
+
+    Index ``i`` is the ``i``-th parameter of ``optimizer``'s groups, the order ``optimizer.state_dict()`` numbers them in.
+    """
+    indices = [*state["state"], *(i for g in state["param_groups"] for i in g["params"])]
+    if not all(isinstance(i, int) for i in indices):
+        return state
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    return {
+        "state": {order[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
 def load_optimizer_states(
     module: nn.Module, optimizers: list[Optimizer], states: list[dict[str, Any]]
 ) -> None:
+    """Whole tensors (keyed by name or, as PyTorch saves them, by index) into the optimizers: each rank keeps its shards."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     for optimizer, state in zip(optimizers, states):
+        state = keyed_by_name(module, optimizer, state)
         zero = _lane_zero_of(getattr(optimizer, "_optimizer", optimizer))
         if zero is None:
             set_optimizer_state_dict(module, optimizer, state, options=_full_options())
@@ -449,8 +479,11 @@ __all__ = [
     "fsdp_driver",
     "full_state_dict",
     "gathered",
+    "keeps_state",
+    "keyed_by_name",
     "load_model_state",
     "load_optimizer_states",
     "model_state",
     "optimizer_state",
+    "state_sharded_over_hdp_ranks",
 ]

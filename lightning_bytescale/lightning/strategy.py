@@ -141,7 +141,8 @@ class ByteScaleStrategy(ParallelStrategy):
             rank of the mesh agrees on the same step.
         checkpoint_format: ``"sharded"`` (a folder every rank writes its part of, resharding on
             load: :mod:`~lightning_bytescale.lightning.checkpoint`), ``"consolidated"`` (one file
-            from rank 0) or ``"auto"`` (sharded exactly when ``zero >= 1``); both formats load.
+            from rank 0) or ``"auto"`` (sharded exactly when ``zero >= 1``, or with
+            ``tensor_parallel_size > 1`` when FSDP2 shards the state); both formats load.
         log_loss: log the global token-mean loss of the step as ``loss_name`` (progress bar too).
         loss_name: the metric name used by ``log_loss``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
@@ -222,9 +223,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.zero = resolve_zero_level(zero, zero1)
         self.zero1 = self.zero >= 1  # optimizer state is sharded (ZeRO-1 and ZeRO-2)
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
-        self.tensor_parallel_size = mesh_.check_options(
-            tensor_parallel_size, zero=self.zero, checkpoint_format=checkpoint_format
-        )
+        self.tensor_parallel_size = mesh_.check_options(tensor_parallel_size, zero=self.zero)
         self.parallel_mesh: Any = None  # the ParallelMesh (tensor_parallel_size > 1), built at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
         self.check_finite = bool(check_finite)
@@ -246,6 +245,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self._watchdog: StepWatchdog | None = None
         self._preemption: PreemptionHandler | None = None
         self._grad_group: Any = None
+        self._loaded_folder = False  # the checkpoint being restored is a sharded folder (read in place)
 
     # ------------------------------------------------------------------ what DDP would provide
     @property
@@ -533,6 +533,8 @@ class ByteScaleStrategy(ParallelStrategy):
     @property
     def sharded_checkpoints(self) -> bool:
         """Whether a save now writes a sharded folder (``checkpoint_format``, ``"auto"`` resolved)."""
+        if self.checkpoint_format == "auto" and self.parallel_mesh is not None:
+            return mesh_.state_sharded_over_hdp_ranks(self.optimizers, self.fsdp)
         if self.checkpoint_format == "auto":
             return any(is_zero(opt) for opt in self.optimizers)
         return self.checkpoint_format == "sharded"
@@ -541,8 +543,8 @@ class ByteScaleStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Sharded: this rank's own state by parameter name (no gather); else Lightning's (ZeRO: gathered on rank 0)."""
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if self.parallel_mesh is not None:  # DTensor state whole (every rank gathers; rank 0 writes)
-            return mesh_.optimizer_state(self.lightning_module, inner)
+        if not self.sharded_checkpoints and self.parallel_mesh is not None:
+            return mesh_.optimizer_state(self.lightning_module, inner)  # DTensors whole (every rank gathers)
         if not self.sharded_checkpoints:
             return super().optimizer_state(inner)
         assert self.lightning_module is not None
@@ -550,19 +552,20 @@ class ByteScaleStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.parallel_mesh is None:
+        """Sharded or without TP: the module's state as it is (a DTensor's local shard); else the DTensors whole."""
+        if self.parallel_mesh is None or self.sharded_checkpoints:
             return super().lightning_module_state_dict()
         return mesh_.model_state(self.lightning_module)  # DTensors whole (every rank gathers)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if self.parallel_mesh is None:
+        if self.parallel_mesh is None or self._loaded_folder:  # a folder is already read into the module
             return super().load_model_state_dict(checkpoint, strict=strict)
         mesh_.load_model_state(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self.parallel_mesh is None:
+        if self.parallel_mesh is None or self._loaded_folder:  # a folder's states hold this rank's shards
             return super().load_optimizer_state_dict(checkpoint)
         mesh_.load_optimizer_states(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
 
@@ -589,15 +592,19 @@ class ByteScaleStrategy(ParallelStrategy):
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """A sharded folder: each rank reads the model and its own optimizer entries; a file: Lightning's load."""
-        if not is_sharded_checkpoint(checkpoint_path):
+        self._loaded_folder = is_sharded_checkpoint(checkpoint_path)
+        if not self._loaded_folder:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if self.parallel_mesh is not None:
-            raise ConfigError("a sharded checkpoint folder cannot be loaded with tensor_parallel_size > 1")
         module = self.lightning_module
         assert module is not None
         self._phase = f"loading the sharded checkpoint {checkpoint_path}"
         return load_sharded(
-            checkpoint_path, module, self.optimizers, strict=module.strict_loading, weights_only=weights_only
+            checkpoint_path,
+            module,
+            self.optimizers,
+            strict=module.strict_loading,
+            weights_only=weights_only,
+            keeps_state=mesh_.keeps_state,
         )
 
     # ------------------------------------------------------------------ options

@@ -384,6 +384,44 @@ def test_the_option_is_validated_and_auto_follows_zero():
     assert ByteScaleStrategy(checkpoint_format="sharded").sharded_checkpoints
 
 
+def _refuse_state_not_shaped_like_its_dtensor_parameter(rank: int, port: int, folder: str) -> None:
+    from _ranks import init_gloo
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    init_gloo(rank, 1, port)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tensor_parallel",))
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(
+            distribute_tensor(torch.ones(4, 3, dtype=torch.float64), mesh, [Shard(0)])
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        factored = {"w": {"row_factor": torch.zeros(4, dtype=torch.float64)}}  # an Adafactor-like state
+        state = {"state": factored, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
+        save_sharded({"state_dict": model.state_dict(), "optimizer_states": [state]}, folder, rank=0)
+        with pytest.raises(CheckpointError) as caught:
+            load_sharded(folder, model, [opt])
+        Path(folder, "error.txt").write_text(str(caught.value))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_optimizer_state_not_shaped_like_its_dtensor_parameter_is_refused_on_load(tmp_path):
+    from _ranks import free_port, run_ranks
+
+    folder = tmp_path / "ckpt"
+    run_ranks(_refuse_state_not_shaped_like_its_dtensor_parameter, 1, free_port(), str(folder), timeout_s=100)
+    assert (folder / "error.txt").read_text() == (
+        "the checkpoint's optimizer state 'row_factor' of 'w' has shape (4,), not its DTensor parameter's (4, 3): "
+        "a sharded checkpoint reads a DTensor parameter's state into its shards only when it is shaped like the "
+        "parameter (AdamW, SGD with momentum) or a scalar; use ByteScaleStrategy(checkpoint_format='consolidated') "
+        "with this optimizer"
+    )
+
+
 # ----------------------------------------------------------------------------- the recipe
 @pytest.mark.multiprocess
 @pytest.mark.slow

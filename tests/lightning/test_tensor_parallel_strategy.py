@@ -12,6 +12,11 @@ independent single process on whole sequences (plain causal SDPA, the loss over 
   (the vocabulary is sharded).
 * ``(1, 2)``: four steps, tied embeddings (replicated on both lanes).
 
+Resuming from a step-3 checkpoint of a ``(2, 2)`` run, consolidated and sharded (every rank
+writes its own DTensor shards), to ``(2, 2)``, ``(1, 2)`` and ZeRO-1, and with FSDP2, must end
+where one process ends.  :class:`CheckpointProbe` checks that a sharded save and load gather no
+DTensor and that each rank reads exactly the elements of its own shards.
+
 Clipping acts in every step (the max norm is below the gradient norms).  Parameters (gathered
 from the shards), the logged losses and ``val/loss`` after the last step (two held-out global
 batches, one with an idle HDP rank on ``(2, 2)``) must equal the reference to 1e-10, the step statistics
@@ -21,6 +26,7 @@ must count each HDP rank once, and no process group may be made after set-up.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -30,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _strategy_helpers import QUIET, causal_sdpa, global_batch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -37,6 +44,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lightning_bytescale import ByteScaleStrategy, token_loss
 from lightning_bytescale.engine.micro_batch import build_step
 from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.lightning.checkpoint import is_sharded_checkpoint, main, read_consolidated
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
 
@@ -114,6 +122,8 @@ class TPLM(pl.LightningModule):
         from lightning_bytescale.packed_attention import attention
         from lightning_bytescale.parallel import parallelize_llama
 
+        if self.device_mesh is None:  # load_from_checkpoint in one process: the model stays whole
+            return
         assert self.device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
         parallelize_llama(self.model, self.device_mesh["tensor_parallel"])
 
@@ -144,6 +154,8 @@ class TPFSDPLM(TPLM):
         from torch.distributed.fsdp import fully_shard
 
         super().configure_model()
+        if self.device_mesh is None:
+            return
         dp = self.device_mesh["data_parallel"]
         for block in self.model.blocks:
             fully_shard(block, mesh=dp, reshard_after_forward=self.reshard_after_forward)
@@ -220,6 +232,7 @@ def _fit(
     data_steps: int | None = None,
     ckpt_every: int | None = None,
     resume: Path | None = None,
+    extra_callbacks: tuple[pl.Callback, ...] = (),
     **strategy_options,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
@@ -228,7 +241,7 @@ def _fit(
     strategy = ByteScaleStrategy(
         tensor_parallel_size=2, capacity=_capacity(dp), start_method="fork", timeout=120, **strategy_options
     )
-    callbacks: list[pl.Callback] = [Recorder(out)]
+    callbacks: list[pl.Callback] = [Recorder(out), *extra_callbacks]
     if ckpt_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=ckpt_every))
     options = {**QUIET, "enable_checkpointing": bool(ckpt_every)}
@@ -347,34 +360,220 @@ def test_fsdp2_reshard_after_forward_is_refused_at_set_up(tmp_path):
         _fit(tmp_path, 2, steps=1, tied=False, module=Resharding)
 
 
-def _resume(tmp_path: Path, module: type[TPLM], worlds: tuple[tuple[str, int], ...]) -> None:
-    """Three steps on (2, 2) with a checkpoint, then to six steps from it on each of ``worlds``."""
-    total = 6
-    _fit(tmp_path / "first", 4, steps=3, tied=False, module=module, data_steps=total, ckpt_every=3)
-    (ckpt,) = (tmp_path / "first" / "ckpt").glob("*.ckpt")
-    expected, losses, _ = _reference(total, tied=False)
-    for name, world in worlds:
-        out = tmp_path / name
-        _fit(out, world, steps=total, tied=False, module=module, data_steps=total, resume=ckpt)
-        worst_param = worst_loss = 0.0
-        for r in range(world):
-            got = torch.load(out / f"params_{r}.pt")
-            worst_param = max(worst_param, max((got[k] - v).abs().max().item() for k, v in expected.items()))
-            rows = json.loads((out / f"report_{r}.json").read_text())["rows"]
-            assert [row["step"] for row in rows] == list(range(3, total))
-            worst_loss = max(worst_loss, max(abs(row["logged"] - losses[row["step"]]) for row in rows))
-        print(
-            f"resume {module.__name__} (2, 2) -> {name}: max parameter difference {worst_param:.3e}, loss {worst_loss:.3e}"
+class CheckpointProbe(pl.Callback):
+    """Per rank: DTensor redistributions (gathers) inside each checkpoint save and inside the load,
+    the tensor elements a sharded load reads, what the loaded optimizer state looks like.
+
+    ``DTensor.redistribute`` is what ``full_tensor`` and torch's full-state-dict gathers call.
+    With ``consolidated`` set, after step ``RESUME_AT`` the same state is also saved as one file there.
+    """
+
+    def __init__(self, out: Path, consolidated: Path | None = None) -> None:
+        self.out, self.consolidated = out, consolidated
+        self.window: str | None = None
+        self.gathers: dict[str, int] = {}
+        self.read_elements = 0
+
+    def _count(self, name: str, fn):
+        def counted(*args, **kwargs):
+            self.window = name
+            self.gathers.setdefault(name, 0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.window = None
+
+        return counted
+
+    def setup(self, trainer, pl_module, stage):
+        import math
+
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        probe, redistribute, read_data = self, DTensor.redistribute, FileSystemReader.read_data
+
+        def counting_redistribute(self, *args, **kwargs):
+            if probe.window is not None:
+                probe.gathers[probe.window] += 1
+            return redistribute(self, *args, **kwargs)
+
+        def counting_read_data(self, plan, planner):
+            items = [i for i in plan.items if i.type == LoadItemType.TENSOR]
+            probe.read_elements += sum(math.prod(i.lengths) for i in items)
+            return read_data(self, plan, planner)
+
+        DTensor.redistribute = counting_redistribute  # in this rank's process only (forked)
+        FileSystemReader.read_data = counting_read_data
+        strategy = trainer.strategy
+        for name in ("load_checkpoint", "load_model_state_dict", "load_optimizer_state_dict"):
+            setattr(strategy, name, self._count("load", getattr(strategy, name)))
+        save = trainer.save_checkpoint
+        trainer.save_checkpoint = lambda path, *a, **k: self._count(f"save {Path(path).name}", save)(
+            path, *a, **k
         )
-        assert worst_param <= TOLERANCE and worst_loss <= TOLERANCE, (name, worst_param, worst_loss)
+
+    def on_train_start(self, trainer, pl_module):
+        from lightning_bytescale.lightning.mesh import keeps_state
+
+        opt = trainer.optimizers[0]
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        local = sum(
+            t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+            for t in pl_module.state_dict().values()
+        )
+        local += sum(
+            v.to_local().numel() if isinstance(v, DTensor) else v.numel()
+            for st in opt.state.values()
+            for v in st.values()
+            if torch.is_tensor(v)
+        )
+        unlike = [  # state of a DTensor parameter that is not a DTensor on its mesh and placements
+            names[id(p)]
+            for p, st in opt.state.items()
+            for v in st.values()
+            if isinstance(p, DTensor)
+            and v.shape == p.shape
+            and not (
+                isinstance(v, DTensor) and v.device_mesh == p.device_mesh and v.placements == p.placements
+            )
+        ]
+        self.loaded = {
+            "local_elements": local,
+            "kept": sorted(names[id(p)] for p in opt.state),
+            "owned": sorted(n for n, p in pl_module.named_parameters() if keeps_state(opt, p)),
+            "unlike_parameter": unlike,
+        }
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.consolidated is not None and trainer.global_step == RESUME_AT:
+            strategy = trainer.strategy
+            chosen, strategy.checkpoint_format = strategy.checkpoint_format, "consolidated"
+            trainer.save_checkpoint(self.consolidated)
+            strategy.checkpoint_format = chosen
+
+    def on_train_end(self, trainer, pl_module):
+        report = {"gathers": self.gathers, "read_elements": self.read_elements, **getattr(self, "loaded", {})}
+        (self.out / f"probe_{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
-def test_resume_from_a_consolidated_checkpoint_is_exact_on_the_same_and_another_mesh(tmp_path):
-    _resume(tmp_path, TPLM, (("2x2", 4), ("1x2", 2)))
+def _probes(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"probe_{r}.json").read_text()) for r in range(world)]
 
 
-def test_resume_with_fsdp2_from_a_consolidated_checkpoint_is_exact(tmp_path):
-    _resume(tmp_path, TPFSDPLM, (("2x2", 4),))
+RESUME_AT, RESUME_TO = 3, 6
+
+
+def _check_resumed(out: Path, world: int, what: str) -> None:
+    """Parameters and the logged losses of steps 3-5 of a resumed run equal one process's to 1e-10."""
+    expected, losses, _ = _reference(RESUME_TO, tied=False)
+    worst_param = worst_loss = 0.0
+    for r in range(world):
+        got = torch.load(out / f"params_{r}.pt")
+        worst_param = max(worst_param, max((got[k] - v).abs().max().item() for k, v in expected.items()))
+        rows = json.loads((out / f"report_{r}.json").read_text())["rows"]
+        assert [row["step"] for row in rows] == list(range(RESUME_AT, RESUME_TO))
+        worst_loss = max(worst_loss, max(abs(row["logged"] - losses[row["step"]]) for row in rows))
+    print(f"resume {what}: max parameter difference {worst_param:.3e}, loss {worst_loss:.3e}")
+    assert worst_param <= TOLERANCE and worst_loss <= TOLERANCE, (what, worst_param, worst_loss)
+
+
+def _resume(
+    tmp_path: Path,
+    module: type[TPLM],
+    worlds: tuple[tuple[str, int, dict], ...],
+    checkpoint_format: str = "consolidated",
+    consolidated: Path | None = None,
+    **save_options,
+) -> Path:
+    """Three steps on (2, 2) with a checkpoint, then to six steps from it on each of ``worlds``; the checkpoint."""
+    total = RESUME_TO
+    first = tmp_path / "first"
+    probe = CheckpointProbe(first, consolidated)
+    _fit(
+        first, 4, steps=RESUME_AT, tied=False, module=module, data_steps=total, ckpt_every=RESUME_AT,
+        checkpoint_format=checkpoint_format, extra_callbacks=(probe,), **save_options,
+    )  # fmt: skip
+    (ckpt,) = (first / "ckpt").glob("*.ckpt")
+    sharded = checkpoint_format != "consolidated"
+    assert is_sharded_checkpoint(ckpt) == sharded
+    for rep in _probes(first, 4):  # a consolidated save gathers (the probe sees it); a sharded one must not
+        assert (rep["gathers"][f"save {ckpt.name}"] == 0) == sharded, rep["gathers"]
+    print(f"DTensor redistributions per save on rank 0: {_probes(first, 4)[0]['gathers']}")
+    for name, world, options in worlds:
+        out = tmp_path / name
+        _fit(
+            out, world, steps=total, tied=False, module=module, data_steps=total, resume=ckpt,
+            extra_callbacks=(CheckpointProbe(out),), **options,
+        )  # fmt: skip
+        _check_resumed(out, world, f"{module.__name__} {checkpoint_format} (2, 2) -> {name}")
+        for rep in _probes(out, world):
+            assert rep["kept"] == rep["owned"], "a rank must keep the optimizer state of what it owns, only"
+            assert rep["unlike_parameter"] == [], rep["unlike_parameter"]
+            if sharded:  # no gather, and each rank reads its own shards' elements, not whole tensors
+                assert rep["gathers"]["load"] == 0, rep["gathers"]
+                assert rep["read_elements"] == rep["local_elements"], rep
+        if sharded and world == 4 and not options:
+            total_elements = sum(
+                math.prod(md.size) for md in FileSystemReader(ckpt).read_metadata().state_dict_metadata.values()
+                if hasattr(md, "size")
+            )  # fmt: skip
+            assert all(rep["read_elements"] < total_elements for rep in _probes(out, world))
+            read = [rep["read_elements"] for rep in _probes(out, world)]
+            print(f"{name}: tensor elements read per rank {read} of the folder's {total_elements}")
+    return ckpt
+
+
+@pytest.mark.parametrize("checkpoint_format", ["consolidated", "sharded"])
+def test_resume_is_exact_on_the_same_and_another_mesh(tmp_path, checkpoint_format):
+    worlds = (("2x2", 4, {}), ("1x2", 2, {}))
+    consolidated = tmp_path / "consolidated.ckpt" if checkpoint_format == "sharded" else None
+    if checkpoint_format == "sharded":
+        worlds += (
+            ("2x2-zero1", 4, {"zero": 1}),
+        )  # a folder written without ZeRO, each owner reading its part
+    folder = _resume(tmp_path, TPLM, worlds, checkpoint_format, consolidated)
+    if consolidated is None:
+        return
+    # without a process group the folder reads whole, equal to the consolidated save of the same state
+    whole = torch.load(consolidated, weights_only=False)
+    read = read_consolidated(folder)
+    assert read["state_dict"].keys() == whole["state_dict"].keys()
+    for k, v in whole["state_dict"].items():
+        assert not isinstance(read["state_dict"][k], DTensor) and torch.equal(read["state_dict"][k], v), k
+    (groups,) = read["optimizer_states"][0]["param_groups"]
+    order = whole["optimizer_states"][0]["param_groups"][0]["params"]  # parameter names (torch's full state)
+    assert len(groups["params"]) == len(order)
+    by_name = dict(zip(order, groups["params"]))
+    for name, state in whole["optimizer_states"][0]["state"].items():
+        mine = read["optimizer_states"][0]["state"][by_name[name]]
+        assert mine.keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(mine[key], value), (name, key)
+    assert main([str(folder), str(tmp_path / "exported.ckpt")]) == 0
+    exported = torch.load(tmp_path / "exported.ckpt", weights_only=False)
+    for k, v in whole["state_dict"].items():
+        assert torch.equal(exported["state_dict"][k], v), k
+    # the exported file (optimizer state indexed, as PyTorch saves it) resumes a TP run too
+    out = tmp_path / "from-exported-1x2"
+    _fit(out, 2, steps=RESUME_TO, tied=False, data_steps=RESUME_TO, resume=tmp_path / "exported.ckpt")
+    _check_resumed(out, 2, "TPLM exported (2, 2) -> 1x2")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(
+        torch.float64
+    )  # the module as the float64 run built it, so the values fit exactly
+    try:
+        loaded = TPLM.load_from_checkpoint(folder, tied=False)
+    finally:
+        torch.set_default_dtype(default)
+    for k, v in whole["state_dict"].items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("checkpoint_format", ["consolidated", "auto"])
+def test_resume_with_fsdp2_is_exact(tmp_path, checkpoint_format):
+    """``"auto"`` with FSDP2 is a sharded folder: each rank writes and reads its shards of both dimensions."""
+    _resume(tmp_path, TPFSDPLM, (("2x2", 4, {}),), checkpoint_format)
 
 
 # ----------------------------------------------------------------------------- refusals (no processes)
@@ -384,12 +583,22 @@ def test_resume_with_fsdp2_from_a_consolidated_checkpoint_is_exact(tmp_path):
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
         ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive integer"),
         ({"tensor_parallel_size": 2, "zero": 2}, r"zero=2\) is not supported with tensor_parallel_size=2"),
-        ({"tensor_parallel_size": 2, "checkpoint_format": "sharded"}, "checkpoint_format='sharded'"),
     ],
 )
 def test_construction_refuses_what_tp_cannot_run(options, match):
     with pytest.raises(ConfigError, match=match):
         ByteScaleStrategy(**options)
+
+
+def test_auto_checkpoints_are_sharded_with_tp_when_the_hdp_ranks_hold_different_state():
+    from types import SimpleNamespace
+
+    strategy = ByteScaleStrategy(tensor_parallel_size=2)
+    strategy.parallel_mesh = SimpleNamespace()
+    assert not strategy.sharded_checkpoints  # plain TP: every HDP rank of a lane holds the same state
+    strategy.fsdp = object()  # FSDP2 splits it over the HDP ranks
+    assert strategy.sharded_checkpoints
+    assert ByteScaleStrategy(tensor_parallel_size=2, checkpoint_format="sharded").sharded_checkpoints
 
 
 def test_trainer_refuses_a_tp_size_that_does_not_divide_the_world():
