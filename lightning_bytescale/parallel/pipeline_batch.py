@@ -178,8 +178,6 @@ def build_pipeline_step(
 
 
 __all__ = [
-    "GPIPE",
-    "ONE_F_ONE_B",
     "PipelineStepBatch",
     "build_pipeline_step",
     "pad_micro_batch",

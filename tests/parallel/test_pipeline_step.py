@@ -1,0 +1,225 @@
+"""Pipelines as HDP ranks on gloo, float64, against one process: (pipeline=2, data_parallel=2) and (2, 1).
+
+One start of 4 ranks (the ``(2, 2)`` mesh) and one of 2 (``(2, 1)``).  The reference is an
+independent single process: the same initial weights (a 3-block Llama with untied embeddings, so
+the two stages hold two blocks and one), each whole sequence alone, plain causal attention, AdamW.
+
+Each rank holds one stage (:class:`LlamaStage`) and steps its own AdamW; after every step its
+gradients (before the step) and parameters (after it) are compared by name with the reference's,
+and the step's loss with the reference's on every rank, the first stages included.  The plans are
+the balance planner's PP-Balance plans (``pipeline_degree=2``: different micro-batch counts per
+pipeline) and hand plans: on ``(2, 2)`` one pipeline with three micro-batches and the other with one
+(fewer than its stages: ``ScheduleGPipe``), and one pipeline with none; on ``(2, 1)`` a step of one
+micro-batch.  A second run pads every pipeline to two micro-batches with padding micro-batches
+(``min_micro_batches=2``: always ``Schedule1F1B``), which must change nothing.  Stage-to-stage
+transfers go only to the rank's own pipeline, and no process group is created after set-up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _parallel import CallLog, global_batch, process_groups, reference_step
+from _ranks import gather_reports, init_gloo, save_report
+
+from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(280)]
+
+CAPACITY = 24
+LR = 1e-2
+TOLERANCE = 1e-10
+STEPS = 5
+PADDED_STEPS = 3
+STAGES = 2
+
+
+def _models():
+    from lightning_bytescale.engine.reference import causal_attention
+    from lightning_bytescale.models import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig.preset("tiny", layers=3, tie_embeddings=False)
+    torch.manual_seed(0)
+    ref = LlamaModel(cfg, attention_fn=causal_attention).double()
+    torch.manual_seed(0)
+    model = LlamaModel(cfg).double()
+    return ref, model
+
+
+def _batch(step: int, pipelines: int) -> list[torch.Tensor]:
+    if pipelines == 1 and step == 2:  # two short sequences: one micro-batch, fewer than the stages
+        return global_batch(step, (2, 10), 2)
+    return global_batch(step, (2, CAPACITY), 4 * pipelines + 2)
+
+
+def _greedy(seqs: list[int], lengths: list[int]) -> list[MicroBatch]:
+    """Whole sequences packed in order into micro-batches of at most CAPACITY tokens."""
+    out: list[list[int]] = []
+    for j in seqs:
+        if not out or sum(lengths[k] for k in out[-1]) + lengths[j] > CAPACITY:
+            out.append([])
+        out[-1].append(j)
+    return [MicroBatch([Piece(j, ((0, lengths[j]),)) for j in mb]) for mb in out]
+
+
+def _hand_plan(lengths: list[int], split: int) -> Plan:
+    """Pipeline 0 holds sequences ``[0, split)``, pipeline 1 the rest."""
+    ranks = [_greedy(list(range(split)), lengths), _greedy(list(range(split, len(lengths))), lengths)]
+    plan = Plan(2, CAPACITY, "hand", tuple(lengths), ranks, {"pipeline_degree": STAGES})
+    plan.validate()
+    return plan
+
+
+def _plan(step: int, seqs: list[torch.Tensor], pipelines: int) -> Plan:
+    from lightning_bytescale.planner import make_plan
+
+    lengths = [len(s) for s in seqs]
+    if pipelines == 2 and step == 2:
+        return _hand_plan(lengths, len(lengths) - 1)  # several micro-batches against one
+    if pipelines == 2 and step == 3:
+        return _hand_plan(lengths, len(lengths))  # pipeline 1 runs nothing
+    return make_plan(
+        lengths, world_size=pipelines, capacity=CAPACITY, planner="balance", pipeline_degree=STAGES, seed=step
+    )
+
+
+def _train(pmesh, log: CallLog, *, steps: int, min_micro_batches: int) -> dict:
+    from lightning_bytescale.parallel import LlamaStage, build_pipeline_step, run_pipeline_step
+
+    ref, model = _models()
+    stage = LlamaStage(model, pmesh.stage, pmesh.dims.pipeline)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = torch.optim.AdamW(stage.parameters(), lr=LR)
+    refs = dict(ref.named_parameters())
+    pipelines = pmesh.dims.data_parallel
+    keys = ("grad_diff", "param_diff", "loss_diff", "counts", "schedules", "padding", "peers", "params")
+    out: dict = {k: [] for k in keys}
+    for s in range(steps):
+        seqs = _batch(s, pipelines)
+        loss_ref, _, grads_ref = reference_step(ref, opt_ref, seqs, float("inf"))  # no clipping
+        batch = build_pipeline_step(
+            _plan(s, seqs, pipelines),
+            pmesh.hdp_rank,
+            lambda j, seqs=seqs: seqs[j],
+            stages=pmesh.dims.pipeline,
+            step=s,
+            min_micro_batches=min_micro_batches,
+        )
+        schedules: list[str | None] = []
+        opt.zero_grad(set_to_none=True)
+        log.mark(f"step{s}")
+        result = run_pipeline_step(
+            stage,
+            batch,
+            pmesh,
+            on_schedule=lambda sch, seen=schedules: seen.append(None if sch is None else type(sch).__name__),
+        )
+        events = log.since(f"step{s}")
+        out["grad_diff"].append(
+            max((p.grad - grads_ref[n]).abs().max().item() for n, p in stage.named_parameters())
+        )
+        opt.step()
+        out["param_diff"].append(max((p - refs[n]).abs().max().item() for n, p in stage.named_parameters()))
+        out["loss_diff"].append(abs(result.loss - loss_ref))
+        out["counts"].append(batch.counts)
+        out["schedules"].append(schedules[0])
+        out["padding"].append(batch.padding)
+        out["peers"].append(sorted({p for name, _, ps in events if name == "batch_isend_irecv" for p in ps}))
+    out["params"] = sorted(n for n, _ in stage.named_parameters())
+    return out
+
+
+def _worker(rank: int, port: int, outdir: str, world: int) -> None:
+    from lightning_bytescale.parallel import ParallelDims
+
+    torch.set_num_threads(1)
+    init_gloo(rank, world, port)
+    dims = ParallelDims(world, pipeline=STAGES)
+    pmesh = dims.build("cpu")
+    log = CallLog()
+    pg_setup = process_groups()
+    report: dict = {
+        "coords": [pmesh.stage, pmesh.hdp_rank],
+        "dp_group": dist.get_process_group_ranks(pmesh.dp_group),
+        "pp_group": dist.get_process_group_ranks(pmesh.pp_group),
+        "pipeline_ranks": list(dims.pipeline_ranks(pmesh.hdp_rank)),
+    }
+    report["train"] = _train(pmesh, log, steps=STEPS, min_micro_batches=0)
+    report["padded"] = _train(pmesh, log, steps=PADDED_STEPS, min_micro_batches=STAGES)
+    report["pg_setup"], report["pg_end"] = pg_setup, process_groups()
+    report["group_calls"] = sum(
+        1 for e in log.events if e[0] in ("new_group", "new_subgroups", "split_group")
+    )
+    save_report(outdir, rank, report)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reports_2x2(tmp_path_factory):
+    return gather_reports(tmp_path_factory.mktemp("pp2x2"), _worker, 4, 4, timeout_s=260)
+
+
+@pytest.fixture(scope="module")
+def reports_2x1(tmp_path_factory):
+    return gather_reports(tmp_path_factory.mktemp("pp2x1"), _worker, 2, 2, timeout_s=200)
+
+
+def _check_exact(train: dict, steps: int) -> None:
+    assert len(train["param_diff"]) == steps
+    assert max(train["grad_diff"]) <= TOLERANCE, train["grad_diff"]
+    assert max(train["param_diff"]) <= TOLERANCE, train["param_diff"]
+    assert max(train["loss_diff"]) <= 1e-12, train["loss_diff"]
+
+
+def test_stage_is_outermost_and_groups_are_a_stage_and_a_pipeline(reports_2x2):
+    # global rank g is stage g // 2, pipeline (HDP rank) g % 2
+    assert [r["coords"] for r in reports_2x2] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    for g, rep in enumerate(reports_2x2):
+        assert rep["dp_group"] == [2 * (g // 2), 2 * (g // 2) + 1]  # stage g // 2 of both pipelines
+        assert rep["pp_group"] == rep["pipeline_ranks"] == [g % 2, g % 2 + 2]  # both stages of pipeline g % 2
+
+
+def test_stages_split_the_model_and_hold_its_parameter_names(reports_2x2):
+    first, last = reports_2x2[0]["train"]["params"], reports_2x2[2]["train"]["params"]
+    assert not set(first) & set(last)
+    assert any(n.startswith("embed.") for n in first) and any(n.startswith("blocks.1.") for n in first)
+    assert any(n.startswith("lm_head.") for n in last) and any(n.startswith("blocks.2.") for n in last)
+
+
+def test_2x2_adamw_steps_with_different_micro_batch_counts_per_pipeline_equal_one_process(reports_2x2):
+    for rep in reports_2x2:
+        train = rep["train"]
+        _check_exact(train, STEPS)
+        assert any(len(set(c)) > 1 for c in train["counts"]), train["counts"]
+        assert train["counts"][2][1] == 1 < train["counts"][2][0], train["counts"]  # one against several
+        assert train["counts"][3][1] == 0, train["counts"]
+    # the pipeline with one micro-batch ran GPipe, the one without any no schedule, the others 1F1B
+    pipe1 = reports_2x2[1]["train"]
+    assert pipe1["schedules"][2] == "ScheduleGPipe" and pipe1["schedules"][3] is None
+    assert reports_2x2[0]["train"]["schedules"][2] == "Schedule1F1B"
+
+
+def test_2x2_padding_micro_batches_change_nothing(reports_2x2):
+    for rep in reports_2x2:
+        padded = rep["padded"]
+        _check_exact(padded, PADDED_STEPS)
+        assert set(padded["schedules"]) == {"Schedule1F1B"}
+    assert sum(p for rep in reports_2x2 for p in rep["padded"]["padding"]) > 0
+
+
+def test_2x1_adamw_steps_equal_one_process(reports_2x1):
+    for rep in reports_2x1:
+        for run, steps in (("train", STEPS), ("padded", PADDED_STEPS)):
+            _check_exact(rep[run], steps)
+        assert rep["train"]["schedules"][2] == "ScheduleGPipe", rep["train"]["counts"]
+        assert rep["padded"]["schedules"][2] == "Schedule1F1B" and rep["padded"]["padding"][2] == 1
+
+
+def test_stage_transfers_stay_in_the_pipeline_and_no_group_is_created(reports_2x2):
+    for g, rep in enumerate(reports_2x2):
+        other_stage = (g + 2) % 4  # the same pipeline's other stage
+        for run in ("train", "padded"):
+            assert {p for peers in rep[run]["peers"] for p in peers} == {other_stage}, (g, rep[run]["peers"])
+        assert rep["pg_setup"] == rep["pg_end"]
+        assert rep["group_calls"] == 0
