@@ -25,7 +25,6 @@ from lightning_bytescale.parallel.errors import (
     LaneDivergenceError,
     ParallelDimsError,
     PipelineModelError,
-    PipelineRingError,
     TensorParallelHeadsError,
 )
 from lightning_bytescale.parallel.fsdp import FSDPStepDriver, fsdp_units
@@ -35,7 +34,7 @@ from lightning_bytescale.parallel.pipeline_batch import (
     pad_micro_batch,
     padding_micro_batch,
 )
-from lightning_bytescale.parallel.pipeline_stage import LlamaStage, stage_layers
+from lightning_bytescale.parallel.pipeline_stage import LlamaStage, padded_attention, stage_layers
 from lightning_bytescale.parallel.pipeline_step import build_schedule, run_pipeline_step
 from lightning_bytescale.parallel.shards import LocalShards
 from lightning_bytescale.parallel.step import agree_across_lanes, run_parallel_step, start_step_check
@@ -55,7 +54,6 @@ __all__ = [
     "ParallelDimsError",
     "ParallelMesh",
     "PipelineModelError",
-    "PipelineRingError",
     "PipelineStepBatch",
     "TENSOR_PARALLEL",
     "TensorParallelHeadsError",
@@ -68,6 +66,7 @@ __all__ = [
     "global_grad_norm",
     "llama_tp_plan",
     "pad_micro_batch",
+    "padded_attention",
     "padding_micro_batch",
     "parallelize_llama",
     "run_parallel_step",

@@ -21,10 +21,6 @@ class PipelineModelError(ConfigError):
     """A model that cannot be split into pipeline stages (fewer blocks than stages, tied embeddings)."""
 
 
-class PipelineRingError(ConfigError):
-    """A plan with a ring item across pipelines: the pipeline step does not run rings across pipelines yet."""
-
-
 class LaneDivergenceError(StepError):
     """Another tensor-parallel lane of this HDP rank stopped the step; raised on the lanes that did not."""
 
@@ -34,6 +30,5 @@ __all__ = [
     "LaneDivergenceError",
     "ParallelDimsError",
     "PipelineModelError",
-    "PipelineRingError",
     "TensorParallelHeadsError",
 ]

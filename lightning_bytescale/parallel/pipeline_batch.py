@@ -2,18 +2,21 @@
 
 A pipeline stage passes activations of one fixed shape to the next (torch's ``PipelineStage``
 is built with static shapes), so every micro-batch of a pipeline is padded to ``C`` slots, the
-plan's capacity.  The padding is one more sequence in the packed layout: its slots hold input 0
-and label -100, and packed attention is causal *within* a sequence, so no real token attends to
-a padding slot and no padding slot to a real token, and the padding counts in no loss (its
-gradient contribution is zero).  A padding micro-batch (``None`` in
+plan's capacity.  Padding slots (input 0, label -100, so they count in no loss) are appended
+after the micro-batch's own slots, and its attention layout stays the layout of those own slots
+(local, or its share of a ring); the stage runs attention on the padding slots as one separate
+causal sequence (:class:`~lightning_bytescale.parallel.pipeline_stage.LlamaStage`), so no real
+token attends to a padding slot, no padding slot to a real token, and a ring exchanges exactly
+what it would without padding.  A padding micro-batch (``None`` in
 :attr:`~lightning_bytescale.planner.pipeline_order.PipelineOrder.slots`) is C such slots.
 
-The order is :func:`~lightning_bytescale.planner.pipeline_order.order_pipelines`'s (the index
-rule for rings across pipelines, docs/pipelines.md); every stage of a pipeline builds the same
-:class:`PipelineStepBatch` from the same plan, which is how a stage knows micro-batch ``i``'s
-attention layout and positions although torch's schedule passes it only tensors
-(:class:`~lightning_bytescale.parallel.pipeline_stage.LlamaStage`).  Rings across pipelines are
-not executed yet: a plan with a ring item is refused (:class:`PipelineRingError`).
+The order is :func:`~lightning_bytescale.planner.pipeline_order.order_pipelines`'s: a ring item
+across pipelines sits at the same micro-batch index on each of its member pipelines (the index
+rule, docs/pipelines.md), and a plan with ring items pads every pipeline to at least one
+micro-batch per stage, so all run ``Schedule1F1B``, the schedule the rule is proved for.  Every
+stage of a pipeline builds the same :class:`PipelineStepBatch` from the same plan (with its own
+stage's ring peers), which is how a stage knows micro-batch ``i``'s attention layout and positions
+although torch's schedule passes it only tensors.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.loss import IGNORE_INDEX
 from lightning_bytescale.engine.micro_batch import MaskSource, PackingError, TokenSource, build_step
 from lightning_bytescale.packed_attention.layout import AttentionLayout
-from lightning_bytescale.parallel.errors import PipelineRingError
 from lightning_bytescale.planner.pipeline_order import order_pipelines
 from lightning_bytescale.planner.plan import Plan
 
@@ -46,16 +48,10 @@ def _padding_slots(count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def pad_micro_batch(mb: PackedMicroBatch, capacity: int, index: int) -> PackedMicroBatch:
-    """``mb`` with a padding sequence appended up to ``capacity`` slots, at pipeline position ``index``.
+    """``mb`` with padding slots appended up to ``capacity``, at pipeline position ``index``.
 
-    Only local micro-batches (no ring) are padded: a ring's zigzag layout has no room for slots
-    outside its sequences.
+    Its layout is kept: it covers the first ``mb.num_slots`` slots, the padding the rest.
     """
-    if mb.layout.ring is not None:
-        raise PipelineRingError(
-            f"micro-batch {mb.index} is a ring over global ranks {list(mb.layout.ring)}; the pipeline step "
-            "pads local micro-batches only"
-        )
     extra = capacity - mb.num_slots
     if extra < 0:
         raise PackingError(
@@ -65,15 +61,11 @@ def pad_micro_batch(mb: PackedMicroBatch, capacity: int, index: int) -> PackedMi
     if extra == 0:
         return dataclasses.replace(mb, index=index)
     ids, labels, positions = _padding_slots(extra)
-    layout = AttentionLayout(
-        cu_seqlens=(*mb.layout.cu_seqlens, capacity), seq_lens=(*mb.layout.seq_lens, extra)
-    )
     return dataclasses.replace(
         mb,
         input_ids=torch.cat([mb.input_ids, ids]),
         labels=torch.cat([mb.labels, labels]),
         position_ids=torch.cat([mb.position_ids, positions]),
-        layout=layout,
         index=index,
     )
 
@@ -108,24 +100,13 @@ class PipelineStepBatch:
         """``"1F1B"`` with at least one micro-batch per stage, ``"GPipe"`` with fewer, ``None`` with none.
 
         torch's ``Schedule1F1B`` refuses fewer micro-batches than stages; ``ScheduleGPipe`` runs any
-        count (all forwards, then all backwards).  Without rings across pipelines either is exact.
+        count (all forwards, then all backwards).  Either is exact; a plan with rings across
+        pipelines pads every pipeline to 1F1B (:func:`build_pipeline_step`).
         """
         n = len(self.micro_batches)
         if n == 0:
             return None
         return ONE_F_ONE_B if n >= self.stages else GPIPE
-
-
-def _refuse_rings(plan: Plan) -> None:
-    items = sorted({mb.item for mbs in plan.ranks for mb in mbs if mb.ring is not None}, key=str)
-    if items:
-        longest = max(plan.lengths, default=0)
-        raise PipelineRingError(
-            f"the plan shards {len(items)} micro-batch(es) over several pipelines (ring items {items[:5]}), "
-            "but the pipeline step does not run rings across pipelines yet. Plan with a capacity of at least "
-            f"the longest sequence ({longest} tokens; now {plan.capacity}) so every sequence stays in one "
-            "pipeline, or train with pipeline_parallel_size=1"
-        )
 
 
 def build_pipeline_step(
@@ -139,16 +120,18 @@ def build_pipeline_step(
     min_micro_batches: int = 0,
     loss_mask: MaskSource | None = None,
     loss_tokens: Sequence[int] | None = None,
+    ring_ranks: Sequence[int] | None = None,
 ) -> PipelineStepBatch:
     """Pipeline ``hdp_rank``'s micro-batches of ``plan`` in the pipeline order, padded to the plan's capacity.
 
-    ``min_micro_batches`` pads every pipeline with fewer with padding micro-batches at its end
-    (``stages`` runs every pipeline with at least one micro-batch per stage under 1F1B).  The
-    other arguments are :func:`~lightning_bytescale.engine.micro_batch.build_step`'s; the
-    returned ``step`` is its batch, from which the step's checks read the digest and the token
-    counts.
+    ``min_micro_batches`` pads every pipeline with fewer with padding micro-batches at its end;
+    a plan with ring items pads to at least ``stages`` (1F1B everywhere).  ``ring_ranks`` are
+    the global ranks of this stage (and lane) of every pipeline
+    (:attr:`~lightning_bytescale.parallel.dims.ParallelMesh.ring_ranks`): a ring runs between
+    the same stage of its member pipelines.  The other arguments are
+    :func:`~lightning_bytescale.engine.micro_batch.build_step`'s; the returned ``step`` is its
+    batch, from which the step's checks read the digest and the token counts.
     """
-    _refuse_rings(plan)
     packed = build_step(
         plan,
         hdp_rank,
@@ -157,7 +140,10 @@ def build_pipeline_step(
         data_identity=data_identity,
         loss_mask=loss_mask,
         loss_tokens=loss_tokens,
+        ring_ranks=ring_ranks,
     )
+    if any(mb.ring is not None for mbs in plan.ranks for mb in mbs):
+        min_micro_batches = max(min_micro_batches, stages)
     order = order_pipelines(plan, stages=stages, min_micro_batches=min_micro_batches)
     position = {id(mb): i for i, mb in enumerate(plan.ranks[hdp_rank])}
     capacity = int(plan.capacity)

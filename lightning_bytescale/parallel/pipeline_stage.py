@@ -12,6 +12,8 @@ Every stage of a pipeline builds the same micro-batches from the same plan
 each stage only the micro-batch's slot number (a keyword argument, which torch passes to every
 stage), and :meth:`LlamaStage.forward` looks the micro-batch up (:meth:`LlamaStage.bind`) and runs
 its blocks inside that layout's :func:`~lightning_bytescale.packed_attention.attention_context`.
+The layout covers the micro-batch's own slots; the padding slots after them (up to C) get
+attention as one causal sequence of their own (:func:`padded_attention`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,28 @@ import torch
 from torch import nn
 
 from lightning_bytescale.engine.batch import PackedMicroBatch
-from lightning_bytescale.models.llama import LlamaModel, model_rope
+from lightning_bytescale.models.llama import AttentionFn, LlamaModel, model_rope
 from lightning_bytescale.packed_attention import attention_context
+from lightning_bytescale.packed_attention.layout import AttentionLayout
 from lightning_bytescale.parallel.errors import PipelineModelError
+
+
+def padded_attention(attention_fn: AttentionFn, slots: int) -> AttentionFn:
+    """``attention_fn`` on the first ``slots`` rows (the current layout's), and on the rest as one padding sequence.
+
+    The two parts never see each other, so the real rows' outputs are those of the unpadded
+    micro-batch (a ring exchanges only its own slots), and the padding rows attend only to
+    padding.
+    """
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        real = attention_fn(q[:slots], k[:slots], v[:slots])
+        pad = q.shape[0] - slots
+        with attention_context(AttentionLayout(cu_seqlens=(0, pad), seq_lens=(pad,))):
+            padding = attention_fn(q[slots:], k[slots:], v[slots:])
+        return torch.cat([real, padding])
+
+    return run
 
 
 def stage_layers(layers: int, stages: int, stage: int) -> range:
@@ -75,12 +96,14 @@ class LlamaStage(nn.Module):
         mb = self._micro_batches[int(slot.reshape(-1)[0])]  # a host tensor: no device synchronisation
         h = self.embed(x[0]) if self.embed is not None else x[0]
         cos, sin = model_rope(self.config, mb.position_ids.to(h.device), h)
+        slots = mb.layout.num_slots
+        attn = self.attention_fn if slots == h.shape[0] else padded_attention(self.attention_fn, slots)
         with attention_context(mb.layout):
             for block in self.blocks.values():
-                h = block(h, cos, sin, self.attention_fn)
+                h = block(h, cos, sin, attn)
         if self.norm is not None and self.lm_head is not None:
             h = self.lm_head(self.norm(h))
         return h.unsqueeze(0)
 
 
-__all__ = ["LlamaStage", "stage_layers"]
+__all__ = ["LlamaStage", "padded_attention", "stage_layers"]

@@ -15,8 +15,12 @@ with ``pipeline`` P > 1), one step on one rank (stage ``p`` of pipeline ``h``) i
    micro-batch's loss is already divided by the global token count
    (:meth:`~lightning_bytescale.engine.batch.PackedMicroBatch.loss`), so the sum of the
    micro-batches' gradients is the gradient.  Only the last stage computes the loss.
-   Transfers between stages run on the ``"pipeline"`` group; pipelines never wait for each
-   other here (no ring across pipelines: those plans are refused when the batch is built).
+   Transfers between stages run on the ``"pipeline"`` group.  A ring item across pipelines
+   runs, at every stage, between that stage of its member pipelines on the global group
+   (packed attention's point-to-point rings); it sits at the same micro-batch index on every
+   member and every pipeline of such a plan runs 1F1B
+   (:func:`~lightning_bytescale.parallel.pipeline_batch.build_pipeline_step`), which cannot
+   deadlock (docs/pipelines.md).
 3. :func:`~lightning_bytescale.engine.executor.sync_step` unchanged, on this stage's
    ``"data_parallel"`` group (stage ``p`` of every pipeline): the stage's gradients, the loss
    and the loss-token count of the last stages (checked against the global batch there), the

@@ -17,8 +17,8 @@ from lightning_bytescale.models import LlamaConfig, LlamaModel
 from lightning_bytescale.packed_attention import attention_context
 from lightning_bytescale.parallel import (
     LlamaStage,
+    ParallelDims,
     PipelineModelError,
-    PipelineRingError,
     build_pipeline_step,
     pad_micro_batch,
     padding_micro_batch,
@@ -45,15 +45,22 @@ def test_models_that_cannot_be_split_are_refused_naming_the_fix():
         LlamaStage(LlamaModel(LlamaConfig.preset("tiny", tie_embeddings=True)), 0, 2)
 
 
-def test_a_plan_with_rings_across_pipelines_is_refused_before_anything_runs():
+def test_a_ring_across_pipelines_sits_at_one_index_runs_between_one_stage_and_pads_to_1f1b():
     lengths = [30, 8, 6]  # 30 > C: a ring item over both pipelines
     plan = make_plan(lengths, world_size=2, capacity=24, planner="balance", pipeline_degree=2)
     assert any(mb.ring is not None for mbs in plan.ranks for mb in mbs)
     seqs = [torch.arange(s) % 7 for s in lengths]
-    with pytest.raises(
-        PipelineRingError, match=r"rings across pipelines.*longest sequence \(30 tokens; now 24\)"
-    ):
-        build_pipeline_step(plan, 0, lambda j: seqs[j], stages=2)
+    dims = ParallelDims(4, pipeline=2)
+    batches = [
+        build_pipeline_step(plan, h, lambda j: seqs[j], stages=2, ring_ranks=dims.lane_ranks(0, stage=1))
+        for h in range(2)
+    ]
+    rings = [[i for i, mb in enumerate(b.micro_batches) if mb.layout.ring is not None] for b in batches]
+    assert rings[0] == rings[1] and len(rings[0]) == 1  # the index rule
+    ring_mb = batches[0].micro_batches[rings[0][0]]
+    assert set(ring_mb.layout.ring) == {2, 3}  # stage 1 of pipelines 0 and 1: global ranks 2 and 3
+    assert ring_mb.layout.num_slots < ring_mb.num_slots == 24  # padded after the ring's own slots
+    assert all(len(b.micro_batches) >= 2 and b.schedule_name == "1F1B" for b in batches)
 
 
 def _plan(lengths: list[int], capacity: int) -> Plan:
@@ -95,7 +102,9 @@ def test_padding_to_the_capacity_changes_no_real_logit_loss_or_gradient():
     step = build_step(_plan(lengths, 20), 0, lambda j: seqs[j])
     mb = step.micro_batches[0]
     padded = pad_micro_batch(mb, 20, index=4)
-    assert padded.num_slots == 20 and padded.index == 4 and padded.layout.seq_lens == (7, 5, 8)
+    assert (
+        padded.num_slots == 20 and padded.index == 4 and padded.layout == mb.layout
+    )  # the layout of its own slots
     assert (padded.labels[12:] == IGNORE_INDEX).all() and (padded.input_ids[12:] == 0).all()
     logits, loss, grads = _run(stage, mb)
     with attention_context(mb.layout):

@@ -10,9 +10,13 @@ and the step's loss with the reference's on every rank, the first stages include
 the balance planner's PP-Balance plans (``pipeline_degree=2``: different micro-batch counts per
 pipeline) and hand plans: on ``(2, 2)`` one pipeline with three micro-batches and the other with one
 (fewer than its stages: ``ScheduleGPipe``), and one pipeline with none; on ``(2, 1)`` a step of one
-micro-batch.  A second run pads every pipeline to two micro-batches with padding micro-batches
-(``min_micro_batches=2``: always ``Schedule1F1B``), which must change nothing.  Stage-to-stage
-transfers go only to the rank's own pipeline, and no process group is created after set-up.
+micro-batch.  On ``(2, 2)`` three of the five steps hold two sequences longer than C, which the
+planner shards as ring items over both pipelines: at every stage the ring runs between that stage
+of the two pipelines, on the global group, at the same micro-batch index on both (plans with rings
+run ``Schedule1F1B`` on every pipeline).  A second run pads every pipeline to five micro-batches
+with padding micro-batches (``min_micro_batches=5``: always ``Schedule1F1B``, rings included),
+which must change nothing.  Stage-to-stage transfers go only to the rank's own pipeline, and no process group is
+created after set-up.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ TOLERANCE = 1e-10
 STEPS = 5
 PADDED_STEPS = 3
 STAGES = 2
+PAD_TO = 5  # the padded run: every pipeline padded to 5 micro-batches (more than most have)
+RING_STEPS = (0, 1, 4)  # on (2, 2); steps 2 and 3 are hand plans without rings
 
 
 def _models():
@@ -50,6 +56,8 @@ def _models():
 def _batch(step: int, pipelines: int) -> list[torch.Tensor]:
     if pipelines == 1 and step == 2:  # two short sequences: one micro-batch, fewer than the stages
         return global_batch(step, (2, 10), 2)
+    if pipelines == 2 and step in RING_STEPS:  # two sequences longer than C: rings across the pipelines
+        return global_batch(step, (2, 20), 6, long=(31 + step % 3, 45))
     return global_batch(step, (2, CAPACITY), 4 * pipelines + 2)
 
 
@@ -93,7 +101,17 @@ def _train(pmesh, log: CallLog, *, steps: int, min_micro_batches: int) -> dict:
     opt = torch.optim.AdamW(stage.parameters(), lr=LR)
     refs = dict(ref.named_parameters())
     pipelines = pmesh.dims.data_parallel
-    keys = ("grad_diff", "param_diff", "loss_diff", "counts", "schedules", "padding", "peers", "params")
+    keys = (
+        "grad_diff",
+        "param_diff",
+        "loss_diff",
+        "counts",
+        "schedules",
+        "padding",
+        "peers",
+        "rings",
+        "params",
+    )
     out: dict = {k: [] for k in keys}
     for s in range(steps):
         seqs = _batch(s, pipelines)
@@ -105,6 +123,7 @@ def _train(pmesh, log: CallLog, *, steps: int, min_micro_batches: int) -> dict:
             stages=pmesh.dims.pipeline,
             step=s,
             min_micro_batches=min_micro_batches,
+            ring_ranks=pmesh.ring_ranks,
         )
         schedules: list[str | None] = []
         opt.zero_grad(set_to_none=True)
@@ -125,7 +144,9 @@ def _train(pmesh, log: CallLog, *, steps: int, min_micro_batches: int) -> dict:
         out["counts"].append(batch.counts)
         out["schedules"].append(schedules[0])
         out["padding"].append(batch.padding)
-        out["peers"].append(sorted({p for name, _, ps in events if name == "batch_isend_irecv" for p in ps}))
+        p2p = [(list(ranks), list(ps)) for name, ranks, ps in events if name == "batch_isend_irecv"]
+        out["peers"].append(p2p)
+        out["rings"].append(sum(mb.layout.ring is not None for mb in batch.micro_batches))
     out["params"] = sorted(n for n, _ in stage.named_parameters())
     return out
 
@@ -146,7 +167,7 @@ def _worker(rank: int, port: int, outdir: str, world: int) -> None:
         "pipeline_ranks": list(dims.pipeline_ranks(pmesh.hdp_rank)),
     }
     report["train"] = _train(pmesh, log, steps=STEPS, min_micro_batches=0)
-    report["padded"] = _train(pmesh, log, steps=PADDED_STEPS, min_micro_batches=STAGES)
+    report["padded"] = _train(pmesh, log, steps=PADDED_STEPS, min_micro_batches=PAD_TO)
     report["pg_setup"], report["pg_end"] = pg_setup, process_groups()
     report["group_calls"] = sum(
         1 for e in log.events if e[0] in ("new_group", "new_subgroups", "split_group")
@@ -205,7 +226,10 @@ def test_2x2_padding_micro_batches_change_nothing(reports_2x2):
         padded = rep["padded"]
         _check_exact(padded, PADDED_STEPS)
         assert set(padded["schedules"]) == {"Schedule1F1B"}
-    assert sum(p for rep in reports_2x2 for p in rep["padded"]["padding"]) > 0
+    for rep in reports_2x2:  # padding micro-batches in steps with rings too
+        padded = rep["padded"]
+        assert all(c == [PAD_TO, PAD_TO] for c in padded["counts"]), padded["counts"]
+        assert padded["rings"][0] > 0 and padded["padding"][0] > 0, padded
 
 
 def test_2x1_adamw_steps_equal_one_process(reports_2x1):
@@ -213,13 +237,25 @@ def test_2x1_adamw_steps_equal_one_process(reports_2x1):
         for run, steps in (("train", STEPS), ("padded", PADDED_STEPS)):
             _check_exact(rep[run], steps)
         assert rep["train"]["schedules"][2] == "ScheduleGPipe", rep["train"]["counts"]
-        assert rep["padded"]["schedules"][2] == "Schedule1F1B" and rep["padded"]["padding"][2] == 1
+        assert rep["padded"]["schedules"][2] == "Schedule1F1B" and rep["padded"]["padding"][2] == PAD_TO - 1
 
 
-def test_stage_transfers_stay_in_the_pipeline_and_no_group_is_created(reports_2x2):
+def test_stage_transfers_stay_in_the_pipeline_and_rings_join_one_stage_on_the_global_group(reports_2x2):
     for g, rep in enumerate(reports_2x2):
-        other_stage = (g + 2) % 4  # the same pipeline's other stage
+        other_stage, other_pipeline = (g + 2) % 4, g ^ 1  # the same pipeline's other stage; this stage's
         for run in ("train", "padded"):
-            assert {p for peers in rep[run]["peers"] for p in peers} == {other_stage}, (g, rep[run]["peers"])
+            groups: dict[tuple[int, ...], set[int]] = {}
+            for step in rep[run]["peers"]:
+                for ranks, peers in step:
+                    groups.setdefault(tuple(ranks), set()).update(peers)
+            assert groups.pop(tuple(rep["pp_group"])) == {other_stage}, (g, run)
+            assert groups == {(0, 1, 2, 3): {other_pipeline}}, (g, run, groups)  # ring K/V: global group
+            assert [r > 0 for r in rep[run]["rings"]] == [
+                s in RING_STEPS for s in range(len(rep[run]["rings"]))
+            ]
+
+
+def test_no_process_group_is_created_after_set_up(reports_2x2, reports_2x1):
+    for rep in reports_2x2 + reports_2x1:
         assert rep["pg_setup"] == rep["pg_end"]
         assert rep["group_calls"] == 0
