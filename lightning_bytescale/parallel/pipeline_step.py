@@ -109,10 +109,10 @@ def run_pipeline_step(
     batch: PipelineStepBatch,
     pmesh: ParallelMesh,
     *,
+    on_schedule: Callable[[PipelineScheduleSingle | None], None] | None = None,
     check_plan: bool = True,
     check_tokens: bool = True,
     check_finite: bool = True,
-    on_schedule: Callable[[PipelineScheduleSingle | None], None] | None = None,
 ) -> StepResult:
     """One step of this rank's stage ``module`` of its pipeline's ``batch`` (module docstring).
 

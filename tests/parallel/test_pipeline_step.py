@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _parallel import CallLog, global_batch, process_groups, reference_step
+from _parallel import CallLog, global_batch, process_groups, reference_and_model, reference_step
 from _ranks import gather_reports, init_gloo, save_report
 
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
@@ -42,15 +42,9 @@ RING_STEPS = (0, 1, 4)  # on (2, 2); steps 2 and 3 are hand plans without rings
 
 
 def _models():
-    from lightning_bytescale.engine.reference import causal_attention
-    from lightning_bytescale.models import LlamaConfig, LlamaModel
+    from lightning_bytescale.models import LlamaConfig
 
-    cfg = LlamaConfig.preset("tiny", layers=3, tie_embeddings=False)
-    torch.manual_seed(0)
-    ref = LlamaModel(cfg, attention_fn=causal_attention).double()
-    torch.manual_seed(0)
-    model = LlamaModel(cfg).double()
-    return ref, model
+    return reference_and_model(LlamaConfig.preset("tiny", layers=3, tie_embeddings=False))
 
 
 def _batch(step: int, pipelines: int) -> list[torch.Tensor]:
@@ -168,10 +162,7 @@ def _worker(rank: int, port: int, outdir: str, world: int) -> None:
     }
     report["train"] = _train(pmesh, log, steps=STEPS, min_micro_batches=0)
     report["padded"] = _train(pmesh, log, steps=PADDED_STEPS, min_micro_batches=PAD_TO)
-    report["pg_setup"], report["pg_end"] = pg_setup, process_groups()
-    report["group_calls"] = sum(
-        1 for e in log.events if e[0] in ("new_group", "new_subgroups", "split_group")
-    )
+    report.update(pg_setup=pg_setup, pg_end=process_groups(), group_calls=log.groups_created())
     save_report(outdir, rank, report)
     dist.destroy_process_group()
 
