@@ -10,13 +10,18 @@ and the step's loss with the reference's on every rank, the first stages include
 the balance planner's PP-Balance plans (``pipeline_degree=2``: different micro-batch counts per
 pipeline) and hand plans: on ``(2, 2)`` one pipeline with three micro-batches and the other with one
 (fewer than its stages: ``ScheduleGPipe``), and one pipeline with none; on ``(2, 1)`` a step of one
-micro-batch.  On ``(2, 2)`` three of the five steps hold two sequences longer than C, which the
+micro-batch.  On ``(2, 2)`` three of the first five steps hold two sequences longer than C, which the
 planner shards as ring items over both pipelines: at every stage the ring runs between that stage
 of the two pipelines, on the global group, at the same micro-batch index on both (plans with rings
-run ``Schedule1F1B`` on every pipeline).  A second run pads every pipeline to five micro-batches
+run ``Schedule1F1B`` on every pipeline); the sixth step is docs/pipelines.md's example of two
+ring items that 1F1B, as placed, would deadlock on.  A second run pads every pipeline to five micro-batches
 with padding micro-batches (``min_micro_batches=5``: always ``Schedule1F1B``, rings included),
 which must change nothing.  Stage-to-stage transfers go only to the rank's own pipeline, and no process group is
 created after set-up.
+
+On ``(2, 3)`` (6 ranks) a hand plan has three ring items, each over another pair of the three
+pipelines, so the index rule leaves a gap in one pipeline, filled with a padding micro-batch: two
+steps must equal one process there too.
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(280)]
 CAPACITY = 24
 LR = 1e-2
 TOLERANCE = 1e-10
-STEPS = 5
+STEPS = 6
 PADDED_STEPS = 3
 STAGES = 2
 PAD_TO = 5  # the padded run: every pipeline padded to 5 micro-batches (more than most have)
-RING_STEPS = (0, 1, 4)  # on (2, 2); steps 2 and 3 are hand plans without rings
+# on (2, 2): steps 2 and 3 are hand plans without rings, 5 the example of docs/pipelines.md
+RING_STEPS = (0, 1, 4, 5)
+TRIANGLE_STEPS = 2  # on (2, 3): three ring items, each over another pair of the three pipelines
 
 
 def _models():
@@ -48,6 +55,9 @@ def _models():
 
 
 def _batch(step: int, pipelines: int) -> list[torch.Tensor]:
+    if pipelines == 3 or (pipelines == 2 and step == 5):  # sequences longer than C (rings) and a short one
+        g = torch.Generator().manual_seed(2000 + step)
+        return [torch.randint(0, 64, (s,), generator=g) for s in (30, 30, 30, 10)[3 - pipelines :]]
     if pipelines == 1 and step == 2:  # two short sequences: one micro-batch, fewer than the stages
         return global_batch(step, (2, 10), 2)
     if pipelines == 2 and step in RING_STEPS:  # two sequences longer than C: rings across the pipelines
@@ -73,14 +83,57 @@ def _hand_plan(lengths: list[int], split: int) -> Plan:
     return plan
 
 
+def _triangle_plan(lengths: list[int]) -> Plan:
+    """Ring items 0, 1, 2 on pipelines {0, 1}, {1, 2}, {2, 0}; pipeline 2 also holds the short sequence.
+
+    The index rule puts them at indices 0, 1 and 2: pipeline 0 runs item 0, a padding
+    micro-batch, item 2; pipeline 1 items 0 and 1; pipeline 2 its local micro-batch, items 1 and 2.
+    """
+    from lightning_bytescale.planner import zigzag
+
+    ranks: list[list[MicroBatch]] = [[], [], []]
+    for item, ring in enumerate([(0, 1), (1, 2), (2, 0)]):
+        for member, r in enumerate(ring):
+            ranges = tuple(zigzag.member_ranges(lengths[item], 2, member))
+            ranks[r].append(MicroBatch([Piece(item, ranges)], ring=ring, item=item))
+    ranks[2].insert(0, MicroBatch([Piece(3, ((0, lengths[3]),))]))
+    ranks[0].sort(key=lambda mb: mb.item)  # every pipeline runs its ring items in item order
+    plan = Plan(3, CAPACITY, "hand", tuple(lengths), ranks, {"pipeline_degree": STAGES})
+    plan.validate()
+    return plan
+
+
+def _crossed_plan(lengths: list[int]) -> Plan:
+    """docs/pipelines.md's example: ring items 0 and 1 on both pipelines, pipeline 0 a local micro-batch between them.
+
+    As placed, 1F1B's stage 0 runs ``F 0, F local, B 0, F 1`` on pipeline 0 and ``F 0, F 1, B 0``
+    on pipeline 1 and would hang; the index rule moves item 1 to index 1 on pipeline 0 too.
+    """
+    from lightning_bytescale.planner import zigzag
+
+    ranks: list[list[MicroBatch]] = [[], []]
+    for item in (0, 1):
+        for member in (0, 1):
+            ranges = tuple(zigzag.member_ranges(lengths[item], 2, member))
+            ranks[member].append(MicroBatch([Piece(item, ranges)], ring=(0, 1), item=item))
+    ranks[0].insert(1, MicroBatch([Piece(2, ((0, lengths[2]),))]))
+    plan = Plan(2, CAPACITY, "hand", tuple(lengths), ranks, {"pipeline_degree": STAGES})
+    plan.validate()
+    return plan
+
+
 def _plan(step: int, seqs: list[torch.Tensor], pipelines: int) -> Plan:
     from lightning_bytescale.planner import make_plan
 
     lengths = [len(s) for s in seqs]
+    if pipelines == 3:
+        return _triangle_plan(lengths)
     if pipelines == 2 and step == 2:
         return _hand_plan(lengths, len(lengths) - 1)  # several micro-batches against one
     if pipelines == 2 and step == 3:
         return _hand_plan(lengths, len(lengths))  # pipeline 1 runs nothing
+    if pipelines == 2 and step == 5:
+        return _crossed_plan(lengths)
     return make_plan(
         lengths, world_size=pipelines, capacity=CAPACITY, planner="balance", pipeline_degree=STAGES, seed=step
     )
@@ -160,8 +213,11 @@ def _worker(rank: int, port: int, outdir: str, world: int) -> None:
         "pp_group": dist.get_process_group_ranks(pmesh.pp_group),
         "pipeline_ranks": list(dims.pipeline_ranks(pmesh.hdp_rank)),
     }
-    report["train"] = _train(pmesh, log, steps=STEPS, min_micro_batches=0)
-    report["padded"] = _train(pmesh, log, steps=PADDED_STEPS, min_micro_batches=PAD_TO)
+    if dims.data_parallel == 3:
+        report["train"] = _train(pmesh, log, steps=TRIANGLE_STEPS, min_micro_batches=0)
+    else:
+        report["train"] = _train(pmesh, log, steps=STEPS, min_micro_batches=0)
+        report["padded"] = _train(pmesh, log, steps=PADDED_STEPS, min_micro_batches=PAD_TO)
     report.update(pg_setup=pg_setup, pg_end=process_groups(), group_calls=log.groups_created())
     save_report(outdir, rank, report)
     dist.destroy_process_group()
@@ -170,6 +226,11 @@ def _worker(rank: int, port: int, outdir: str, world: int) -> None:
 @pytest.fixture(scope="module")
 def reports_2x2(tmp_path_factory):
     return gather_reports(tmp_path_factory.mktemp("pp2x2"), _worker, 4, 4, timeout_s=260)
+
+
+@pytest.fixture(scope="module")
+def reports_2x3(tmp_path_factory):
+    return gather_reports(tmp_path_factory.mktemp("pp2x3"), _worker, 6, 6, timeout_s=260)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +307,20 @@ def test_stage_transfers_stay_in_the_pipeline_and_rings_join_one_stage_on_the_gl
             ]
 
 
-def test_no_process_group_is_created_after_set_up(reports_2x2, reports_2x1):
-    for rep in reports_2x2 + reports_2x1:
+def test_no_process_group_is_created_after_set_up(reports_2x2, reports_2x1, reports_2x3):
+    for rep in reports_2x2 + reports_2x1 + reports_2x3:
         assert rep["pg_setup"] == rep["pg_end"]
         assert rep["group_calls"] == 0
+
+
+def test_2x3_rings_over_three_pairs_of_pipelines_with_an_index_gap_equal_one_process(reports_2x3):
+    for g, rep in enumerate(reports_2x3):
+        train = rep["train"]
+        _check_exact(train, TRIANGLE_STEPS)
+        pipeline = g % 3
+        assert train["counts"] == [[3, 2, 3]] * TRIANGLE_STEPS, train["counts"]
+        assert train["padding"] == [1 if pipeline == 0 else 0] * TRIANGLE_STEPS  # the gap at index 1
+        assert train["rings"] == [2] * TRIANGLE_STEPS
+        stage_ranks = {3 * (g // 3) + h for h in range(3)}  # this stage of the three pipelines
+        ring_peers = {p for step in train["peers"] for ranks, peers in step if len(ranks) == 6 for p in peers}
+        assert ring_peers == stage_ranks - {g}, (g, ring_peers)
