@@ -1,7 +1,9 @@
 """The HDP step when every HDP rank is a pipeline: its own micro-batch count, torch's schedule, a sum per stage.
 
-On a ``(pipeline, data_parallel)`` mesh (:class:`~lightning_bytescale.parallel.dims.ParallelDims`
-with ``pipeline`` P > 1), one step on one rank (stage ``p`` of pipeline ``h``) is:
+On a ``(pipeline, data_parallel, tensor_parallel)`` mesh
+(:class:`~lightning_bytescale.parallel.dims.ParallelDims` with ``pipeline`` P > 1; a stage may be
+sharded with :func:`~lightning_bytescale.parallel.tensor_parallel.parallelize_llama` before it is
+split), one step on one rank (stage ``p`` of pipeline ``h``) is:
 
 1. :func:`~lightning_bytescale.parallel.step.start_step_check`: the plan must have been made
    for the pipelines (``dims.data_parallel``), and every rank of the world compares plan
@@ -22,9 +24,12 @@ with ``pipeline`` P > 1), one step on one rank (stage ``p`` of pipeline ``h``) i
    (:func:`~lightning_bytescale.parallel.pipeline_batch.build_pipeline_step`), which cannot
    deadlock (docs/pipelines.md).
 3. :func:`~lightning_bytescale.engine.executor.sync_step` unchanged, on this stage's
-   ``"data_parallel"`` group (stage ``p`` of every pipeline): the stage's gradients, the loss
-   and the loss-token count of the last stages (checked against the global batch there), the
-   reports.  Then the last stage broadcasts the step's loss over its pipeline, so every rank's
+   ``"data_parallel"`` group (stage ``p`` of every pipeline, in this TP lane): the stage's
+   gradients (local shards of tensor-parallel ones,
+   :class:`~lightning_bytescale.parallel.shards.LocalShards`, as in
+   :func:`~lightning_bytescale.parallel.step.run_parallel_step`), the loss and the loss-token
+   count of the last stages (checked against the global batch there), the reports; the lanes of
+   a TP group stop together (:func:`~lightning_bytescale.parallel.step.agree_across_lanes`).  Then the last stage broadcasts the step's loss over its pipeline, so every rank's
    :class:`~lightning_bytescale.engine.executor.StepResult` holds it.
 
 Step the optimizer of the stage's parameters afterwards.  Clipping by the global norm over
@@ -48,7 +53,8 @@ from lightning_bytescale.parallel.dims import ParallelMesh
 from lightning_bytescale.parallel.errors import ParallelDimsError
 from lightning_bytescale.parallel.pipeline_batch import ONE_F_ONE_B, PipelineStepBatch
 from lightning_bytescale.parallel.pipeline_stage import LlamaStage
-from lightning_bytescale.parallel.step import start_step_check
+from lightning_bytescale.parallel.shards import LocalShards
+from lightning_bytescale.parallel.step import agree_across_lanes, start_step_check
 
 
 def _device(pmesh: ParallelMesh) -> torch.device:
@@ -138,10 +144,11 @@ def run_pipeline_step(
         finally:
             module.bind(())
     seconds = time.perf_counter() - start
-    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    shards = LocalShards([(n, p) for n, p in module.named_parameters() if p.requires_grad])
     tokens = [int((mb.labels != IGNORE_INDEX).sum()) if module.is_last else 0 for mb in mbs]
     values = [float(x.detach()) for x in losses] if losses else [0.0] * len(mbs)
-    finite = all_finite([p.grad for _, p in params if p.grad is not None]) if check_finite and mbs else None
+    grads = [p.grad for _, p in shards.named if p.grad is not None]
+    finite = all_finite(grads) if check_finite and mbs else None
     results = [
         MicroBatchResult(
             mb.index,
@@ -157,14 +164,20 @@ def run_pipeline_step(
     local = LocalResult(
         loss=torch.tensor(sum(values), dtype=torch.float64), loss_tokens=sum(tokens), micro_batches=results
     )
-    result = sync_step(
-        params,
-        batch.step,
-        local,
-        group=pmesh.dp_group,
-        check_tokens=check_tokens and module.is_last,
-        check_finite=check_finite,
-    )
+
+    def sync() -> StepResult:
+        synced = sync_step(
+            shards.named,
+            batch.step,
+            local,
+            group=pmesh.dp_group,
+            check_tokens=check_tokens and module.is_last,
+            check_finite=check_finite,
+        )
+        shards.write_back()
+        return synced
+
+    result = agree_across_lanes(sync, pmesh, batch.step.step)
     loss = result.loss_tensor.reshape(1).clone()
     dist.broadcast(loss, group=pmesh.pp_group, group_src=pmesh.dims.pipeline - 1)
     result.loss_tensor = loss[0]

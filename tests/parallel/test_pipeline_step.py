@@ -26,10 +26,10 @@ steps must equal one process there too.
 
 from __future__ import annotations
 
+import _parallel as helpers
 import pytest
 import torch
 import torch.distributed as dist
-from _parallel import CallLog, global_batch, process_groups, reference_and_model, reference_step
 from _ranks import gather_reports, init_gloo, save_report
 
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
@@ -45,13 +45,14 @@ STAGES = 2
 PAD_TO = 5  # the padded run: every pipeline padded to 5 micro-batches (more than most have)
 # on (2, 2): steps 2 and 3 are hand plans without rings, 5 the example of docs/pipelines.md
 RING_STEPS = (0, 1, 4, 5)
+TP_STEPS = 6  # (2, 2, 2): the (2, 2) plans and data, rings included, with a TP group of two per stage
 TRIANGLE_STEPS = 2  # on (2, 3): three ring items, each over another pair of the three pipelines
 
 
 def _models():
     from lightning_bytescale.models import LlamaConfig
 
-    return reference_and_model(LlamaConfig.preset("tiny", layers=3, tie_embeddings=False))
+    return helpers.reference_and_model(LlamaConfig.preset("tiny", layers=3, tie_embeddings=False))
 
 
 def _batch(step: int, pipelines: int) -> list[torch.Tensor]:
@@ -59,10 +60,10 @@ def _batch(step: int, pipelines: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(2000 + step)
         return [torch.randint(0, 64, (s,), generator=g) for s in (30, 30, 30, 10)[3 - pipelines :]]
     if pipelines == 1 and step == 2:  # two short sequences: one micro-batch, fewer than the stages
-        return global_batch(step, (2, 10), 2)
+        return helpers.global_batch(step, (2, 10), 2)
     if pipelines == 2 and step in RING_STEPS:  # two sequences longer than C: rings across the pipelines
-        return global_batch(step, (2, 20), 6, long=(31 + step % 3, 45))
-    return global_batch(step, (2, CAPACITY), 4 * pipelines + 2)
+        return helpers.global_batch(step, (2, 20), 6, long=(31 + step % 3, 45))
+    return helpers.global_batch(step, (2, CAPACITY), 4 * pipelines + 2)
 
 
 def _greedy(seqs: list[int], lengths: list[int]) -> list[MicroBatch]:
@@ -139,14 +140,19 @@ def _plan(step: int, seqs: list[torch.Tensor], pipelines: int) -> Plan:
     )
 
 
-def _train(pmesh, log: CallLog, *, steps: int, min_micro_batches: int) -> dict:
-    from lightning_bytescale.parallel import LlamaStage, build_pipeline_step, run_pipeline_step
+def _train(pmesh, log: helpers.CallLog, *, steps: int, min_micro_batches: int) -> dict:
+    from lightning_bytescale.parallel import (
+        LlamaStage,
+        build_pipeline_step,
+        parallelize_llama,
+        run_pipeline_step,
+    )
 
     ref, model = _models()
+    parallelize_llama(model, pmesh.tp_mesh)  # one lane: unchanged
     stage = LlamaStage(model, pmesh.stage, pmesh.dims.pipeline)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR)
     opt = torch.optim.AdamW(stage.parameters(), lr=LR)
-    refs = dict(ref.named_parameters())
     pipelines = pmesh.dims.data_parallel
     keys = (
         "grad_diff",
@@ -162,7 +168,7 @@ def _train(pmesh, log: CallLog, *, steps: int, min_micro_batches: int) -> dict:
     out: dict = {k: [] for k in keys}
     for s in range(steps):
         seqs = _batch(s, pipelines)
-        loss_ref, _, grads_ref = reference_step(ref, opt_ref, seqs, float("inf"))  # no clipping
+        loss_ref, _, grads_ref = helpers.reference_step(ref, opt_ref, seqs, float("inf"))  # no clipping
         batch = build_pipeline_step(
             _plan(s, seqs, pipelines),
             pmesh.hdp_rank,
@@ -182,11 +188,9 @@ def _train(pmesh, log: CallLog, *, steps: int, min_micro_batches: int) -> dict:
             on_schedule=lambda sch, seen=schedules: seen.append(None if sch is None else type(sch).__name__),
         )
         events = log.since(f"step{s}")
-        out["grad_diff"].append(
-            max((p.grad - grads_ref[n]).abs().max().item() for n, p in stage.named_parameters())
-        )
+        out["grad_diff"].append(helpers.grad_diff(stage, grads_ref))
         opt.step()
-        out["param_diff"].append(max((p - refs[n]).abs().max().item() for n, p in stage.named_parameters()))
+        out["param_diff"].append(helpers.param_diff(stage, ref))
         out["loss_diff"].append(abs(result.loss - loss_ref))
         out["counts"].append(batch.counts)
         out["schedules"].append(schedules[0])
@@ -195,30 +199,33 @@ def _train(pmesh, log: CallLog, *, steps: int, min_micro_batches: int) -> dict:
         out["peers"].append(p2p)
         out["rings"].append(sum(mb.layout.ring is not None for mb in batch.micro_batches))
     out["params"] = sorted(n for n, _ in stage.named_parameters())
+    out["sharded"] = sum(type(p).__name__ == "DTensor" for p in stage.parameters())
     return out
 
 
-def _worker(rank: int, port: int, outdir: str, world: int) -> None:
+def _worker(rank: int, port: int, outdir: str, world: int, tp: int = 1) -> None:
     from lightning_bytescale.parallel import ParallelDims
 
     torch.set_num_threads(1)
     init_gloo(rank, world, port)
-    dims = ParallelDims(world, pipeline=STAGES)
+    dims = ParallelDims(world, tensor_parallel=tp, pipeline=STAGES)
     pmesh = dims.build("cpu")
-    log = CallLog()
-    pg_setup = process_groups()
+    log = helpers.CallLog()
+    pg_setup = helpers.process_groups()
     report: dict = {
-        "coords": [pmesh.stage, pmesh.hdp_rank],
+        "coords": [pmesh.stage, pmesh.hdp_rank, pmesh.lane],
         "dp_group": dist.get_process_group_ranks(pmesh.dp_group),
         "pp_group": dist.get_process_group_ranks(pmesh.pp_group),
         "pipeline_ranks": list(dims.pipeline_ranks(pmesh.hdp_rank)),
     }
     if dims.data_parallel == 3:
         report["train"] = _train(pmesh, log, steps=TRIANGLE_STEPS, min_micro_batches=0)
+    elif tp > 1:
+        report["train"] = _train(pmesh, log, steps=TP_STEPS, min_micro_batches=0)
     else:
         report["train"] = _train(pmesh, log, steps=STEPS, min_micro_batches=0)
         report["padded"] = _train(pmesh, log, steps=PADDED_STEPS, min_micro_batches=PAD_TO)
-    report.update(pg_setup=pg_setup, pg_end=process_groups(), group_calls=log.groups_created())
+    report.update(pg_setup=pg_setup, pg_end=helpers.process_groups(), group_calls=log.groups_created())
     save_report(outdir, rank, report)
     dist.destroy_process_group()
 
@@ -231,6 +238,11 @@ def reports_2x2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reports_2x3(tmp_path_factory):
     return gather_reports(tmp_path_factory.mktemp("pp2x3"), _worker, 6, 6, timeout_s=260)
+
+
+@pytest.fixture(scope="module")
+def reports_2x2x2(tmp_path_factory):
+    return gather_reports(tmp_path_factory.mktemp("pp2x2x2"), _worker, 8, 8, 2, timeout_s=270)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +259,7 @@ def _check_exact(train: dict, steps: int) -> None:
 
 def test_stage_is_outermost_and_groups_are_a_stage_and_a_pipeline(reports_2x2):
     # global rank g is stage g // 2, pipeline (HDP rank) g % 2
-    assert [r["coords"] for r in reports_2x2] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert [r["coords"] for r in reports_2x2] == [[0, 0, 0], [0, 1, 0], [1, 0, 0], [1, 1, 0]]
     for g, rep in enumerate(reports_2x2):
         assert rep["dp_group"] == [2 * (g // 2), 2 * (g // 2) + 1]  # stage g // 2 of both pipelines
         assert rep["pp_group"] == rep["pipeline_ranks"] == [g % 2, g % 2 + 2]  # both stages of pipeline g % 2
@@ -324,3 +336,14 @@ def test_2x3_rings_over_three_pairs_of_pipelines_with_an_index_gap_equal_one_pro
         stage_ranks = {3 * (g // 3) + h for h in range(3)}  # this stage of the three pipelines
         ring_peers = {p for step in train["peers"] for ranks, peers in step if len(ranks) == 6 for p in peers}
         assert ring_peers == stage_ranks - {g}, (g, ring_peers)
+
+
+def test_2x2x2_tensor_parallel_stages_equal_one_process(reports_2x2x2):
+    # global rank g: stage g // 4, pipeline (g // 2) % 2, lane g % 2
+    assert [r["coords"] for r in reports_2x2x2] == [[g // 4, (g // 2) % 2, g % 2] for g in range(8)]
+    for rep in reports_2x2x2:
+        train = rep["train"]
+        _check_exact(train, TP_STEPS)
+        assert train["sharded"] >= 4, "the stage's projections are DTensor shards"
+        assert [r > 0 for r in train["rings"]] == [s in RING_STEPS for s in range(TP_STEPS)]
+        assert rep["pg_setup"] == rep["pg_end"] and rep["group_calls"] == 0
