@@ -32,6 +32,17 @@ def global_batch(
     return [torch.randint(0, VOCAB, (int(s),), generator=g) for s in lengths]
 
 
+def reference_and_model(config: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A float64 Llama with plain causal attention (the reference) and one with the packed attention, same weights."""
+    from lightning_bytescale.engine.reference import causal_attention
+    from lightning_bytescale.models import LlamaModel
+
+    torch.manual_seed(0)
+    ref = LlamaModel(config, attention_fn=causal_attention).double()
+    torch.manual_seed(0)
+    return ref, LlamaModel(config).double()
+
+
 def reference_step(
     ref: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequence[torch.Tensor], max_norm: float
 ):
@@ -110,6 +121,10 @@ class CallLog:
             return original(*args, **kwargs)
 
         return wrapped
+
+    def groups_created(self) -> int:
+        """How many process groups this rank asked for (``new_group``, ``new_subgroups``, ``split_group``)."""
+        return sum(1 for e in self.events if e[0] in ("new_group", "new_subgroups", "split_group"))
 
     def mark(self, label: str) -> None:
         self.events.append(("mark:" + label, (), ()))

@@ -174,6 +174,13 @@ def _rope_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if target is None or x.dtype == torch.float64 else target
 
 
+def model_rope(
+    config: LlamaConfig, position_ids: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's ``cos, sin`` tables for ``position_ids``, in the dtype q and k will have after ``x``'s projections."""
+    return rope_tables(position_ids, config.head_dim, config.rope_theta, _rope_dtype(x))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -260,7 +267,7 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)
         # in the dtype the projections produce (autocast's, under autocast): a float32 table would
         # turn q and k into float32 next to a half-precision v, and attention would cast them back
-        cos, sin = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta, _rope_dtype(x))
+        cos, sin = model_rope(self.config, position_ids, x)
         for block in self.blocks:
             x = block(x, cos, sin, self.attention_fn)
         x = self.norm(x)

@@ -1,16 +1,20 @@
-"""Parallel layouts on the torch floor: the (data_parallel, tensor_parallel) mesh, TP models, FSDP2, the step.
+"""Parallel layouts on the torch floor: the (pipeline, data_parallel, tensor_parallel) mesh, TP models, FSDP2, the steps.
 
-An HDP rank is a tensor-parallel group (:mod:`.dims`); rings run lane by lane on the global
-group; :func:`parallelize_llama` shards the reference Llama with DTensor's parallel styles;
-:class:`FSDPStepDriver` keeps FSDP2's collectives to one per unit per step whatever a rank's
-micro-batch count; :func:`run_parallel_step` is the HDP step on the mesh and
-:func:`clip_grad_norm_` clips by the global norm over DTensor shards.
+An HDP rank is a tensor-parallel group, or a pipeline of them (:mod:`.dims`); rings run lane by
+lane on the global group; :func:`parallelize_llama` shards the reference Llama with DTensor's
+parallel styles; :class:`FSDPStepDriver` keeps FSDP2's collectives to one per unit per step
+whatever a rank's micro-batch count; :func:`run_parallel_step` is the HDP step on the mesh and
+:func:`clip_grad_norm_` clips by the global norm over DTensor shards.  With pipelines,
+:class:`LlamaStage` is one stage of the reference Llama, :func:`build_pipeline_step` a
+pipeline's padded micro-batches in the pipeline order and :func:`run_pipeline_step` the step.
 """
 
 from lightning_bytescale.parallel.clip import clip_grad_norm_, global_grad_norm
 from lightning_bytescale.parallel.dims import (
     DATA_PARALLEL,
     MESH_DIM_NAMES,
+    PIPELINE,
+    PIPELINE_MESH_DIM_NAMES,
     TENSOR_PARALLEL,
     ParallelDims,
     ParallelMesh,
@@ -20,9 +24,18 @@ from lightning_bytescale.parallel.errors import (
     FSDPSettingError,
     LaneDivergenceError,
     ParallelDimsError,
+    PipelineModelError,
     TensorParallelHeadsError,
 )
 from lightning_bytescale.parallel.fsdp import FSDPStepDriver, fsdp_units
+from lightning_bytescale.parallel.pipeline_batch import (
+    PipelineStepBatch,
+    build_pipeline_step,
+    pad_micro_batch,
+    padding_micro_batch,
+)
+from lightning_bytescale.parallel.pipeline_stage import LlamaStage, padded_attention, stage_layers
+from lightning_bytescale.parallel.pipeline_step import build_schedule, run_pipeline_step
 from lightning_bytescale.parallel.shards import LocalShards
 from lightning_bytescale.parallel.step import agree_across_lanes, run_parallel_step, start_step_check
 from lightning_bytescale.parallel.tensor_parallel import llama_tp_plan, parallelize_llama
@@ -32,20 +45,32 @@ __all__ = [
     "FSDPSettingError",
     "FSDPStepDriver",
     "LaneDivergenceError",
+    "LlamaStage",
     "LocalShards",
     "MESH_DIM_NAMES",
+    "PIPELINE",
+    "PIPELINE_MESH_DIM_NAMES",
     "ParallelDims",
     "ParallelDimsError",
     "ParallelMesh",
+    "PipelineModelError",
+    "PipelineStepBatch",
     "TENSOR_PARALLEL",
     "TensorParallelHeadsError",
     "agree_across_lanes",
+    "build_pipeline_step",
+    "build_schedule",
     "check_heads",
     "clip_grad_norm_",
     "fsdp_units",
     "global_grad_norm",
     "llama_tp_plan",
+    "pad_micro_batch",
+    "padded_attention",
+    "padding_micro_batch",
     "parallelize_llama",
     "run_parallel_step",
+    "run_pipeline_step",
+    "stage_layers",
     "start_step_check",
 ]

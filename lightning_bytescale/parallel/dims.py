@@ -1,4 +1,4 @@
-"""The parallel dimensions of a run, validated once: world = data_parallel x tensor_parallel, and its mesh.
+"""The parallel dimensions of a run, validated once: world = pipeline x data_parallel x tensor_parallel, and its mesh.
 
 ByteScale's HDP ranks are the units the planner plans for.  With tensor parallelism an HDP rank
 is a *TP group*: ``tensor_parallel`` consecutive global ranks (TP is the inner dimension, so a
@@ -18,8 +18,16 @@ per lane, one TP group per HDP rank -- are the only process groups it adds, and 
 one: a ring over HDP ranks ``[h0, h1, ...]`` runs, in lane ``t``, between the global ranks
 ``h0 * tp + t, h1 * tp + t, ...`` on the one global communicator (:attr:`ParallelMesh.ring_ranks`).
 
-A pipeline dimension (issue 30) will sit outside both, ``(pipeline, data_parallel,
-tensor_parallel)``; nothing here assumes there is none beyond the names below.
+With pipeline parallelism (``pipeline`` P > 1, docs/pipelines.md) an HDP rank is one *pipeline*
+of P stages (times its TP group), and the pipeline dimension is the outermost:
+``(pipeline, data_parallel, tensor_parallel)``.  Global rank ``g`` is stage
+``g // (data_parallel * tensor_parallel)``, so stage p of every pipeline is one contiguous block
+of ranks, and within it the layout above holds: HDP rank ``(g // tensor_parallel) %
+data_parallel``, lane ``g % tensor_parallel``.  The ``"data_parallel"`` sub-group of a rank is
+then stage p's copies in every pipeline (its gradient sum), the ``"pipeline"`` sub-group the P
+stages of its own pipeline (their activation and gradient transfers), and a ring over HDP ranks
+runs, at stage p, between stage p of its member pipelines.  With P = 1 the mesh is the 2-D one
+above, unchanged.
 """
 
 from __future__ import annotations
@@ -30,9 +38,11 @@ from typing import Any
 
 from lightning_bytescale.parallel.errors import ParallelDimsError, TensorParallelHeadsError
 
+PIPELINE = "pipeline"
 DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
 MESH_DIM_NAMES = (DATA_PARALLEL, TENSOR_PARALLEL)  # Lightning ModelParallelStrategy's names, TP inner
+PIPELINE_MESH_DIM_NAMES = (PIPELINE, DATA_PARALLEL, TENSOR_PARALLEL)  # with pipelines: stage outermost
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -47,24 +57,34 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """``world_size = data_parallel * tensor_parallel``, checked when made (before any process group exists).
+    """``world_size = pipeline * data_parallel * tensor_parallel``, checked when made (before any process group exists).
 
     ``ranks_per_node`` (the processes of one node) bounds the TP size: a TP group must fit in a
     node and a node must hold whole TP groups.  ``None`` skips that check (one process per
-    device, nodes unknown).
+    device, nodes unknown).  ``pipeline`` is the number of stages of every HDP rank (1: no
+    pipeline parallelism).
     """
 
     world_size: int
     tensor_parallel: int = 1
     ranks_per_node: int | None = None
+    pipeline: int = 1
 
     def __post_init__(self) -> None:
         world = _positive_int("world_size", self.world_size)
         tp = _positive_int("tensor_parallel_size", self.tensor_parallel)
+        pp = _positive_int("pipeline_parallel_size", self.pipeline)
         if world % tp:
             raise ParallelDimsError(
                 f"tensor_parallel_size={tp} does not divide the world of {world} ranks: every HDP rank is a "
                 f"group of {tp} ranks. Use a tensor_parallel_size that divides {world} ({_divisors(world)})"
+            )
+        if world % (tp * pp):
+            fits = _divisors(world // tp)
+            raise ParallelDimsError(
+                f"pipeline_parallel_size={pp} times tensor_parallel_size={tp} does not divide the world of "
+                f"{world} ranks: every HDP rank is a pipeline of {pp} stages of {tp} ranks each. Use a "
+                f"pipeline_parallel_size in {fits} (or another world size)"
             )
         if self.ranks_per_node is not None:
             per_node = _positive_int("ranks_per_node", self.ranks_per_node)
@@ -84,7 +104,12 @@ class ParallelDims:
     @property
     def data_parallel(self) -> int:
         """HDP ranks: the world the planner plans for."""
-        return self.world_size // self.tensor_parallel
+        return self.world_size // (self.tensor_parallel * self.pipeline)
+
+    @property
+    def stage_size(self) -> int:
+        """Global ranks of one pipeline stage over all HDP ranks (one contiguous block per stage)."""
+        return self.data_parallel * self.tensor_parallel
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -93,28 +118,42 @@ class ParallelDims:
     def hdp_rank(self, rank: int) -> int:
         """The HDP rank (data-parallel coordinate) of global ``rank``."""
         self._check_rank(rank)
-        return rank // self.tensor_parallel
+        return (rank // self.tensor_parallel) % self.data_parallel
+
+    def stage(self, rank: int) -> int:
+        """The pipeline stage (pipeline coordinate) of global ``rank``; 0 without pipelines."""
+        self._check_rank(rank)
+        return rank // self.stage_size
 
     def tp_lane(self, rank: int) -> int:
         """The TP lane (tensor-parallel coordinate) of global ``rank``."""
         self._check_rank(rank)
         return rank % self.tensor_parallel
 
-    def global_rank(self, hdp_rank: int, lane: int) -> int:
-        """The global rank of lane ``lane`` of HDP rank ``hdp_rank``."""
-        if not 0 <= hdp_rank < self.data_parallel or not 0 <= lane < self.tensor_parallel:
+    def global_rank(self, hdp_rank: int, lane: int, stage: int = 0) -> int:
+        """The global rank of lane ``lane`` of stage ``stage`` of HDP rank ``hdp_rank``."""
+        if (
+            not 0 <= hdp_rank < self.data_parallel
+            or not 0 <= lane < self.tensor_parallel
+            or not 0 <= stage < self.pipeline
+        ):
             raise ParallelDimsError(
-                f"(HDP rank {hdp_rank}, lane {lane}) is outside ({self.data_parallel}, {self.tensor_parallel})"
+                f"(HDP rank {hdp_rank}, lane {lane}, stage {stage}) is outside ({self.data_parallel}, "
+                f"{self.tensor_parallel}, {self.pipeline})"
             )
-        return hdp_rank * self.tensor_parallel + lane
+        return stage * self.stage_size + hdp_rank * self.tensor_parallel + lane
 
-    def lane_ranks(self, lane: int) -> tuple[int, ...]:
-        """Global ranks of lane ``lane`` on every HDP rank, indexed by HDP rank (its data-parallel group)."""
-        return tuple(self.global_rank(h, lane) for h in range(self.data_parallel))
+    def lane_ranks(self, lane: int, stage: int = 0) -> tuple[int, ...]:
+        """Global ranks of lane ``lane`` at ``stage`` on every HDP rank, indexed by HDP rank (its data-parallel group)."""
+        return tuple(self.global_rank(h, lane, stage) for h in range(self.data_parallel))
 
-    def tp_ranks(self, hdp_rank: int) -> tuple[int, ...]:
-        """Global ranks of HDP rank ``hdp_rank``'s TP group, indexed by lane."""
-        return tuple(self.global_rank(hdp_rank, t) for t in range(self.tensor_parallel))
+    def tp_ranks(self, hdp_rank: int, stage: int = 0) -> tuple[int, ...]:
+        """Global ranks of HDP rank ``hdp_rank``'s TP group at ``stage``, indexed by lane."""
+        return tuple(self.global_rank(hdp_rank, t, stage) for t in range(self.tensor_parallel))
+
+    def pipeline_ranks(self, hdp_rank: int, lane: int = 0) -> tuple[int, ...]:
+        """Global ranks of the stages of HDP rank ``hdp_rank``'s pipeline in lane ``lane``, indexed by stage."""
+        return tuple(self.global_rank(hdp_rank, lane, p) for p in range(self.pipeline))
 
     def check_heads(self, heads: int, kv_heads: int, *, model: str = "the model") -> None:
         """Refuse a model whose heads cannot be split whole over the TP ranks (:func:`check_heads`)."""
@@ -133,10 +172,20 @@ class ParallelDims:
             raise ParallelDimsError(
                 f"the process group has {dist.get_world_size()} ranks but these dims were made for {self.world_size}"
             )
-        mesh = init_device_mesh(
-            device_type, (self.data_parallel, self.tensor_parallel), mesh_dim_names=MESH_DIM_NAMES
-        )
-        expected = [list(self.tp_ranks(h)) for h in range(self.data_parallel)]
+        if self.pipeline == 1:
+            mesh = init_device_mesh(
+                device_type, (self.data_parallel, self.tensor_parallel), mesh_dim_names=MESH_DIM_NAMES
+            )
+            expected: list = [list(self.tp_ranks(h)) for h in range(self.data_parallel)]
+        else:
+            mesh = init_device_mesh(
+                device_type,
+                (self.pipeline, self.data_parallel, self.tensor_parallel),
+                mesh_dim_names=PIPELINE_MESH_DIM_NAMES,
+            )
+            expected = [
+                [list(self.tp_ranks(h, p)) for h in range(self.data_parallel)] for p in range(self.pipeline)
+            ]
         if mesh.mesh.tolist() != expected:  # the rank layout every other part relies on
             raise ParallelDimsError(f"the device mesh has layout {mesh.mesh.tolist()}, expected {expected}")
         return ParallelMesh(self, mesh, dist.get_rank())
@@ -172,7 +221,7 @@ class ParallelMesh:
     """The built mesh and this rank's place in it: what the step, the model and the loader need."""
 
     dims: ParallelDims
-    mesh: Any  # torch.distributed.device_mesh.DeviceMesh, 2-D, MESH_DIM_NAMES
+    mesh: Any  # DeviceMesh: 2-D MESH_DIM_NAMES, or 3-D PIPELINE_MESH_DIM_NAMES with pipelines
     rank: int  # global rank of this process
 
     @property
@@ -182,6 +231,20 @@ class ParallelMesh:
     @property
     def lane(self) -> int:
         return self.dims.tp_lane(self.rank)
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 without pipelines)."""
+        return self.dims.stage(self.rank)
+
+    @cached_property
+    def pp_group(self) -> Any:
+        """The ``"pipeline"`` group: the stages of this rank's pipeline, in stage order (P > 1 only)."""
+        if self.dims.pipeline == 1:
+            raise ParallelDimsError(
+                "a mesh without pipelines (pipeline_parallel_size=1) has no pipeline group"
+            )
+        return self.mesh.get_group(PIPELINE)
 
     @cached_property
     def dp_mesh(self) -> Any:
@@ -203,13 +266,15 @@ class ParallelMesh:
 
     @property
     def ring_ranks(self) -> tuple[int, ...]:
-        """Global rank of every HDP rank in this lane: rings of a plan over HDP ranks run between these."""
-        return self.dims.lane_ranks(self.lane)
+        """Global rank of every HDP rank in this lane and stage: rings of a plan over HDP ranks run between these."""
+        return self.dims.lane_ranks(self.lane, self.stage)
 
 
 __all__ = [
     "DATA_PARALLEL",
     "MESH_DIM_NAMES",
+    "PIPELINE",
+    "PIPELINE_MESH_DIM_NAMES",
     "TENSOR_PARALLEL",
     "ParallelDims",
     "ParallelMesh",

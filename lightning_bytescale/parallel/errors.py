@@ -1,4 +1,4 @@
-"""Errors of the parallel layout (data parallel x tensor parallel, FSDP2), each naming the cause and the fix."""
+"""Errors of the parallel layout (pipelines x data parallel x tensor parallel, FSDP2), each naming the cause and the fix."""
 
 from __future__ import annotations
 
@@ -17,8 +17,18 @@ class FSDPSettingError(ConfigError):
     """An FSDP2 setting that cannot train exactly when ranks run different numbers of micro-batches."""
 
 
+class PipelineModelError(ConfigError):
+    """A model that cannot be split into pipeline stages (fewer blocks than stages, tied embeddings)."""
+
+
 class LaneDivergenceError(StepError):
     """Another tensor-parallel lane of this HDP rank stopped the step; raised on the lanes that did not."""
 
 
-__all__ = ["FSDPSettingError", "LaneDivergenceError", "ParallelDimsError", "TensorParallelHeadsError"]
+__all__ = [
+    "FSDPSettingError",
+    "LaneDivergenceError",
+    "ParallelDimsError",
+    "PipelineModelError",
+    "TensorParallelHeadsError",
+]

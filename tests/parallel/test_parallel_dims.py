@@ -35,6 +35,8 @@ from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
         (dict(world_size=12, tensor_parallel=3, ranks_per_node=4), r"does not divide the 4 ranks of a node.*span two nodes"),
         (dict(world_size=4, tensor_parallel=0), r"tensor_parallel_size must be a positive integer, got 0"),
         (dict(world_size=4, tensor_parallel=True), r"positive integer, got True"),
+        (dict(world_size=6, tensor_parallel=2, pipeline=2), r"pipeline_parallel_size=2 times tensor_parallel_size=2 does not divide the world of 6 ranks.*\[1, 3\]"),
+        (dict(world_size=4, pipeline=0), r"pipeline_parallel_size must be a positive integer, got 0"),
     ],
 )  # fmt: skip
 def test_sizes_that_do_not_fit_are_refused_naming_the_fix(kwargs, message):
@@ -57,6 +59,23 @@ def test_rank_map_is_tp_inner_and_partitions_the_world():
     with pytest.raises(ParallelDimsError, match="outside the world of 12 ranks"):
         dims.hdp_rank(12)
     assert ParallelDims(5).lane_ranks(0) == tuple(range(5))  # without TP every rank is an HDP rank
+
+
+def test_rank_map_with_pipelines_is_stage_outermost_and_partitions_the_world():
+    dims = ParallelDims(12, tensor_parallel=2, pipeline=3)
+    assert (dims.data_parallel, dims.stage_size) == (2, 4)
+    # stage p is the contiguous block [4p, 4p + 4); inside it the TP-inner layout of two HDP ranks
+    for g in range(12):
+        p, h, t = g // 4, (g % 4) // 2, g % 2
+        assert (dims.stage(g), dims.hdp_rank(g), dims.tp_lane(g)) == (p, h, t)
+        assert dims.global_rank(h, t, p) == g
+    pipes = [dims.pipeline_ranks(h, t) for h in range(2) for t in range(2)]
+    assert sorted(r for pipe in pipes for r in pipe) == list(range(12))
+    assert dims.pipeline_ranks(1, 0) == (2, 6, 10)  # one rank per stage, in stage order
+    assert dims.lane_ranks(1, stage=2) == (9, 11)  # stage 2's data-parallel group of lane 1
+    assert ParallelDims(4).stage(3) == 0 and ParallelDims(4).hdp_rank(3) == 3  # no pipelines: as before
+    with pytest.raises(ParallelDimsError, match=r"stage 3\) is outside \(2, 2, 3\)"):
+        dims.global_rank(0, 0, 3)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from _parallel import (
     global_batch,
     grad_diff,
     process_groups,
+    reference_and_model,
     shard_with_fsdp,
     train_against_reference,
 )
@@ -50,15 +51,9 @@ FSDP_STEPS = 3
 
 
 def _models(tied: bool):
-    from lightning_bytescale.engine.reference import causal_attention
-    from lightning_bytescale.models import LlamaConfig, LlamaModel
+    from lightning_bytescale.models import LlamaConfig
 
-    cfg = LlamaConfig.preset("tiny", tie_embeddings=tied)
-    torch.manual_seed(0)
-    ref = LlamaModel(cfg, attention_fn=causal_attention).double()
-    torch.manual_seed(0)
-    model = LlamaModel(cfg).double()
-    return ref, model
+    return reference_and_model(LlamaConfig.preset("tiny", tie_embeddings=tied))
 
 
 def _batch(step: int, hdp: int) -> list[torch.Tensor]:
