@@ -225,6 +225,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.tensor_parallel_size = mesh_.check_options(
             tensor_parallel_size, zero=self.zero, checkpoint_format=checkpoint_format
         )
+        options_.check_cost_model_devices(planner_config, self.tensor_parallel_size)
         self.parallel_mesh: Any = None  # the ParallelMesh (tensor_parallel_size > 1), built at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
         self.check_finite = bool(check_finite)
