@@ -145,7 +145,10 @@ def _host_view(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard (tensor parallelism), else ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():  # the shard itself, no autograd node (this runs inside the pack hook)
+        return t.to_local()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -508,7 +511,7 @@ class ActivationOffloader:
             return t
         nbytes = _nbytes(t)
         if isinstance(t, DTensor):  # its memory counts once, however many DTensors share it
-            local = t.to_local()
+            local = _local(t)
             where = (
                 layer,
                 _storage_ptr(local) or id(local),
