@@ -22,6 +22,9 @@ in a micro-batch within a device memory budget.  The result is a :class:`~.recor
 whose file holds the planner's :class:`CostModel` dict, the :class:`OffloadConfig` (layers and
 bandwidths for Eq. 3) and ``C``.
 
+With ``tensor_parallel=N`` the unit measured is one HDP rank of ``N`` devices, the model sharded
+over them (:mod:`.group`): the group's layer time, one lane's bytes, ``C`` per HDP rank.
+
 The model contract is the engine's: ``model(input_ids [T], position_ids [T]) -> logits [T, V]``
 inside :func:`~lightning_bytescale.packed_attention.attention_context`, with its transformer
 blocks given as ``layers`` or found as the offloader finds them
