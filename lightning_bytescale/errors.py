@@ -49,6 +49,11 @@ class PlannerOptionsConflictError(ConfigError):
     """The data module was given planner options that differ from the strategy's ``planner_config``."""
 
 
+class CostModelTensorParallelError(ConfigError):
+    """The cost model describes HDP ranks of another size (its ``tensor_parallel``, from
+    ``bytescale-profile --tensor-parallel``) than the strategy's ``tensor_parallel_size``."""
+
+
 class CheckpointError(ByteScaleError, ValueError):
     """A checkpoint that cannot be written or read here, or that does not match the model or optimizer."""
 
@@ -92,6 +97,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveInMicroBatchError",
     "ConfigError",
+    "CostModelTensorParallelError",
     "DivergentPlanError",
     "GradientAccumulationError",
     "LossNormalizationError",

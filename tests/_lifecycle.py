@@ -14,9 +14,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -133,3 +134,31 @@ def assert_sigterm_saves_once_and_exits_143(
     assert [p.name for p in out.glob("hpc_ckpt_*")] == ["hpc_ckpt_1.ckpt"]
     assert torch.load(out / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] >= 3
     assert not left and not any(proc.is_alive(pid) for pid in workers)
+
+
+def run_as_torchrun_rank(rank: int, world: int, port: str, out: Path, fit: Callable[[], None]) -> NoReturn:
+    """Run ``fit()`` in this forked process as rank ``rank`` of ``world``, started as torchrun starts one.
+
+    ``LOCAL_RANK`` and the rest are set (so Lightning launches nothing); stderr goes to
+    ``out/stderr_<rank>.txt``; a finished ``fit`` writes ``out/done_<rank>`` and exits 0, an error
+    prints its traceback there and exits 1 (``os._exit``: nothing waits on a dead peer).
+    """
+    import traceback
+
+    import torch
+
+    err = open(out / f"stderr_{rank}.txt", "w")  # noqa: SIM115 - kept open until os._exit
+    os.dup2(err.fileno(), 2)
+    sys.stderr = err
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0", LOCAL_RANK=str(rank))
+    os.environ.update(env, WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        fit()
+        (out / f"done_{rank}").write_text("finished")
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)

@@ -4,18 +4,23 @@ The command line over :mod:`lightning_bytescale.profiler` (which does the measur
 fit; see :func:`~lightning_bytescale.profiler.run_profile`): it builds the model from a Llama
 preset or a ``package.module:factory``, parses byte sizes (``80GiB``) and lengths, prints the
 fit with its residuals and writes the cost-model file the planner, the strategy and the
-simulator load (:func:`~lightning_bytescale.planner.cost_model.load_cost_model`).
+simulator load (:func:`~lightning_bytescale.planner.cost_model.load_cost_model`).  With
+``--tensor-parallel N`` it profiles one HDP rank of ``N`` devices: under torchrun it joins the
+process group of ``N`` ranks, otherwise the profiler starts the ``N`` processes itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
+import os
 import re
 import sys
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
@@ -104,15 +109,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--bandwidth-inter", type=parse_bytes, default=None, help="ring bytes/s between nodes, e.g. 25GB"
     )
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (ring placement)")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="profile one HDP rank of N devices (a tensor-parallel group): N processes, started here "
+        "(gloo on the CPU, NCCL on CUDA) unless run under torchrun with N ranks; the model is sharded by "
+        "parallelize_llama; T is the group's time, Act one lane's bytes, C per HDP rank",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="process-group timeout, seconds (--tensor-parallel)"
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", "-o", default="cost_model.json", help="where to write the cost-model file")
     return p  # fmt: skip
 
 
+def _join_torchrun(tensor_parallel: int, device: str | None, timeout_s: float) -> None:
+    """Under torchrun (``WORLD_SIZE`` set), join its process group: the profiler uses it as it is."""
+    if tensor_parallel > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _join_torchrun(args.tensor_parallel, args.device, args.timeout)
         model, real_layers, real_params = _build_model(args.model, args.profile_layers)
         profile = run_profile(
             model,
@@ -133,10 +157,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             bandwidth_intra=args.bandwidth_intra,
             bandwidth_inter=args.bandwidth_inter,
             ranks_per_node=args.ranks_per_node,
+            tensor_parallel=args.tensor_parallel,
+            timeout_s=args.timeout,
         )
     except (ProfileError, ValueError) as err:
         print(f"bytescale-profile: error: {err}", file=sys.stderr)
         return 2
+    if args.tensor_parallel > 1 and dist.is_initialized() and dist.get_rank() != 0:
+        return 0  # under torchrun every rank has the profile; rank 0 prints and writes it
     print(profile.summary())
     path = profile.save(args.output)
     print(f"wrote {path}")

@@ -7,9 +7,9 @@ the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ra
 
 * checks the sizes when the Trainer is made (:func:`check_world`) and refuses, by name, the
   options it cannot run exactly with TP yet (:func:`check_options`, :func:`check_setup`);
-* builds the mesh once after the process group, and hands it to the LightningModule as
-  ``device_mesh`` before ``configure_model``, with Lightning ``ModelParallelStrategy``'s names
-  (:func:`build_mesh`);
+* builds the mesh once after the process group, its groups bounded by the strategy's ``timeout``
+  (:func:`bound_mesh_groups`), and hands it to the LightningModule as ``device_mesh`` before
+  ``configure_model``, with Lightning ``ModelParallelStrategy``'s names (:func:`build_mesh`);
 * gives every rank HDP rank 0's parameters of its own lane (:func:`broadcast_state`): a TP
   shard only travels to the same shard of the other HDP ranks;
 * runs the step's checks and gradient sum on the lane's data-parallel group, through
@@ -31,11 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.optim import Optimizer
 
 from lightning_bytescale.engine.state_sync import broadcast_tensors
@@ -79,6 +81,19 @@ def check_world(tensor_parallel_size: int, num_processes: int, num_nodes: int) -
     )
 
 
+def bound_mesh_groups(pmesh: ParallelMesh, timeout: timedelta | None) -> None:
+    """Give the mesh's groups (one per lane, one per HDP rank) the strategy's process-group timeout.
+
+    ``init_device_mesh`` makes them with the backend's default (30 minutes for gloo), so a rank
+    waiting on a stuck TP partner in a layer's all-reduce, or on its lane's gradient sum, would
+    outwait the strategy's ``timeout`` and end by its own watchdog, blaming itself, instead of
+    failing with the peer error at the timeout as the global group's collectives do.
+    """
+    if timeout is not None:
+        for group in (pmesh.tp_group, pmesh.dp_group):
+            _set_pg_timeout(timeout, group)
+
+
 def build_mesh(strategy: Any, built: ParallelMesh | None = None) -> ParallelMesh:
     """The 2-D mesh (``built`` if given: its groups are made once), and the LightningModule's ``device_mesh``.
 
@@ -88,6 +103,7 @@ def build_mesh(strategy: Any, built: ParallelMesh | None = None) -> ParallelMesh
     if pmesh is None:
         dims = check_world(strategy.tensor_parallel_size, strategy.num_processes, strategy.num_nodes)
         pmesh = dims.build(strategy.root_device.type)
+        bound_mesh_groups(pmesh, strategy._timeout)
     module = strategy.lightning_module
     if module is not None:
         module._device_mesh = pmesh.mesh  # what Lightning's ModelParallelStrategy sets
@@ -470,6 +486,7 @@ def load_optimizer_states(
 
 
 __all__ = [
+    "bound_mesh_groups",
     "broadcast_state",
     "build_mesh",
     "check_options",

@@ -224,6 +224,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.zero1 = self.zero >= 1  # optimizer state is sharded (ZeRO-1 and ZeRO-2)
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
         self.tensor_parallel_size = mesh_.check_options(tensor_parallel_size, zero=self.zero)
+        options_.check_cost_model_devices(planner_config, self.tensor_parallel_size)
         self.parallel_mesh: Any = None  # the ParallelMesh (tensor_parallel_size > 1), built at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
         self.check_finite = bool(check_finite)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.errors import ConfigError, CostModelTensorParallelError
 from lightning_bytescale.planner.config import PlannerConfig
 
 #: DistributedDataParallel's own options: refused by name (the model is not wrapped in DDP).
@@ -140,10 +140,30 @@ def check_step_options(
         raise ConfigError(f"watchdog must be True, False or a positive number of seconds, got {watchdog!r}")
 
 
+def check_cost_model_devices(config: PlannerConfig, tensor_parallel_size: int) -> None:
+    """Refuse a cost model profiled for HDP ranks of another number of devices than the run's.
+
+    A profile of one device times one device's layer and counts its whole activations; with
+    ``tensor_parallel_size=N`` an HDP rank is a group of ``N``, whose layer time and per-lane
+    bytes differ, so its plans would be balanced on the wrong costs.  The default cost model
+    (``cost_model=None``) is not checked.
+    """
+    cost = config.cost_model
+    if cost is None or cost.tensor_parallel == tensor_parallel_size:
+        return
+    raise CostModelTensorParallelError(
+        f"the cost model {cost.name!r} was profiled with tensor_parallel={cost.tensor_parallel} devices per HDP "
+        f"rank, but ByteScaleStrategy(tensor_parallel_size={tensor_parallel_size}) runs HDP ranks of "
+        f"{tensor_parallel_size}; profile one HDP rank of this run (bytescale-profile --tensor-parallel "
+        f"{tensor_parallel_size} ...) or pass cost_model=None for the planner's default"
+    )
+
+
 __all__ = [
     "DDP_ONLY",
     "START_METHODS",
     "as_timedelta",
+    "check_cost_model_devices",
     "check_step_options",
     "planner_view",
     "refuse_unknown_options",

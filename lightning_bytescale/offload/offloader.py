@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_bytescale.errors import ByteScaleError
 
@@ -142,8 +143,27 @@ def _host_view(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return buf[: _nbytes(t)].view(t.dtype).as_strided(t.size(), t.stride())
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (tensor parallelism), else ``t`` itself."""
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():  # the shard itself, no autograd node (this runs inside the pack hook)
+        return t.to_local()
+
+
 def _nbytes(t: torch.Tensor) -> int:
+    """The bytes ``t`` takes on this rank (a DTensor's local shard, not its global size)."""
+    t = _local(t)
     return t.numel() * t.element_size()
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Where the bytes ``t`` holds on this rank start; ``None`` for a wrapper without a storage of its
+    own (the pending result of a functional collective, as tensor-parallel layers return)."""
+    try:
+        return _local(t).untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 class _PinnedPool:
@@ -314,6 +334,9 @@ class _Pass:
         # (id(tensor), layer) -> weak refs to the tensor and its record; only within one layer, so
         # that a tensor saved by many layers (e.g. RoPE tables) never ties their prefetches together
         self.seen: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
+        # the local tensors of saved DTensors already counted, per layer: DTensor.from_local wraps
+        # one local tensor in a new object for every module it enters (q, k and v projections)
+        self.dtensor_storages: set[tuple[Any, ...]] = set()
         self.stats = PassStats(micro_batch, ratio, tuple(sorted(layers)))
         self.lock = threading.RLock()  # a record's __del__ may run while it is held
 
@@ -378,9 +401,7 @@ class ActivationOffloader:
             for i, module in enumerate(layers):
                 self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(i)))
                 self._handles.append(module.register_forward_hook(self._post_hook))
-            self._param_ptrs = frozenset(
-                p.untyped_storage().data_ptr() for m in layers for p in m.parameters()
-            )
+            self._param_ptrs = frozenset(_storage_ptr(p) for m in layers for p in m.parameters())
 
     # ------------------------------------------------------------------ public API
     @property
@@ -409,9 +430,7 @@ class ActivationOffloader:
             )
         if self.layers is not None:
             p = _Pass(micro_batch_id, float(ratio), self.offloaded_layers(ratio), 0)
-            self._param_ptrs = frozenset(
-                q.untyped_storage().data_ptr() for m in self.layers for q in m.parameters()
-            )
+            self._param_ptrs = frozenset(_storage_ptr(q) for m in self.layers for q in m.parameters())
         else:
             n = 0 if self.learned_saved is None else math.ceil(ratio * self.learned_saved - 1e-9)
             p = _Pass(micro_batch_id, float(ratio), (), n)
@@ -476,7 +495,7 @@ class ActivationOffloader:
     def _is_parameter(self, t: torch.Tensor) -> bool:
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
             return True
-        return bool(self._param_ptrs) and t.untyped_storage().data_ptr() in self._param_ptrs
+        return bool(self._param_ptrs) and _storage_ptr(t) in self._param_ptrs
 
     def _pack(self, p: _Pass, t: torch.Tensor) -> Any:
         layer = self._current_layer if self.layers is not None else OUTSIDE
@@ -491,9 +510,21 @@ class ActivationOffloader:
             st.parameter_bytes += _nbytes(t)
             return t
         nbytes = _nbytes(t)
+        if isinstance(t, DTensor):  # its memory counts once, however many DTensors share it
+            local = _local(t)
+            where = (
+                layer,
+                _storage_ptr(local) or id(local),
+                local.storage_offset(),
+                tuple(local.shape),
+                local.stride(),
+            )
+            nbytes = 0 if where in p.dtensor_storages else nbytes
+            p.dtensor_storages.add(where)
         eligible = (
             nbytes >= max(1, self.min_bytes)
             and t.layout == torch.strided
+            and not isinstance(t, DTensor)  # counted (its local bytes), never offloaded
             and t.device.type in ("cpu", "cuda")
             and _is_dense(t)
         )

@@ -72,6 +72,8 @@ class CostModel:
     ``a``, ``b``, ``g`` describe one layer's forward+backward; ``forward_fraction`` of it is the
     forward (used by the offload overlap constraint).  Bandwidths are bytes/s per rank and
     direction; ``None`` means the link is not modelled (communication free).
+    ``tensor_parallel``: the devices of one HDP rank (a tensor-parallel group) the model
+    describes: ``T`` is the group's time, ``Act`` one lane's bytes, K/V one lane's heads.
     """
 
     a: float
@@ -87,6 +89,9 @@ class CostModel:
     comm_passes: float = 3.0
     forward_fraction: float = 1.0 / 3.0
     name: str = "custom"
+    tensor_parallel: int = (
+        1  # devices of one HDP rank the figures are for (bytescale-profile --tensor-parallel)
+    )
 
     def __post_init__(self) -> None:
         for f in ("a", "b", "g", "c", "d", "kv_bytes_per_token_per_layer", "comm_passes"):
@@ -99,6 +104,9 @@ class CostModel:
             v = getattr(self, f)
             if v is not None and not (_is_number(v) and math.isfinite(v) and v > 0):
                 raise PlanError(f"cost model {f} must be > 0 bytes/s or None (not modelled), got {v!r}")
+        tp = self.tensor_parallel
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise PlanError(f"cost model tensor_parallel must be an integer >= 1, got {tp!r}")
         rpn = self.ranks_per_node
         if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
             raise PlanError(f"ranks_per_node must be an integer >= 1 or None, got {rpn!r}")
@@ -342,7 +350,12 @@ class CostModel:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_json_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict; ``tensor_parallel`` only when it is not 1, so the files (and the
+        digests of plans that carry them) of one-device models stay what they were."""
+        d = asdict(self)
+        if d["tensor_parallel"] == 1:
+            del d["tensor_parallel"]
+        return d
 
     @classmethod
     def from_json_dict(cls, data: dict) -> CostModel:

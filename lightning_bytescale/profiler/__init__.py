@@ -3,7 +3,8 @@
 :func:`run_profile` measures ``T(s)`` and ``Act(s)`` of one transformer layer at several
 lengths, the host link and (optionally) the point-to-point link, fits the planner's
 :class:`~lightning_bytescale.planner.cost_model.CostModel` and derives the token capacity
-``C``; :func:`profile_model` returns only the fitted cost model.  The :class:`Profile` it
+``C`` (of one device, or with ``tensor_parallel=N`` of one HDP rank that is a tensor-parallel
+group of ``N``); :func:`profile_model` returns only the fitted cost model.  The :class:`Profile` it
 returns is saved as the cost-model file that the planner, the strategy and the simulator load;
 ``bytescale-profile`` (:mod:`lightning_bytescale.cli.profile`) is the command line over this
 package.

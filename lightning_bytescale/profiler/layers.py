@@ -129,16 +129,26 @@ def prepare_length(
 
 
 def time_rounds(
-    runners: list[LengthRun], what: str, device: torch.device, warmup: int, repeats: int
+    runners: list[LengthRun],
+    what: str,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    start_together: Callable[[], None] | None = None,
 ) -> list[float]:
     """Fastest of ``repeats`` runs per length, the lengths interleaved round by round so that a burst
-    of load on a shared machine spreads over all lengths instead of bending one point."""
+    of load on a shared machine spreads over all lengths instead of bending one point.
+
+    ``start_together`` (a tensor-parallel group's barrier) runs before each timed run, so the
+    ranks of a group start each run at once and none counts the others' lag as its own time."""
     best = [math.inf] * len(runners)
     for rnd in range(warmup + repeats):
         for i, r in enumerate(runners):
             fn = getattr(r, what)
             with attention_context(r.layout):
                 synchronize(device)
+                if start_together is not None:
+                    start_together()
                 start = time.perf_counter()
                 fn()
                 synchronize(device)

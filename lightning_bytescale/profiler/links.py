@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import datetime
 import math
-import multiprocessing
 import queue
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_bytescale.profiler.errors import ProfileError
+from lightning_bytescale.profiler.processes import end_workers, start_workers
 from lightning_bytescale.profiler.timing import fastest
 
 
@@ -52,12 +51,6 @@ class P2PBandwidth:
     nbytes: int
     backend: str = "gloo"
     host: str = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _p2p_worker(rank: int, port: int, nbytes: int, repeats: int, timeout_s: float, out: Any) -> None:
@@ -108,27 +101,13 @@ def measure_p2p_bandwidth(nbytes: int = 4 * 2**20, repeats: int = 5, timeout_s: 
     """
     if nbytes < 1 or repeats < 1:
         raise ProfileError(f"P2P probe needs nbytes >= 1 and repeats >= 1, got {nbytes}, {repeats}")
-    methods = multiprocessing.get_all_start_methods()
-    fork = "fork" in methods and not (torch.cuda.is_available() and torch.cuda.is_initialized())
-    ctx = multiprocessing.get_context("fork" if fork else "spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_p2p_worker, args=(r, port, nbytes, repeats, timeout_s, out), daemon=True)
-        for r in range(2)
-    ]
-    for proc in procs:
-        proc.start()
+    procs, out = start_workers(_p2p_worker, 2, nbytes, repeats, timeout_s)
     try:
         status, took, latency = out.get(timeout=timeout_s + 30)
     except queue.Empty:
         status, took, latency = "error", f"no result within {timeout_s + 30:.0f} s", 0.0
     finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        end_workers(procs, 10)
     if status != "ok":
         raise ProfileError(
             f"the gloo P2P bandwidth probe on 127.0.0.1 failed ({took}); run without --p2p and give "

@@ -43,6 +43,11 @@ class Profile:
     notes: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def tensor_parallel(self) -> int:
+        """The devices of the HDP rank profiled (a tensor-parallel group of that many; 1: one device)."""
+        return self.cost_model.tensor_parallel
+
+    @property
     def relative_time_residuals(self) -> list[float]:
         return [r / m if m else 0.0 for r, m in zip(self.time_residuals, self.layer_seconds)]
 
@@ -88,7 +93,13 @@ class Profile:
     def summary(self) -> str:
         cm = self.cost_model
         lines = [
-            f"device {self.device} ({self.dtype}), {cm.num_layers} layers, {self.param_count:,} parameters",
+            f"device {self.device} ({self.dtype}), {cm.num_layers} layers, {self.param_count:,} parameters"
+            + (
+                f"; one tensor-parallel group of {cm.tensor_parallel} (T: the group's, Act: one lane's, "
+                f"{self.notes.get('params_per_rank', 0):,} parameters a rank)"
+                if cm.tensor_parallel > 1
+                else ""
+            ),
             f"T(s)   = {cm.a:.4e} s^2 + {cm.b:.4e} s + {cm.g:.4e}   [seconds per layer, fwd+bwd; "
             f"forward share {cm.forward_fraction:.2f}]",
             f"Act(s) = {cm.c:.1f} s + {cm.d:.1f}   [bytes saved per layer]",
@@ -104,7 +115,7 @@ class Profile:
             )
         if self.capacity is not None:
             lines.append(
-                f"capacity C = {self.capacity} tokens per rank (budget {self.memory_budget_bytes / 2**30:.2f} GiB, "
+                f"capacity C = {self.capacity} tokens per {'HDP ' if cm.tensor_parallel > 1 else ''}rank (budget {self.memory_budget_bytes / 2**30:.2f} GiB, "
                 f"static {self.static_bytes / 2**30:.2f} GiB)"
             )
         return "\n".join(lines)

@@ -22,6 +22,9 @@ in a micro-batch within a device memory budget.  The result is a :class:`~.recor
 whose file holds the planner's :class:`CostModel` dict, the :class:`OffloadConfig` (layers and
 bandwidths for Eq. 3) and ``C``.
 
+With ``tensor_parallel=N`` the unit measured is one HDP rank of ``N`` devices, the model sharded
+over them (:mod:`.group`): the group's layer time, one lane's bytes, ``C`` per HDP rank.
+
 The model contract is the engine's: ``model(input_ids [T], position_ids [T]) -> logits [T, V]``
 inside :func:`~lightning_bytescale.packed_attention.attention_context`, with its transformer
 blocks given as ``layers`` or found as the offloader finds them
@@ -38,10 +41,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_bytescale.offload.blocks import find_blocks
 from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig
+from lightning_bytescale.profiler import group
 from lightning_bytescale.profiler.errors import ProfileError
 from lightning_bytescale.profiler.layers import prepare_length, time_rounds
 from lightning_bytescale.profiler.links import measure_bandwidth, measure_p2p_bandwidth
@@ -109,6 +114,9 @@ def run_profile(
     bandwidth_intra: float | None = None,
     bandwidth_inter: float | None = None,
     ranks_per_node: int | None = None,
+    tensor_parallel: int = 1,
+    parallelize: Callable[[nn.Module, Any], Any] | None = None,
+    timeout_s: float = 600.0,
 ) -> Profile:
     """Measure and fit; see the module docstring.  Returns the full :class:`Profile`.
 
@@ -123,6 +131,17 @@ def run_profile(
     bandwidths unless ``bandwidth_intra`` / ``bandwidth_inter`` (bytes/s) are given; one host
     cannot measure an inter-node link.  ``ranks_per_node`` is stored for ring placement.
     Without a bandwidth the cost model has no communication term (the paper's model).
+
+    ``tensor_parallel=N > 1`` profiles one HDP rank that is a tensor-parallel group
+    (:mod:`.group`): ``N`` processes each shard the model on a 1-D mesh (``parallelize(model,
+    tp_mesh)``, default :func:`~lightning_bytescale.parallel.parallelize_llama`) and measure;
+    ``T`` is the group's time (the slowest rank's), ``Act`` and the bytes outside the layers one
+    lane's (the most any rank saves), the K/V bytes one lane's heads, the static bytes one rank's
+    shards (those of ``model``; with ``param_count`` given, the real model's: its blocks' shards
+    times ``num_layers``, the rest as it is), and ``C`` the tokens of one HDP rank.  A process group of ``N``
+    ranks that exists is used as it is (every rank returns the profile); otherwise the ``N``
+    processes are started on this host (gloo on 127.0.0.1, NCCL on CUDA; process-group timeout
+    ``timeout_s``) and the profile is returned here.  The cost model records ``tensor_parallel``.
     """
     lengths = [int(s) for s in lengths]
     if len(lengths) < 3 or any(s < 2 for s in lengths) or len(set(lengths)) != len(lengths):
@@ -131,6 +150,7 @@ def run_profile(
         )
     if warmup < 0 or repeats < 1:
         raise ProfileError(f"warmup must be >= 0 and repeats >= 1, got {warmup}, {repeats}")
+    tp = group.check_tensor_parallel(tensor_parallel)
     device = (
         torch.device(device)
         if device is not None
@@ -138,7 +158,77 @@ def run_profile(
     )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError("device cuda requested but CUDA is not available; use --device cpu")
+    notes: dict[str, Any] = {"profiled_layers": 0, "warmup": warmup, "repeats": repeats}
+    if p2p:
+        if tp > 1 and group.in_group():
+            raise ProfileError(
+                "p2p=True starts two processes of its own, which a rank of a process group cannot; give "
+                "bandwidth_intra / bandwidth_inter instead, or profile without a process group (the profiler "
+                "then starts the group's processes itself)"
+            )
+        link = measure_p2p_bandwidth(p2p_bytes, repeats=max(repeats, 3))
+        notes["p2p"] = asdict(link)
+        bandwidth_intra = link.bandwidth if bandwidth_intra is None else bandwidth_intra
+        if bandwidth_inter is None:
+            bandwidth_inter = link.bandwidth
+            notes["p2p"]["inter_node"] = "not measurable on one host: the loopback value is used"
+    options = dict(
+        layers=layers, dtype=dtype, vocab=vocab, num_layers=num_layers, param_count=param_count,
+        memory_budget=memory_budget, state_bytes_per_param=state_bytes_per_param,
+        reserve_bytes=reserve_bytes, round_to=round_to,
+        kv_bytes_per_token_per_layer=kv_bytes_per_token_per_layer, warmup=warmup, repeats=repeats,
+        bandwidth_probe_bytes=bandwidth_probe_bytes, time_model=time_model, name=name,
+        bandwidth_intra=bandwidth_intra, bandwidth_inter=bandwidth_inter, ranks_per_node=ranks_per_node,
+        tensor_parallel=tp, parallelize=parallelize, notes=notes,
+    )  # fmt: skip
+    if tp > 1 and not group.in_group():
+        data = group.run_in_group(
+            _measure_to_json, tp, device.type, model, lengths, device, timeout_s=timeout_s, **options
+        )
+        return Profile.from_json_dict(data)
+    return _measure(model, lengths, device, **options)
+
+
+def _measure_to_json(*args: Any, **kwargs: Any) -> dict:
+    """:func:`_measure` in a rank of a started group: the profile as its file's dict (it pickles)."""
+    return _measure(*args, **kwargs).to_json_dict()
+
+
+def _measure(
+    model: nn.Module | Callable[[], nn.Module],
+    lengths: list[int],
+    device: torch.device,
+    *,
+    layers: Sequence[nn.Module] | None,
+    dtype: torch.dtype | None,
+    vocab: int | None,
+    num_layers: int | None,
+    param_count: int | None,
+    memory_budget: int | None,
+    state_bytes_per_param: float | None,
+    reserve_bytes: int,
+    round_to: int,
+    kv_bytes_per_token_per_layer: float | None,
+    warmup: int,
+    repeats: int,
+    bandwidth_probe_bytes: int,
+    time_model: bool,
+    name: str | None,
+    bandwidth_intra: float | None,
+    bandwidth_inter: float | None,
+    ranks_per_node: int | None,
+    tensor_parallel: int,
+    parallelize: Callable[[nn.Module, Any], Any] | None,
+    notes: dict[str, Any],
+) -> Profile:
+    """The measurements and the fit of :func:`run_profile`, on this device or as a rank of a TP group."""
+    tp = tensor_parallel
+    if tp > 1:
+        device = group.group_device(device)
+        mesh = group.tp_mesh(tp, device)
     net = model_from(model).to(device=device, dtype=dtype)
+    if tp > 1:
+        net = group.shard_model(net, mesh, parallelize)
     net.train()
     blocks = list(layers) if layers is not None else find_blocks(net)
     if not blocks:
@@ -153,33 +243,32 @@ def run_profile(
         if vocab is None:
             raise ProfileError("cannot tell the vocabulary size; pass vocab=")
     param_dtype = next(net.parameters()).dtype
+    # the group's figures: its slowest rank's time, its largest lane's bytes, its slowest host link
+    most = (lambda v: group.group_reduce(v, "max", device)) if tp > 1 else list
+    least = (lambda v: group.group_reduce(v, "min", device)) if tp > 1 else list
+    together = dist.barrier if tp > 1 else None
     runners = [prepare_length(net, blocks, s, int(vocab), device) for s in lengths]
-    fwd = time_rounds(runners, "forward", device, warmup, repeats)
-    t = time_rounds(runners, "forward_backward", device, warmup, repeats)
+    fwd = most(time_rounds(runners, "forward", device, warmup, repeats, together))
+    t = most(time_rounds(runners, "forward_backward", device, warmup, repeats, together))
     fwd = [min(f, b) for f, b in zip(fwd, t)]
     whole = (
-        time_rounds(runners, "model_step", device, min(warmup, 1), max(1, repeats // 2))
+        most(time_rounds(runners, "model_step", device, min(warmup, 1), max(1, repeats // 2), together))
         if time_model
         else [None] * len(runners)
     )
     net.zero_grad(set_to_none=True)
     fwd_share = statistics.fmean(f / b for f, b in zip(fwd, t))
-    acts = [r.layer_bytes for r in runners]
-    d2h, h2d = measure_bandwidth(device, bandwidth_probe_bytes)
+    acts = most([r.layer_bytes for r in runners])
+    outside_acts = most([r.outside_bytes for r in runners])
+    d2h, h2d = least(measure_bandwidth(device, bandwidth_probe_bytes))
     if kv_bytes_per_token_per_layer is None:
         kv = getattr(config, "kv_heads", None)
         hd = getattr(config, "head_dim", None)
         elem = torch.tensor([], dtype=param_dtype).element_size()
-        kv_bytes_per_token_per_layer = float(2 * kv * hd * elem) if kv and hd else 0.0
+        # a lane's ring moves its own key/value heads
+        kv_bytes_per_token_per_layer = float(2 * (kv // tp) * hd * elem) if kv and hd else 0.0
     n_layers = int(num_layers) if num_layers is not None else len(blocks)
-    notes: dict[str, Any] = {"profiled_layers": len(blocks), "warmup": warmup, "repeats": repeats}
-    if p2p:
-        link = measure_p2p_bandwidth(p2p_bytes, repeats=max(repeats, 3))
-        notes["p2p"] = asdict(link)
-        bandwidth_intra = link.bandwidth if bandwidth_intra is None else bandwidth_intra
-        if bandwidth_inter is None:
-            bandwidth_inter = link.bandwidth
-            notes["p2p"]["inter_node"] = "not measurable on one host: the loopback value is used"
+    notes = {**notes, "profiled_layers": len(blocks)}
     cost = CostModel.fit(
         lengths,
         t,
@@ -191,15 +280,27 @@ def run_profile(
         bandwidth_intra=bandwidth_intra,
         bandwidth_inter=bandwidth_inter,
         ranks_per_node=ranks_per_node,
-        name=name or f"profiled-{type(net).__name__}-{device.type}",
+        name=name or f"profiled-{type(net).__name__}-{device.type}" + (f"-tp{tp}" if tp > 1 else ""),
+        tensor_parallel=tp,
     )
-    params = int(param_count) if param_count is not None else sum(p.numel() for p in net.parameters())
+    if tp > 1:
+        whole_params = sum(p.numel() for p in net.parameters())  # a DTensor's numel is its global size
+        params = int(param_count) if param_count is not None else whole_params
+        shards = group.local_numel(net)
+        if param_count is not None:  # the real model: the blocks' shards times its layers, the rest as is
+            blocks_shards = sum(group.local_numel(b) for b in blocks)
+            shards = shards - blocks_shards + n_layers * blocks_shards / len(blocks)
+        rank_params = int(most([shards])[0])
+        notes["params_per_rank"] = rank_params
+    else:
+        params = int(param_count) if param_count is not None else sum(p.numel() for p in net.parameters())
+        rank_params = params
     if state_bytes_per_param is None:
         state_bytes_per_param = 2 * torch.tensor([], dtype=param_dtype).element_size() + 8
-    static = int(params * state_bytes_per_param)
+    static = int(rank_params * state_bytes_per_param)
     capacity = None
     if memory_budget is not None:
-        outside = _fit_line(lengths, [r.outside_bytes for r in runners])
+        outside = _fit_line(lengths, outside_acts)
         capacity = _capacity(cost, outside, memory_budget - static - reserve_bytes, round_to)
     offload = OffloadConfig(layers_per_rank=n_layers, bandwidth_d2h=d2h, bandwidth_h2d=h2d)
     return Profile(
@@ -212,7 +313,7 @@ def run_profile(
         layer_seconds=t,
         layer_forward_seconds=fwd,
         act_bytes=acts,
-        outside_act_bytes=[r.outside_bytes for r in runners],
+        outside_act_bytes=outside_acts,
         model_seconds=whole,
         time_residuals=[m - cost.layer_time(s) for m, s in zip(t, lengths)],
         act_residuals=[m - cost.act_bytes(s) for m, s in zip(acts, lengths)],

@@ -35,3 +35,48 @@ def test_command_line(tmp_path, capsys):
     assert main(["--model", "tiny", "--lengths", "16,32", "-o", str(out)]) == 2
     with pytest.raises(SystemExit):
         main(["--memory-budget", "lots"])
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_profiles_one_hdp_rank_of_two_processes(tmp_path, capsys):
+    """--tensor-parallel 2 on this CPU: the command starts the two gloo processes itself and the file says so."""
+    out = tmp_path / "tp.json"
+    rc = main(["--model", "tiny", "--lengths", "16,32,48", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+               "--memory-budget", "64MiB", "--tensor-parallel", "2", "--timeout", "120", "-o", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "one tensor-parallel group of 2" in text and "tokens per HDP rank" in text
+    prof = load_profile(out)
+    assert prof.tensor_parallel == 2 and prof.cost_model.tensor_parallel == 2
+    assert (
+        prof.cost_model.kv_bytes_per_token_per_layer == 2 * 1 * 8 * 4
+    )  # one of the 2 KV heads of 8, float32
+    one = tmp_path / "one.json"
+    assert main(["--model", "tiny", "--lengths", "16,32,48", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+                 "--memory-budget", "64MiB", "-o", str(one)]) == 0  # fmt: skip
+    assert prof.act_bytes[0] < load_profile(one).act_bytes[0]
+    assert main(["--model", "tiny", "--lengths", "16,32,48", "--tensor-parallel", "0", "-o", str(out)]) == 2
+
+
+def _torchrun_rank(rank: int, port: int, out: str) -> None:
+    """One rank as torchrun starts it: the environment names the group, the command joins it."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    rc = main(["--model", "tiny", "--lengths", "16,32,48", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+               "--tensor-parallel", "2", "--timeout", "120", "-o", f"{out}/rank{rank}.json"])  # fmt: skip
+    assert rc == 0 and dist.is_initialized()  # it joined the group instead of starting processes
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_under_torchrun_the_command_joins_its_group_and_rank_zero_writes_the_file(tmp_path):
+    from _ranks import free_port, run_ranks
+
+    run_ranks(_torchrun_rank, 2, free_port(), str(tmp_path), timeout_s=240)
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["rank0.json"]
+    assert load_profile(tmp_path / "rank0.json").tensor_parallel == 2

@@ -18,13 +18,15 @@ import subprocess
 import sys
 import textwrap
 import time
-import traceback
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
-from _lifecycle import TESTS, clean_env  # TESTS: on sys.path in the script, for _strategy_helpers
+from _lifecycle import (
+    TESTS,
+    clean_env,
+    run_as_torchrun_rank,
+)  # TESTS: on sys.path in the script, for _strategy_helpers
 from _ranks import free_port, run_ranks
 from _strategy_helpers import (
     CAPACITY,
@@ -146,13 +148,8 @@ class _FailingLM(TinyLM):
 
 def _rank_main(rank: int, scenario: str, world: int, port: str, timeout: float, out: Path) -> None:
     """One rank, started like torchrun does (LOCAL_RANK set, so Lightning launches nothing)."""
-    err = open(out / f"stderr_{rank}.txt", "w")  # noqa: SIM115 - kept open until os._exit
-    os.dup2(err.fileno(), 2)
-    sys.stderr = err
-    os.environ.update(_env(MASTER_PORT=port, NODE_RANK="0", LOCAL_RANK=str(rank), WORLD_SIZE=str(world)))
-    torch.set_num_threads(1)
-    code = 0
-    try:
+
+    def fit() -> None:
         model = _FailingLM()
         model.scenario = scenario
         trainer = pl.Trainer(
@@ -168,12 +165,8 @@ def _rank_main(rank: int, scenario: str, world: int, port: str, timeout: float, 
             use_distributed_sampler=False,
         )
         trainer.fit(model, datamodule=StepDataModule("balance"))
-        (out / f"done_{rank}").write_text("finished")
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stderr.flush()
-    os._exit(code)
+
+    run_as_torchrun_rank(rank, world, port, out, fit)
 
 
 @pytest.mark.parametrize(

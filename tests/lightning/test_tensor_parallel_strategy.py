@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -252,14 +253,15 @@ def _fit(
     trainer.fit(module(tied), datamodule=MeshData(data_steps or steps), ckpt_path=resume)
 
 
-def _reference(steps: int, tied: bool) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
-    """One process, whole sequences, float64: parameters, losses and gradient norms."""
+def reference_steps(
+    config: LlamaConfig, batches: Iterable[list[torch.Tensor]]
+) -> tuple[LlamaModel, list[float], list[float]]:
+    """One process, whole sequences, float64, AdamW with clipping: the model, the losses and gradient norms."""
     torch.manual_seed(INIT_SEED)
-    model = LlamaModel(LlamaConfig.preset("tiny", tie_embeddings=tied), attention_fn=causal_sdpa).double()
+    model = LlamaModel(config, attention_fn=causal_sdpa).double()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses, norms = [], []
-    for k in range(steps):
-        seqs = global_batch(k)
+    for seqs in batches:
         n = sum(len(s) - 1 for s in seqs)
         opt.zero_grad()
         total = 0.0
@@ -270,6 +272,13 @@ def _reference(steps: int, tied: bool) -> tuple[dict[str, torch.Tensor], list[fl
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
         losses.append(total)
+    return model, losses, norms
+
+
+def _reference(steps: int, tied: bool) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """One process, whole sequences, float64: parameters, losses and gradient norms."""
+    config = LlamaConfig.preset("tiny", tie_embeddings=tied)
+    model, losses, norms = reference_steps(config, (global_batch(k) for k in range(steps)))
     with torch.no_grad():  # the validation loss of the final model: every token of the batches once
         seqs = [s for k in range(VAL_STEPS) for s in global_batch(k, VAL_SEED)]
         ce = sum(F.cross_entropy(model(s, torch.arange(len(s)))[:-1], s[1:], reduction="sum") for s in seqs)
