@@ -461,17 +461,19 @@ class ByteScaleStrategy(ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self.zero >= 1 and self.parallel_mesh is not None:  # ZeRO-1 over each lane's HDP ranks
-            mesh_.lane_zero(self.optimizers, self.parallel_mesh)
-        elif self.zero >= 1:
+        pmesh = self.parallel_mesh
+        if pmesh is not None:  # ZeRO-1/2 over each lane's HDP ranks; the norm over DTensor shards
+            zeros = mesh_.lane_zero(self.optimizers, pmesh, self.zero) if self.zero >= 1 else []
+            self._grad_owners = mesh_.gradient_owners(zeros) if self.zero == 2 else None
+            mesh_.clip_by_global_norm(self.precision_plugin, pmesh, sharded_gradients=self.zero == 2)
+            return
+        if self.zero >= 1:
             self.optimizers = shard_optimizers(
                 self.optimizers, [c.scheduler for c in self.lr_scheduler_configs]
             )
         self._grad_owners = owner_ranks(self.optimizers) if self.zero == 2 else None
         if self.zero == 2:
             self._clip_by_global_norm()
-        if self.parallel_mesh is not None:
-            mesh_.clip_by_global_norm(self.precision_plugin)
 
     def _clip_by_global_norm(self) -> None:
         """ZeRO-2: each rank holds only its shard of the gradients, so clipping by norm needs the global norm.

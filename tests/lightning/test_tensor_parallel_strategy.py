@@ -383,7 +383,6 @@ def test_resume_with_fsdp2_from_a_consolidated_checkpoint_is_exact(tmp_path):
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
         ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive integer"),
-        ({"tensor_parallel_size": 2, "zero": 2}, r"zero=2\) is not supported with tensor_parallel_size=2"),
         ({"tensor_parallel_size": 2, "checkpoint_format": "sharded"}, "checkpoint_format='sharded'"),
     ],
 )
