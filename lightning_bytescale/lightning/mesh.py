@@ -15,6 +15,8 @@ the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ra
 * runs the step's checks and gradient sum on the lane's data-parallel group, through
   :mod:`lightning_bytescale.parallel.step`'s pieces (the step loop calls them), and clips by the
   global norm over DTensor shards (:func:`clip_by_global_norm`);
+* splits each lane's optimizer state (``zero=1``) and gradients (``zero=2``) over its HDP ranks
+  (:class:`LaneZero`, :func:`gradient_owners`);
 * drives FSDP2 when ``configure_model`` applied ``fully_shard`` over ``device_mesh["data_parallel"]``
   (:func:`fsdp_driver`, :func:`gathered`);
 * writes consolidated checkpoints with the DTensor state whole and loads them back as each rank's
