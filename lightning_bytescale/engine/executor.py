@@ -687,8 +687,9 @@ def sync_step(
         counts.append(mine)
     t0 = time.perf_counter()
     if grad_sync is not None and owners is not None:
-        raise ValueError(
-            "sync_step: give the owners to the BucketedGradSync, not to sync_step, when both are used"
+        raise ConfigError(
+            "sync_step got both grad_sync and owners: a bucketed sync reduces to its own owners "
+            "(BucketedGradSync(..., owners=...)); pass owners to sync_step only without grad_sync"
         )
     if grad_sync is None and owners is None:
         reduced = allreduce_gradients(plist, group=group, extra=torch.cat(floats), counts=torch.cat(counts))
