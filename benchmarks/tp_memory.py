@@ -1,7 +1,9 @@
 """Peak memory per rank through an HDP step: (4, 1) with ZeRO against (2, 2) tensor parallel, with and without FSDP2.
 
 Run: ``python benchmarks/tp_memory.py`` (a few minutes on 2 cores); writes
-``benchmarks/results/tp_memory.json``.  Not run in CI.
+``benchmarks/results/tp_memory.json``.  ``--layouts 2x2_tp_zero1 --merge`` runs only the layouts
+named and puts them into the existing file, keeping its other rows (each layout records its own
+machine, load and time: ``measured_at``).  Not run in CI.
 
 Four gloo ranks on loopback train the reference Llama's ``125m`` preset (124M float32
 parameters, tied embeddings) on one global batch with a sequence long enough to need a ring,
@@ -15,6 +17,11 @@ planned by the balance planner for the HDP ranks of each layout:
   ``parallel.run_parallel_step`` and ``parallel.clip_grad_norm_``;
 * ``2x2_tp_fsdp2`` and ``4x1_fsdp2``: the same with ``fully_shard`` per block and at the root over
   ``"data_parallel"``, driven by ``parallel.FSDPStepDriver``.
+* ``2x2_tp_zero1`` / ``2x2_tp_zero2``: ``2x2_tp`` with the strategy's ZeRO on the mesh
+  (``lightning.mesh.LaneZero`` around AdamW: each parameter's optimizer state on one HDP rank of
+  the lane, owners broadcast their updated shards); ZeRO-2 also reduces each gradient to its owner
+  (``run_parallel_step(..., grad_owners=...)``) and clips with
+  ``parallel.clip_grad_norm_(..., group=pmesh.dp_group)``.
 
 Each rank runs two steps (the first allocates the optimizer state) and reports, for the second,
 its peak resident memory from the start of the step through the optimizer step (``VmHWM``
@@ -42,7 +49,7 @@ LENGTHS = (96, 40, 150, 64, 30, 500, 120, 80, 56, 200)  # 500 > capacity: a ring
 CAPACITY = 256
 STEPS = 2
 MIB = 2**20
-LAYOUTS = ("4x1_zero1", "4x1_zero2", "2x2_tp", "2x2_tp_fsdp2", "4x1_fsdp2")
+LAYOUTS = ("4x1_zero1", "4x1_zero2", "2x2_tp", "2x2_tp_zero1", "2x2_tp_zero2", "2x2_tp_fsdp2", "4x1_fsdp2")
 
 
 def _local_bytes(tensors) -> int:
@@ -70,6 +77,7 @@ def _worker(rank: int, port: int, layout: str, preset: str, out: str) -> None:
     from lightning_bytescale.engine.grad_sync import BucketedGradSync
     from lightning_bytescale.engine.zero import clip_grad_norm_ as zero_clip
     from lightning_bytescale.engine.zero import owner_ranks
+    from lightning_bytescale.lightning.mesh import LaneZero
     from lightning_bytescale.models import LlamaConfig, LlamaModel
     from lightning_bytescale.parallel import (
         FSDPStepDriver,
@@ -105,6 +113,9 @@ def _worker(rank: int, port: int, layout: str, preset: str, out: str) -> None:
         sync = BucketedGradSync(params, group=grad_group, owners=owners)
     else:
         opt = torch.optim.AdamW(params, lr=1e-4)
+    lane_zero = LaneZero(opt, pmesh) if "_tp_zero" in layout else None  # wraps opt.step
+    grad_owners = lane_zero.gradient_owners if layout.endswith("_tp_zero2") else None
+    clip_group = pmesh.dp_group if grad_owners is not None else None
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, cfg.vocab, (n,), generator=g) for n in LENGTHS]
     plan = make_plan(
@@ -125,9 +136,9 @@ def _worker(rank: int, port: int, layout: str, preset: str, out: str) -> None:
             else:
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
         else:
-            run_parallel_step(model, step, pmesh, fsdp=driver)
+            run_parallel_step(model, step, pmesh, fsdp=driver, grad_owners=grad_owners)
             grads = _local_bytes(p.grad for p in model.parameters())
-            clip_grad_norm_(model.parameters(), 1.0)
+            clip_grad_norm_(model.parameters(), 1.0, group=clip_group)
         opt.step()
         seconds = time.perf_counter() - t0
         row = {
@@ -155,6 +166,11 @@ def main() -> None:
     parser.add_argument("--preset", default="125m", help="LlamaConfig preset (at least 100M parameters)")
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tp_memory.json"))
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="put the layouts run into the existing --out, keeping its other rows",
+    )
     args = parser.parse_args()
     from lightning_bytescale.models import LlamaConfig
 
@@ -175,6 +191,8 @@ def main() -> None:
         "machine": common.machine(),
         "layouts": {},
     }
+    if args.merge and Path(args.out).exists():
+        result = json.loads(Path(args.out).read_text())
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MIB)  # read by each spawned rank's C library at start
     keys = (
         "peak_above_baseline_mib",
@@ -193,6 +211,10 @@ def main() -> None:
             "max_over_ranks": summary,
             "per_rank": ranks,
             "wall_s": time.perf_counter() - t0,
+            "measured_at": {
+                "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                "machine": common.machine(),
+            },
         }
         print(
             f"{layout:13s} peak above the bare interpreter {summary['peak_above_baseline_mib']:7.0f} MiB; holds "
@@ -201,6 +223,7 @@ def main() -> None:
             flush=True,
         )
     common.remove_parts(tmp)
+    result["layouts"] = {k: result["layouts"][k] for k in LAYOUTS if k in result["layouts"]}  # table order
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -56,6 +56,7 @@ from lightning_bytescale.engine.step_checks import (
     describe_non_finite,
     start_plan_agreement,
 )
+from lightning_bytescale.engine.zero import reduce_gradients_to_owners
 from lightning_bytescale.errors import (
     ConfigError,
     LossNormalizationError,
@@ -627,6 +628,7 @@ def sync_step(
     check_parameters: bool = False,
     stop_request: bool = False,
     grad_sync: BucketedGradSync | None = None,
+    owners: Mapping[int, int] | None = None,
 ) -> StepResult:
     """The step's all-reduce: gradients, loss, token count, reports, flags; then the checks.
 
@@ -656,6 +658,11 @@ def sync_step(
     backend, the last of the step's communication, and never two communicators at once (the
     cross-communicator rule of docs/engine.md).  On NCCL waiting for the buckets is a stream
     wait, so the host does not block before it issues the scalars.
+
+    ``owners`` (ZeRO-2 without buckets, ``id(parameter) -> global rank``; a bucketed sync has
+    its own): each gradient is reduced to its owner instead
+    (:func:`~lightning_bytescale.engine.zero.reduce_gradients_to_owners`, one reduce per owner)
+    and the other ranks drop it; then the scalars travel in the small float64 all-reduce.
     """
     named = [(item if isinstance(item, tuple) else (f"param{i}", item)) for i, item in enumerate(params)]
     named = [(n, p) for n, p in named if p.requires_grad]
@@ -679,8 +686,17 @@ def sync_step(
         mine = _fingerprint_counts(plist, world, me)
         counts.append(mine)
     t0 = time.perf_counter()
-    if grad_sync is None:
+    if grad_sync is not None and owners is not None:
+        raise ConfigError(
+            "sync_step got both grad_sync and owners: a bucketed sync reduces to its own owners "
+            "(BucketedGradSync(..., owners=...)); pass owners to sync_step only without grad_sync"
+        )
+    if grad_sync is None and owners is None:
         reduced = allreduce_gradients(plist, group=group, extra=torch.cat(floats), counts=torch.cat(counts))
+    elif grad_sync is None:
+        device = plist[0].device if plist else torch.device("cpu")
+        reduce_gradients_to_owners(plist, owners, group=group)  # ZeRO-2: the gradients, then the scalars
+        reduced = _start_scalars(torch.cat(floats), torch.cat(counts), group, device).wait()
     else:
         device = plist[0].device if plist else torch.device("cpu")
         # One order on every rank and every backend: the buckets not launched yet (all of them

@@ -7,6 +7,10 @@ the rank that owns its optimizer state (:class:`~lightning_bytescale.engine.grad
 with ``owners``) and the other ranks drop it.  Both levels share one optimizer-state layout
 (the ``ZeroRedundancyOptimizer`` partition) and so one checkpoint format.
 
+Without buckets (the step's flat sync; on the tensor-parallel mesh, where gradients are summed
+after the micro-batch loop), :func:`reduce_gradients_to_owners` reduces each owner's gradients
+to it in one ``dist.reduce``.
+
 With sharded gradients a rank's local gradient norm covers its shard only, so clipping by norm
 needs the norms of all shards: :func:`clip_grad_norm_` combines them with one all-reduce of
 one number (clipping by value needs nothing: each rank clips the gradients it holds).
@@ -14,6 +18,7 @@ one number (clipping by value needs nothing: each rank clips the gradients it ho
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -125,6 +130,54 @@ def drop_unowned_gradients(params: Iterable[nn.Parameter], owners: Mapping[int, 
     return freed
 
 
+@torch.no_grad()
+def reduce_gradients_to_owners(
+    params: Sequence[nn.Parameter], owners: Mapping[int, int], group: Any = None
+) -> None:
+    """Sum each gradient over ``group`` onto the rank that owns it (ZeRO-2); the other ranks drop it.
+
+    ``owners`` maps ``id(parameter)`` to the *global* rank of ``group`` that keeps it.  The
+    parameters of one owner travel in one flat buffer (float32, or the gradients' dtype where it
+    is wider, so narrow gradients are summed in float32), one ``dist.reduce`` per owner in rank
+    order; a parameter without a gradient on a rank contributes zeros, so every rank sends the
+    same shapes.  Parameters without an owner are all-reduced (one more collective, first).
+    Afterwards the owner's ``p.grad`` holds the sum in the parameter's dtype (in place where it
+    had a gradient), every other rank's is ``None``.  Call it on every rank of ``group`` with
+    the parameters in the same order.  Without an initialised process group each rank owns all.
+    """
+    initialised = dist.is_available() and dist.is_initialized()
+    me = dist.get_rank() if initialised else None
+    by_owner: dict[int, list[nn.Parameter]] = {}
+    for p in params:
+        by_owner.setdefault(owners.get(id(p), -1), []).append(p)
+    for owner in sorted(by_owner):  # -1 (no owner: all-reduced) first, then by rank
+        members = by_owner[owner]
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in members], torch.float32)
+        device = members[0].device
+        flat = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, dtype)
+                for p in members
+            ]
+        )
+        if initialised and owner < 0:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        elif initialised:
+            dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=group)
+        keep = not initialised or owner < 0 or owner == me
+        offset = 0
+        for p in members:
+            n = p.numel()
+            if not keep:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = flat[offset : offset + n].view_as(p).to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+        del flat
+
+
 def _local_norm(grads: Sequence[Tensor], norm_type: float) -> Tensor:
     get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
     if get_total_norm is not None:
@@ -180,6 +233,7 @@ __all__ = [
     "drop_unowned_gradients",
     "mark_step_calls",
     "owner_ranks",
+    "reduce_gradients_to_owners",
     "resolve_zero_level",
     "shard_optimizers",
 ]

@@ -15,6 +15,8 @@ the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ra
 * runs the step's checks and gradient sum on the lane's data-parallel group, through
   :mod:`lightning_bytescale.parallel.step`'s pieces (the step loop calls them), and clips by the
   global norm over DTensor shards (:func:`clip_by_global_norm`);
+* splits each lane's optimizer state (``zero=1``) and gradients (``zero=2``) over its HDP ranks
+  (:class:`LaneZero`, :func:`gradient_owners`);
 * drives FSDP2 when ``configure_model`` applied ``fully_shard`` over ``device_mesh["data_parallel"]``
   (:func:`fsdp_driver`, :func:`gathered`);
 * writes consolidated checkpoints with the DTensor state whole and loads them back as each rank's
@@ -55,21 +57,15 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def check_options(tensor_parallel_size: Any, *, zero: int) -> int:
-    """``tensor_parallel_size`` itself, and the options that cannot run with it yet (at construction)."""
+def check_options(tensor_parallel_size: Any) -> int:
+    """``tensor_parallel_size`` itself (at construction).
+
+    Every ZeRO level runs with it (``zero`` 1 and 2: :class:`LaneZero`), and both checkpoint formats.
+    """
     tp = tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(
             f"tensor_parallel_size must be a positive integer (1: no tensor parallelism), got {tp!r}"
-        )
-    if tp == 1:
-        return tp
-    if zero >= 2:
-        raise ConfigError(
-            f"ByteScaleStrategy(zero={zero}) is not supported with tensor_parallel_size={tp} yet: ZeRO-2's "
-            "gradient owners work on plain tensors, not on DTensor shards. Use zero=1 (the optimizer state "
-            "split over each lane's HDP ranks) or zero=0 with tensor parallelism (or "
-            'fully_shard(..., mesh=self.device_mesh["data_parallel"]) in configure_model)'
         )
     return tp
 
@@ -158,11 +154,16 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
-def clip_by_global_norm(plugin: Any) -> None:
-    """The precision plugin's ``clip_grad_by_norm`` by the norm over DTensor shards and plain replicas, each element once."""
+def clip_by_global_norm(plugin: Any, pmesh: ParallelMesh, *, sharded_gradients: bool = False) -> None:
+    """The precision plugin's ``clip_grad_by_norm`` by the norm over DTensor shards and plain replicas, each element once.
+
+    ``sharded_gradients`` (ZeRO-2): each HDP rank of a lane holds only the gradients it owns, so
+    the norms of what the ranks hold are combined over the lane's data-parallel group.
+    """
+    group = pmesh.dp_group if sharded_gradients else None
 
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-        mesh_clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+        mesh_clip_grad_norm_(plugin.main_params(optimizer), clip_val, group=group)
 
     plugin.clip_grad_by_norm = clip_grad_by_norm
 
@@ -251,7 +252,7 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
 
 # ----------------------------------------------------------------------------- ZeRO-1 on the mesh
 class LaneZero:
-    """ZeRO-1 with tensor parallelism: each lane's optimizer state split over its HDP ranks.
+    """ZeRO-1 and ZeRO-2 with tensor parallelism: each lane's optimizer state split over its HDP ranks.
 
     Every parameter (a DTensor shard or a plain replica) has one owner among the HDP ranks,
     chosen the same way on every rank (largest first, to the least loaded).  The optimizer is the
@@ -264,6 +265,11 @@ class LaneZero:
     :meth:`materialized` gives every rank the whole state for a moment (the owners broadcast it),
     which ``get_optimizer_state_dict`` then gathers across the lanes; :meth:`drop_unowned` frees it
     again (and after a load).
+
+    ZeRO-2 adds the gradients: the step's sync reduces each gradient to its owner over the lane's
+    data-parallel group (:attr:`gradient_owners`, handed to
+    :func:`~lightning_bytescale.engine.executor.sync_step`) and the other ranks drop it, so the
+    optimizer finds the others' gradients gone already; the state and checkpoints are ZeRO-1's.
     """
 
     def __init__(self, optimizer: Optimizer, pmesh: ParallelMesh) -> None:
@@ -300,6 +306,11 @@ class LaneZero:
 
     def owns(self, p: torch.Tensor) -> bool:
         return self.owner[id(p)] == self.pmesh.hdp_rank
+
+    @property
+    def gradient_owners(self) -> dict[int, int]:
+        """``id(parameter) -> global rank`` of its owner in this rank's lane (ZeRO-2's gradient sync)."""
+        return {key: self._src(i) for key, i in self.owner.items()}
 
     def _src(self, i: int) -> int:
         return self.pmesh.dims.global_rank(i, self.pmesh.lane)
@@ -363,8 +374,8 @@ class LaneZero:
             self.drop_unowned()
 
 
-def lane_zero(optimizers: list[Optimizer], pmesh: ParallelMesh) -> list[LaneZero]:
-    """ZeRO-1 on the mesh for each optimizer (``ByteScaleStrategy(zero=1, tensor_parallel_size=N)``)."""
+def lane_zero(optimizers: list[Optimizer], pmesh: ParallelMesh, level: int = 1) -> list[LaneZero]:
+    """ZeRO on the mesh for each optimizer (``ByteScaleStrategy(zero=level, tensor_parallel_size=N)``, level 1 or 2)."""
     from torch.distributed.tensor import DTensor
 
     from lightning_bytescale.engine.zero import mark_step_calls
@@ -379,14 +390,23 @@ def lane_zero(optimizers: list[Optimizer], pmesh: ParallelMesh) -> list[LaneZero
         ]
         if fsdp:
             raise ConfigError(
-                "ByteScaleStrategy(zero=1) cannot run with fully_shard over the data-parallel dimension: FSDP2 "
-                "already splits the parameters and their optimizer state over the HDP ranks. Use zero=0 with FSDP2"
+                f"ByteScaleStrategy(zero={level}) cannot run with fully_shard over the data-parallel dimension: "
+                "FSDP2 already splits the parameters, their optimizer state and (with its reduce-scatter) their "
+                "gradients over the HDP ranks. Use zero=0 with FSDP2"
             )
         zero = LaneZero(opt, pmesh)
         opt._bytescale_lane_zero = zero  # type: ignore[attr-defined]
         mark_step_calls(opt)
         zeros.append(zero)
     return zeros
+
+
+def gradient_owners(zeros: list[LaneZero]) -> dict[int, int]:
+    """ZeRO-2 on the mesh: ``id(parameter) -> global rank`` that keeps its gradient, over every optimizer."""
+    owners: dict[int, int] = {}
+    for zero in zeros:
+        owners.update(zero.gradient_owners)
+    return owners
 
 
 def _lane_zero_of(optimizer: Optimizer) -> LaneZero | None:
@@ -496,6 +516,7 @@ __all__ = [
     "fsdp_driver",
     "full_state_dict",
     "gathered",
+    "gradient_owners",
     "keeps_state",
     "keyed_by_name",
     "load_model_state",

@@ -353,6 +353,10 @@ class StepLoop:
             None if pmesh is None else LocalShards(step.named if fsdp is None else fsdp.unmanaged(step.named))
         )
 
+        owners = strategy._grad_owners
+        if shards is not None and owners is not None:  # ZeRO-2 on the mesh: each gradient to its owner
+            owners = shards.rekey(owners)
+
         def sync() -> StepResult:
             result = sync_step(
                 step.named if shards is None else shards.named,
@@ -363,13 +367,14 @@ class StepLoop:
                 check_parameters=n > 0 and (self.steps_run == 0 or batch.step % n == 0),
                 stop_request=preemption is not None and preemption.requested,
                 grad_sync=step.grad_sync,
+                owners=owners if shards is not None else None,
             )
             if shards is not None:
                 shards.write_back()
             return result
 
         result = sync() if pmesh is None else agree_across_lanes(sync, pmesh, batch.step)
-        if strategy._grad_owners is not None and step.grad_sync is None:  # ZeRO-2 after a flat all-reduce
+        if owners is not None and shards is None and step.grad_sync is None:  # ZeRO-2 after a flat all-reduce
             drop_unowned_gradients([p for _, p in step.named], strategy._grad_owners, strategy.global_rank)
         if preemption is not None:  # the preemption callback acts on it after this step
             preemption.record_agreement(result.stop_requested)

@@ -223,7 +223,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.zero = resolve_zero_level(zero, zero1)
         self.zero1 = self.zero >= 1  # optimizer state is sharded (ZeRO-1 and ZeRO-2)
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
-        self.tensor_parallel_size = mesh_.check_options(tensor_parallel_size, zero=self.zero)
+        self.tensor_parallel_size = mesh_.check_options(tensor_parallel_size)
         options_.check_cost_model_devices(planner_config, self.tensor_parallel_size)
         self.parallel_mesh: Any = None  # the ParallelMesh (tensor_parallel_size > 1), built at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
@@ -462,17 +462,19 @@ class ByteScaleStrategy(ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self.zero >= 1 and self.parallel_mesh is not None:  # ZeRO-1 over each lane's HDP ranks
-            mesh_.lane_zero(self.optimizers, self.parallel_mesh)
-        elif self.zero >= 1:
+        pmesh = self.parallel_mesh
+        if pmesh is not None:  # ZeRO-1/2 over each lane's HDP ranks; the norm over DTensor shards
+            zeros = mesh_.lane_zero(self.optimizers, pmesh, self.zero) if self.zero >= 1 else []
+            self._grad_owners = mesh_.gradient_owners(zeros) if self.zero == 2 else None
+            mesh_.clip_by_global_norm(self.precision_plugin, pmesh, sharded_gradients=self.zero == 2)
+            return
+        if self.zero >= 1:
             self.optimizers = shard_optimizers(
                 self.optimizers, [c.scheduler for c in self.lr_scheduler_configs]
             )
         self._grad_owners = owner_ranks(self.optimizers) if self.zero == 2 else None
         if self.zero == 2:
             self._clip_by_global_norm()
-        if self.parallel_mesh is not None:
-            mesh_.clip_by_global_norm(self.precision_plugin)
 
     def _clip_by_global_norm(self) -> None:
         """ZeRO-2: each rank holds only its shard of the gradients, so clipping by norm needs the global norm.

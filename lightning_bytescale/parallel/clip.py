@@ -12,16 +12,22 @@ rank; each rank then scales the gradients it holds by ``min(1, max_norm / (norm 
 ``clip_grad_norm_`` does.
 
 Gradients must already be summed over the data-parallel group (the step's sync), so the copies
-a gradient has on other HDP ranks are equal and not counted again.  Not for ZeRO-2's sharded
-plain gradients, whose owners each hold a different part:
-:func:`lightning_bytescale.engine.zero.clip_grad_norm_` is for those.
+a gradient has on other HDP ranks are equal and not counted again.  Under ZeRO-2 on the mesh
+each HDP rank of a lane holds the summed gradients of the parameters it owns only (every lane of
+an HDP rank the same parameters): pass ``group`` (the lane's data-parallel group) and each rank's
+norm, over what it holds as above, is combined with the others' by one all-reduce of one
+number, the sum of ``norm ** p`` (the maximum for the infinity norm), so every element still
+counts once.  (Without the mesh, ZeRO-2's plain gradients use
+:func:`lightning_bytescale.engine.zero.clip_grad_norm_`.)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -33,16 +39,16 @@ def _kind(grad: torch.Tensor) -> tuple:
     return ("plain", grad.device)
 
 
-@torch.no_grad()
-def global_grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients as one vector, each element counted once; call on every rank."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _held_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of the gradients this rank holds, DTensors whole (their collectives on their meshes)."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         by_kind.setdefault(_kind(g), []).append(g)
-    device = grads[0].to_local().device if isinstance(grads[0], DTensor) else grads[0].device
+    device = _local(grads[0]).device
     norms = []
     for group in by_kind.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
@@ -53,20 +59,53 @@ def global_grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0)
 
 
 @torch.no_grad()
+def global_grad_norm(
+    parameters: Iterable[nn.Parameter], norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The norm of all gradients as one vector, each element counted once; call on every rank.
+
+    ``group``: each rank of it holds a different part of the gradients (ZeRO-2's owners, module
+    docstring); the parts' norms are combined over it.
+    """
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if group is None:
+        return _held_norm(grads, norm_type) if grads else torch.zeros(())
+    norm_type = float(norm_type)
+    locals_ = [_local(t) for t in (grads or params[:1])]
+    device = locals_[0].device if locals_ else torch.device("cpu")
+    dtype = locals_[0].dtype if grads else torch.float32
+    # float64 on every rank: ranks may hold gradients of other dtypes, or none at all
+    held = _held_norm(grads, norm_type) if grads else torch.zeros(())
+    local = held.to(device, torch.float64)
+    if math.isinf(norm_type):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local.to(dtype)
+    powered = local.pow(norm_type)
+    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+    return powered.pow(1.0 / norm_type).to(dtype)
+
+
+@torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over DTensor and plain gradients alike; returns the total norm.
 
     Every rank of the run must call it (DTensor norms are collectives on their meshes), with
-    its parameters in the same order.
+    its parameters in the same order.  ``group``: the ranks of it hold different parts of the
+    gradients (ZeRO-2 on the mesh: the lane's data-parallel group), see :func:`global_grad_norm`.
     """
-    params = [p for p in parameters if p.grad is not None]
-    total = global_grad_norm(params, norm_type)
+    every = list(parameters)
+    params = [p for p in every if p.grad is not None]
+    total = global_grad_norm(every if group is not None else params, norm_type, group)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     by_device: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
-        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        local = _local(p.grad)
         by_device.setdefault((local.device, local.dtype), []).append(local)
     for (device, _), locals_ in by_device.items():
         torch._foreach_mul_(locals_, coef.to(device))  # as torch's clip_grads_with_norm_

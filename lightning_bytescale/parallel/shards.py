@@ -10,12 +10,13 @@ replicated; it is redistributed first, a slice or a TP reduction, the same on ev
 that shares the shard's storage (its ``.grad`` shares the local gradient's), and afterwards
 puts what the sum left back on the DTensor parameters: a gradient summed in place is already
 there, one that arrived on a rank that produced none is wrapped as a DTensor of the parameter's
-placements, one no rank produced is ``None``.  Plain parameters pass through unchanged.
+placements, one no rank produced (or, under ZeRO-2, that another rank owns) is ``None``.  Plain
+parameters pass through unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,10 @@ class LocalShards:
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """The pairs to hand to ``sync_step``: plain tensors only, in the given order."""
         return [(e.name, e.proxy) for e in self._entries]
+
+    def rekey(self, by_parameter: Mapping[int, int]) -> dict[int, int]:
+        """``by_parameter`` (keyed by ``id(parameter)``, e.g. ZeRO-2's owners) keyed by the ids of the tensors in :attr:`named`."""
+        return {id(e.proxy): by_parameter[id(e.param)] for e in self._entries if id(e.param) in by_parameter}
 
     def write_back(self) -> None:
         """Give each DTensor parameter the gradient its proxy holds now (see the module docstring)."""

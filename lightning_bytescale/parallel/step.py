@@ -24,7 +24,9 @@ The same three phases as :func:`~lightning_bytescale.engine.executor.run_step`, 
    only into one on all of them (a small all-reduce on the TP group).
 
 Clip afterwards with :func:`lightning_bytescale.parallel.clip.clip_grad_norm_` (the global norm
-over DTensor shards and plain replicas, each element once) and step the optimizer.
+over DTensor shards and plain replicas, each element once) and step the optimizer.  With ZeRO-2
+(``grad_owners``) each gradient is reduced to the HDP rank that owns it instead, and the clip
+combines the owners' norms over the lane's data-parallel group.
 
 Collectives on the data-parallel group never run between two ring exchanges of the same rank:
 the digest all-gather and FSDP's all-gathers come before the loop, its reduce-scatters and the
@@ -34,7 +36,7 @@ used here).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import torch
@@ -144,6 +146,7 @@ def run_parallel_step(
     locate_non_finite: bool = False,
     stop_request: bool = False,
     on_phase: Callable[[str], None] | None = None,
+    grad_owners: Mapping[int, int] | None = None,
 ) -> StepResult:
     """One HDP step of ``model`` (tensor-parallel, FSDP2-sharded, both or neither) on ``pmesh``.
 
@@ -152,6 +155,11 @@ def run_parallel_step(
     accumulate into ``p.grad`` (zero them before the step); afterwards every trained parameter
     holds the gradient of the global token-mean loss, as a shard where the parameter is one.
     The checks are :func:`~lightning_bytescale.engine.executor.run_step`'s, raised on every rank.
+
+    ``grad_owners`` (ZeRO-2 on the mesh: ``id(parameter) -> global rank`` of the lane's HDP rank
+    that keeps its optimizer state) reduces each gradient to its owner over the lane's
+    data-parallel group instead of summing it everywhere; the other ranks hold ``None``.  Clip
+    afterwards with ``clip_grad_norm_(..., group=pmesh.dp_group)``.
     """
     plan_check = start_step_check(step, pmesh, check_plan=check_plan)
     if fsdp is not None:
@@ -188,6 +196,7 @@ def run_parallel_step(
             check_finite=check_finite,
             check_parameters=check_parameters,
             stop_request=stop_request,
+            owners=None if grad_owners is None else shards.rekey(grad_owners),
         )
         shards.write_back()
         return result

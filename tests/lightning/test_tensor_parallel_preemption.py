@@ -5,7 +5,8 @@
 inside a step.  Its lane's data-parallel all-reduce tells rank 3 (lane 1 of HDP rank 1); the
 lanes' all-reduce tells ranks 0 and 2.  So every rank saves the same ``hpc_ckpt_1.ckpt`` after
 that step (the DTensor gathers together) and exits with 143; resuming from it on ``(2, 2)`` ends
-where a run that never stopped ends (parameters and losses to 1e-10).
+where a run that never stopped ends (parameters and losses to 1e-10).  The same with ``zero=2``
+(the flag rides in the scalars' all-reduce after the reduces to the gradients' owners).
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ class SignalledOnRank1(TPLM):
         return super().training_step(mb, batch_idx)
 
 
-def test_sigterm_to_one_rank_of_2x2_saves_one_checkpoint_on_every_rank_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("zero", [0, 2])
+def test_sigterm_to_one_rank_of_2x2_saves_one_checkpoint_on_every_rank_and_resumes_exactly(tmp_path, zero):
     first = tmp_path / "first"
     with pytest.raises(ProcessExitedException) as info:
-        _fit(first, 4, steps=TOTAL, tied=False, module=SignalledOnRank1, data_steps=TOTAL)
+        _fit(first, 4, steps=TOTAL, tied=False, module=SignalledOnRank1, data_steps=TOTAL, zero=zero)
     assert info.value.exit_code == EXIT_PREEMPTED, info.value
     saved = sorted(p.name for p in first.glob("hpc_ckpt_*"))
     assert saved == ["hpc_ckpt_1.ckpt"], saved
@@ -48,7 +50,7 @@ def test_sigterm_to_one_rank_of_2x2_saves_one_checkpoint_on_every_rank_and_resum
     assert not any(first.glob("report_*.json")), "a rank trained on past the agreed step"
 
     resumed = tmp_path / "resumed"
-    _fit(resumed, 4, steps=TOTAL, tied=False, data_steps=TOTAL, resume=first / "hpc_ckpt_1.ckpt")
+    _fit(resumed, 4, steps=TOTAL, tied=False, data_steps=TOTAL, resume=first / "hpc_ckpt_1.ckpt", zero=zero)
     expected, losses, _ = _reference(TOTAL, tied=False)
     worst_param = worst_loss = 0.0
     for r in range(4):
@@ -57,5 +59,7 @@ def test_sigterm_to_one_rank_of_2x2_saves_one_checkpoint_on_every_rank_and_resum
         rows = json.loads((resumed / f"report_{r}.json").read_text())["rows"]
         assert [row["step"] for row in rows] == list(range(SIGNAL_AT + 1, TOTAL))
         worst_loss = max(worst_loss, max(abs(row["logged"] - losses[row["step"]]) for row in rows))
-    print(f"preempted (2, 2) resumed: max parameter difference {worst_param:.3e}, loss {worst_loss:.3e}")
+    print(
+        f"preempted (2, 2) zero={zero} resumed: max parameter difference {worst_param:.3e}, loss {worst_loss:.3e}"
+    )
     assert worst_param <= TOLERANCE and worst_loss <= TOLERANCE, (worst_param, worst_loss)

@@ -591,7 +591,6 @@ def test_resume_with_fsdp2_is_exact(tmp_path, checkpoint_format):
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
         ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive integer"),
-        ({"tensor_parallel_size": 2, "zero": 2}, r"zero=2\) is not supported with tensor_parallel_size=2"),
     ],
 )
 def test_construction_refuses_what_tp_cannot_run(options, match):

@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "tensor-parallel.md").read_text()
 LABELS = {"4x1_zero1": "(4, 1) ZeRO-1", "4x1_zero2": "(4, 1) ZeRO-2", "2x2_tp": "(2, 2) TP",
+          "2x2_tp_zero1": "(2, 2) TP + ZeRO-1", "2x2_tp_zero2": "(2, 2) TP + ZeRO-2",
           "2x2_tp_fsdp2": "(2, 2) TP + FSDP2", "4x1_fsdp2": "(4, 1) FSDP2"}  # fmt: skip
 
 
@@ -50,6 +51,7 @@ def test_arithmetic_table_is_the_results_file():
 def test_measured_table_is_the_results_file():
     res = json.loads((ROOT / "benchmarks/results/tp_memory.json").read_text())
     assert res["model"]["params"] >= 100_000_000 and res["world_size"] == 4
+    assert set(res["layouts"]) == set(LABELS), sorted(res["layouts"])  # every layout measured and shown
     for layout, entry in res["layouts"].items():
         m = entry["max_over_ranks"]
         keys = (
