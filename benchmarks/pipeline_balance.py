@@ -302,7 +302,7 @@ def figure(results: dict, path: Path) -> None:
         )
     ax2.set_xticks(range(len(names)))
     ax2.set_xticklabels(names)
-    ax2.set_ylabel("tokens/s (median over rounds and steps, min-max)")
+    ax2.set_ylabel("tokens/s (median, min-max)")
     fig.suptitle(
         f"PP-Balance vs equal counts, (pipeline=2, data_parallel=2) on {os.cpu_count()} shared CPU cores"
     )
@@ -404,7 +404,7 @@ def finish(results: dict, out: Path) -> None:
     }
     results["comparison"] = compare_measured(results)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    out.write_text(json.dumps(results, separators=(",", ":")) + "\n")  # compact: the plans are most of it
     figure(results, out.with_suffix(".png"))
     print(json.dumps(summ, indent=1))
     print(json.dumps(results["ratios"], indent=1))
