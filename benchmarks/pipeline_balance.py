@@ -313,13 +313,9 @@ def figure(results: dict, path: Path) -> None:
 def main() -> None:
     parser = run_parser(__doc__, "pipeline_balance", steps=6, warmup=1, rounds=5)
     parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens per global batch")
-    parser.add_argument(
-        "--summarise",
-        action="store_true",
-        help="recompute the summaries, ratios and figure of --out; run nothing",
-    )
+    parser.add_argument("--summarise", action="store_true", help="redo --out's summaries and figure only")
     args = parser.parse_args()
-    if args.summarise:
+    if args.summarise:  # the measured steps are in the file: recompute what is derived from them
         finish(json.loads(Path(args.out).read_text()), Path(args.out))
         return
     if args.warmup >= args.steps:
