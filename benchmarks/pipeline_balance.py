@@ -31,7 +31,8 @@ optimizer step; the step time is the slowest rank's), the schedule's wall time (
 mean over its stages.  Ring K/V exchanges run inside the stages' forward and backward, so a
 wait for the partner pipeline counts as compute here (as in the simulator, which does not
 synchronise ring partners across pipelines).  Tokens/s: the batch's real tokens over the step
-time.
+time; per pipeline (``pipeline_tokens_per_s``), its own tokens (its share of a ring item's) over
+its schedule's wall time.
 
 Simulated, for the same plans (:func:`lightning_bytescale.sim.pipeline_bubble.pipeline_bubbles`):
 each pipeline's 1F1B makespan in the executed order with the cost model the profiler fitted on
@@ -236,11 +237,25 @@ def simulated(plans: list[Plan], cost: CostModel) -> list[dict]:
     return out
 
 
+def pipeline_tokens_per_s(variant: dict) -> list[list[float]]:
+    """Per pipeline, for every measured step: its own real tokens (ring shares) over its schedule's wall time."""
+    out: list[list[float]] = [[] for _ in range(PIPELINES)]
+    for step in variant["steps"]:
+        plan = Plan.from_json_dict(step["plan"])
+        tokens = [sum(mb.num_tokens for mb in mbs) for mbs in plan.ranks]
+        for m in step["measured"]:
+            for p in range(PIPELINES):
+                if m["schedule_s"][p] > 0:
+                    out[p].append(tokens[p] / m["schedule_s"][p])
+    return out
+
+
 def summarise(variant: dict) -> dict:
     measured = [m for step in variant["steps"] for m in step["measured"]]
     sims = [step["simulated"] for step in variant["steps"]]
     return {
         "tokens_per_s": spread([m["tokens_per_s"] for m in measured]),
+        "pipeline_tokens_per_s": [spread(x) for x in pipeline_tokens_per_s(variant)],
         "step_s": spread([m["step_s"] for m in measured]),
         "bubble": [spread([m["bubble"][p] for m in measured]) for p in range(PIPELINES)],
         "step_bubble": [spread([m["step_bubble"][p] for m in measured]) for p in range(PIPELINES)],
