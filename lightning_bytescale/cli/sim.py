@@ -5,6 +5,7 @@ Examples::
     bytescale-sim --list
     bytescale-sim --scenario paper-7b-github-2m
     bytescale-sim --scenario paper-7b-byted-1m --planners static,balance --steps 2 --json
+    bytescale-sim --measured benchmarks/results/pipeline_balance.json   # measured vs simulated bubble
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.sim.pipeline_bubble import compare_measured
 from lightning_bytescale.sim.run import SUMMARY_KEYS, VARIANTS, run_scenario
 from lightning_bytescale.sim.scenario import SCENARIOS, get_scenario
 
@@ -33,7 +35,68 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, help="global batches to simulate (default: the scenario's)")
     p.add_argument("--seed", type=int, help="seed of the length sampler (default: the scenario's)")
+    p.add_argument(
+        "--measured",
+        metavar="FILE",
+        help="a measured pipeline run's JSON (benchmarks/pipeline_balance.py): print its measured "
+        "bubble per variant and pipeline next to the simulator's for the same plans",
+    )
     return p
+
+
+def _measured_table(rows: list[dict]) -> str:
+    head = [
+        "variant",
+        "pipeline",
+        "micro-batches",
+        "measured (median, min-max)",
+        "simulated",
+        "sim. padded to C",
+    ]
+    lines = [head]
+    for r in rows:
+        m = r["measured"]
+        got = "-" if m is None else f"{m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f})"
+        lines.append(
+            [
+                r["variant"],
+                str(r["pipeline"]),
+                f"{r['micro_batches']:.1f}",
+                got,
+                f"{r['simulated']:.3f}",
+                f"{r['simulated_padded']:.3f}",
+            ]
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in lines
+    ]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "pipeline bubble (1 - stage compute / schedule wall), measured against simulated\n" + "\n".join(
+        out
+    )
+
+
+def _measured(path: str, as_json: bool) -> int:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        rows = compare_measured(data)
+    except OSError as err:
+        print(f"bytescale-sim: error: cannot read --measured {path}: {err.strerror}", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as err:
+        print(
+            f"bytescale-sim: error: --measured {path} is not JSON ({err}); pass a benchmark's result file",
+            file=sys.stderr,
+        )
+        return 2
+    except ValueError as err:
+        print(f"bytescale-sim: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=2) if as_json else _measured_table(rows))
+    return 0
 
 
 def _table(result: dict) -> str:
@@ -68,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, sc in SCENARIOS.items():
             print(f"{name:28s} {sc.description}")
         return 0
+    if args.measured:
+        return _measured(args.measured, args.json)
     if not args.scenario:
         _parser().error("give --scenario NAME (or --list to see the names)")
     try:

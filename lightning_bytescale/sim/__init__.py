@@ -7,12 +7,20 @@ compute, ring transfers not hidden behind attention, offload copies beyond Eq. 3
 ring partners waiting for each other, barriers, 1F1B pipelines and the gradient all-reduce.
 The console script ``bytescale-sim`` (:mod:`.cli`) prints the comparison; :mod:`.compare`
 runs the no-offload planner comparison on a grid of distributions, world sizes and cost models;
-:func:`step_lower_bound` (:mod:`.bounds`) is the step time no plan without offload can beat.
+:func:`step_lower_bound` (:mod:`.bounds`) is the step time no plan without offload can beat;
+:func:`pipeline_bubbles` (:mod:`.pipeline_bubble`) scores the plans a pipeline run executed, and
+:func:`compare_measured` sets a measured run's bubbles beside them (``bytescale-sim --measured``).
 """
 
 from __future__ import annotations
 
 from lightning_bytescale.sim.bounds import StepBound, step_lower_bound
+from lightning_bytescale.sim.pipeline_bubble import (
+    PipelineBubble,
+    compare_measured,
+    micro_batch_seconds,
+    pipeline_bubbles,
+)
 from lightning_bytescale.sim.run import (
     SUMMARY_KEYS,
     VARIANTS,
@@ -40,15 +48,19 @@ __all__ = [
     "VARIANTS",
     "MicroBatchCost",
     "ModelShape",
+    "PipelineBubble",
     "RankTimeline",
     "Scenario",
     "SimulationError",
     "StepBound",
     "StepResult",
+    "compare_measured",
     "draw_batch",
     "get_scenario",
     "make_variant_plan",
+    "micro_batch_seconds",
     "one_f_one_b",
+    "pipeline_bubbles",
     "ring_allreduce_seconds",
     "run_scenario",
     "simulate_pipelines",
