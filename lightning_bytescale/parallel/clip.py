@@ -11,6 +11,10 @@ Their combination is the norm one process would compute on the whole model, the 
 rank; each rank then scales the gradients it holds by ``min(1, max_norm / (norm + 1e-6))``, as
 ``clip_grad_norm_`` does.
 
+With pipelines each stage holds other parameters: ``pipeline_group`` (the ``"pipeline"`` group
+of the mesh) combines the stages' norms (a sum of ``norm ** p``, a maximum for ``inf``), so every
+element of every stage counts once.
+
 Gradients must already be summed over the data-parallel group (the step's sync), so the copies
 a gradient has on other HDP ranks are equal and not counted again.  Not for ZeRO-2's sharded
 plain gradients, whose owners each hold a different part:
@@ -22,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -33,12 +38,34 @@ def _kind(grad: torch.Tensor) -> tuple:
     return ("plain", grad.device)
 
 
+def _over_stages(norm: torch.Tensor, norm_type: float, pipeline_group: dist.ProcessGroup) -> torch.Tensor:
+    """The norm over every stage of the pipeline from each stage's own norm (one all-reduce)."""
+    if norm_type == float("inf"):
+        total = norm.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pipeline_group)
+        return total
+    total = norm.double() ** norm_type
+    dist.all_reduce(total, group=pipeline_group)
+    return (total ** (1.0 / norm_type)).to(norm.dtype)
+
+
 @torch.no_grad()
-def global_grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients as one vector, each element counted once; call on every rank."""
+def global_grad_norm(
+    parameters: Iterable[nn.Parameter],
+    norm_type: float = 2.0,
+    *,
+    pipeline_group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The norm of all gradients as one vector, each element counted once; call on every rank.
+
+    ``pipeline_group``: the parameters are one stage's, and the norm is over every stage's.
+    ``device``: where the norm of a rank without gradients is made (default the CPU).
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        empty = torch.zeros((), dtype=torch.float64, device=device)
+        return empty if pipeline_group is None else _over_stages(empty, norm_type, pipeline_group)
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         by_kind.setdefault(_kind(g), []).append(g)
@@ -49,20 +76,25 @@ def global_grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         norms.append(norm.to(device))
-    return torch.nn.utils.get_total_norm(norms, norm_type)
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    return total if pipeline_group is None else _over_stages(total, norm_type, pipeline_group)
 
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    pipeline_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over DTensor and plain gradients alike; returns the total norm.
 
     Every rank of the run must call it (DTensor norms are collectives on their meshes), with
-    its parameters in the same order.
+    its parameters in the same order.  ``pipeline_group``: as for :func:`global_grad_norm`.
     """
     params = [p for p in parameters if p.grad is not None]
-    total = global_grad_norm(params, norm_type)
+    total = global_grad_norm(params, norm_type, pipeline_group=pipeline_group)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     by_device: dict[tuple, list[torch.Tensor]] = {}
     for p in params:

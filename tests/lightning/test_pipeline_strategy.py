@@ -1,0 +1,288 @@
+"""``ByteScaleStrategy(pipeline_parallel_size=2)`` under a real Trainer (gloo, fork launcher, float64) against one process.
+
+The LightningModule builds a 3-block tiny Llama with untied embeddings (stage 0 holds two blocks,
+stage 1 one) and, in ``configure_model``, replaces it by this rank's ``LlamaStage`` (the user
+contract of docs/pipelines.md); its ``training_step`` is never called under pipelines (the last
+stage computes the token loss in torch's schedule).  The data reads the strategy's mesh as
+``ByteScaleDataModule`` does: every rank plans the global batch for the pipelines (the balance
+planner with ``pipeline_degree=2``: PP-Balance) and builds its pipeline's ``PipelineStepBatch``
+with its stage's ring ranks.  The reference is an independent single process on whole sequences
+(plain causal SDPA, the loss over all tokens, ``torch.nn.utils.clip_grad_norm_``, AdamW with weight
+decay), from the same initial weights.
+
+* ``(pipeline=2, data_parallel=2)``: six steps; every global batch holds a sequence longer than C,
+  a ring item across both pipelines, and PP-Balance gives the pipelines different micro-batch
+  counts.
+* ``(2, 1)``: four steps, one pipeline.
+* A sharded checkpoint of the ``(2, 2)`` run at step 3, resumed on ``(2, 2)`` to step 6.
+* The refusals at construction and in ``Trainer(...)``.
+
+Clipping acts in every step (the max norm is below the gradient norms).  Parameters (gathered over
+the stages from every rank's own ones) and the loss logged on every rank, first stages included,
+must equal the reference to 1e-10.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from _strategy_helpers import QUIET, causal_sdpa, global_batch
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightning_bytescale import ByteScaleStrategy
+from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.lightning.checkpoint import is_sharded_checkpoint
+from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
+from lightning_bytescale.parallel import ParallelDimsError, PipelineModelError
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+INIT_SEED = 1234
+LR = 1e-2
+MAX_NORM = 0.05  # below the gradient norms: clipping acts in every step
+TOLERANCE = 1e-10
+STAGES = 2
+
+
+def _config() -> LlamaConfig:
+    return LlamaConfig.preset("tiny", layers=3, tie_embeddings=False)
+
+
+def _capacity(dp: int) -> int:
+    return 24 if dp > 1 else 48  # two pipelines: the long sequence is a ring item; one: it fits
+
+
+def _plan(k: int, lengths: list[int], dp: int):
+    from lightning_bytescale.planner import make_plan
+
+    return make_plan(
+        tuple(lengths), world_size=dp, capacity=_capacity(dp), planner="balance", pipeline_degree=STAGES, seed=k
+    )
+
+
+class PipelineSteps(Dataset):
+    """Item ``k``: this pipeline's micro-batches of global batch ``k``, with this stage's ring ranks."""
+
+    def __init__(self, pmesh, steps: int) -> None:
+        self.pmesh, self.steps = pmesh, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, k: int):
+        from lightning_bytescale.parallel import build_pipeline_step
+
+        seqs = global_batch(k)
+        plan = _plan(k, [len(s) for s in seqs], self.pmesh.dims.data_parallel)
+        return build_pipeline_step(
+            plan, self.pmesh.hdp_rank, lambda j: seqs[j], stages=STAGES, step=k, ring_ranks=self.pmesh.ring_ranks
+        )
+
+
+class PipelineData(pl.LightningDataModule):
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+
+    def train_dataloader(self):
+        pmesh = self.trainer.strategy.parallel_mesh
+        return StatefulDataLoader(PipelineSteps(pmesh, self.steps), batch_size=None, shuffle=False)
+
+
+class PipelineLM(pl.LightningModule):
+    """Built whole (the same seed on every rank), replaced by this rank's stage in configure_model."""
+
+    def __init__(self, split: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(INIT_SEED)
+        self.model = LlamaModel(_config())
+        self.split = split
+
+    def configure_model(self) -> None:
+        from lightning_bytescale.parallel import LlamaStage
+
+        mesh = self.device_mesh
+        assert mesh.mesh_dim_names == ("pipeline", "data_parallel", "tensor_parallel")
+        if self.split and not isinstance(self.model, LlamaStage):
+            self.model = LlamaStage(self.model, mesh["pipeline"].get_local_rank(), mesh["pipeline"].size())
+
+    def training_step(self, mb, batch_idx):
+        raise AssertionError("training_step is not called under pipelines")
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+
+class Recorder(pl.Callback):
+    """Every rank writes the logged losses, the pipelines' micro-batch counts and its stage's parameters."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.rows: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append(
+            {
+                "step": batch.step.step,
+                "logged": float(trainer.callback_metrics["train/loss"]),
+                "counts": list(batch.counts),
+                "rings": sum(mb.layout.ring is not None for mb in batch.micro_batches),
+            }
+        )
+
+    def on_train_end(self, trainer, pl_module):
+        pmesh = trainer.strategy.parallel_mesh
+        r = trainer.global_rank
+        report = {"rows": self.rows, "coords": [pmesh.stage, pmesh.hdp_rank, list(pmesh.ring_ranks)]}
+        (self.out / f"report_{r}.json").write_text(json.dumps(report))
+        params = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
+        torch.save(params, self.out / f"params_{r}.pt")
+
+
+def _fit(
+    out: Path,
+    world: int,
+    *,
+    steps: int,
+    data_steps: int | None = None,
+    ckpt_every: int | None = None,
+    resume: Path | None = None,
+    module: PipelineLM | None = None,
+    **strategy_options,
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.pop("MASTER_PORT", None)
+    dp = world // STAGES
+    strategy = ByteScaleStrategy(
+        pipeline_parallel_size=STAGES, capacity=_capacity(dp), start_method="fork", timeout=120, **strategy_options
+    )
+    callbacks: list[pl.Callback] = [Recorder(out)]
+    if ckpt_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=ckpt_every))
+    options = {**QUIET, "enable_checkpointing": bool(ckpt_every)}
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, precision="64-true", default_root_dir=out,
+        max_steps=steps, gradient_clip_val=MAX_NORM, callbacks=callbacks, **options,
+    )  # fmt: skip
+    trainer.fit(module or PipelineLM(), datamodule=PipelineData(data_steps or steps), ckpt_path=resume)
+
+
+def _reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """One process, whole sequences, float64: parameters, losses and gradient norms."""
+    torch.manual_seed(INIT_SEED)
+    model = LlamaModel(_config(), attention_fn=causal_sdpa).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    losses, norms = [], []
+    for k in range(steps):
+        seqs = global_batch(k)
+        n = sum(len(s) - 1 for s in seqs)
+        opt.zero_grad()
+        total = 0.0
+        for s in seqs:
+            loss = F.cross_entropy(model(s, torch.arange(len(s)))[:-1], s[1:], reduction="sum") / n
+            loss.backward()
+            total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        losses.append(total)
+    return {f"model.{k}": v for k, v in model.named_parameters()}, losses, norms
+
+
+def _check(out: Path, world: int, steps: int, first_step: int = 0) -> dict:
+    expected, losses, norms = _reference(steps)
+    assert min(norms) > MAX_NORM, "clipping must act in every step"
+    dp = world // STAGES
+    reports = [json.loads((out / f"report_{r}.json").read_text()) for r in range(world)]
+    worst_param = worst_loss = 0.0
+    seen: set[str] = set()
+    for r, rep in enumerate(reports):
+        got = torch.load(out / f"params_{r}.pt")
+        assert got.keys() <= expected.keys()
+        seen |= got.keys()
+        for k, v in got.items():
+            worst_param = max(worst_param, (v - expected[k]).abs().max().item())
+        rows = rep["rows"]
+        assert [row["step"] for row in rows] == list(range(first_step, steps))
+        per_step = [abs(row["logged"] - losses[row["step"]]) for row in rows]
+        worst_loss = max(worst_loss, max(per_step))
+        if r == 0:
+            print("loss differences per step:", " ".join(f"{d:.1e}" for d in per_step))
+        stage, hdp = r // dp, r % dp  # the stage outermost
+        assert rep["coords"][:2] == [stage, hdp]
+        assert rep["coords"][2] == [stage * dp + h for h in range(dp)]  # ring peers: this stage of every pipeline
+    assert seen == expected.keys(), "the stages together must hold every parameter"
+    return {"param": worst_param, "loss": worst_loss, "reports": reports}
+
+
+def test_2x2_pp_balance_with_rings_equals_one_process(tmp_path):
+    steps = 6
+    _fit(tmp_path, 4, steps=steps)
+    result = _check(tmp_path, 4, steps)
+    print(f"(2, 2): max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
+    assert result["param"] <= TOLERANCE, result["param"]
+    assert result["loss"] <= TOLERANCE, result["loss"]
+    rows = [row for rep in result["reports"] for row in rep["rows"]]
+    assert all(row["rings"] for row in rows), "every global batch holds a ring item across the pipelines"
+    assert any(row["counts"][0] != row["counts"][1] for row in rows), "PP-Balance gave no pipeline more"
+
+
+def test_2x1_one_pipeline_equals_one_process(tmp_path):
+    steps = 4
+    _fit(tmp_path, 2, steps=steps)
+    result = _check(tmp_path, 2, steps)
+    print(f"(2, 1): max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
+    assert result["param"] <= TOLERANCE, result["param"]
+    assert result["loss"] <= TOLERANCE, result["loss"]
+
+
+def test_sharded_checkpoint_resumes_exactly_on_2x2(tmp_path):
+    steps = 6
+    first = tmp_path / "first"
+    _fit(first, 4, steps=3, data_steps=steps, ckpt_every=3)
+    folder = first / "ckpt" / "epoch=0-step=3.ckpt"
+    assert is_sharded_checkpoint(folder), "with pipelines checkpoint_format='auto' must write a sharded folder"
+    second = tmp_path / "second"
+    _fit(second, 4, steps=steps, resume=folder)
+    result = _check(second, 4, steps, first_step=3)
+    print(f"resumed (2, 2): max parameter difference {result['param']:.3e}, max loss {result['loss']:.3e}")
+    assert result["param"] <= TOLERANCE, result["param"]
+    assert result["loss"] <= TOLERANCE, result["loss"]
+
+
+def test_a_module_without_a_stage_is_refused(tmp_path):
+    with pytest.raises(PipelineModelError, match="exactly one LlamaStage"):
+        _fit(tmp_path, 2, steps=1, module=PipelineLM(split=False))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer"),
+        ({"pipeline_parallel_size": 2, "zero": 1}, "zero=1.*not supported with pipeline_parallel_size=2"),
+        ({"pipeline_parallel_size": 2, "checkpoint_format": "consolidated"}, "checkpoint_format='consolidated'"),
+        ({"pipeline_parallel_size": 2, "pipeline_degree": 3}, "pipeline_degree=3 but pipeline_parallel_size=2"),
+    ],
+)
+def test_refused_at_construction(options, match):
+    with pytest.raises(ConfigError, match=match):
+        ByteScaleStrategy(**options)
+
+
+def test_planner_config_follows_pipeline_parallel_size():
+    assert ByteScaleStrategy(pipeline_parallel_size=2).planner_config.pipeline_degree == 2
+    assert ByteScaleStrategy().planner_config.pipeline_degree == 1
+
+
+def test_sizes_that_do_not_fit_the_world_are_refused_in_the_trainer(tmp_path):
+    with pytest.raises(ParallelDimsError, match="pipeline_parallel_size=2"):
+        pl.Trainer(
+            accelerator="cpu", devices=3, strategy=ByteScaleStrategy(pipeline_parallel_size=2, start_method="fork"),
+            default_root_dir=tmp_path, **QUIET,
+        )  # fmt: skip
