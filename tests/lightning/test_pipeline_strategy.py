@@ -63,7 +63,12 @@ def _plan(k: int, lengths: list[int], dp: int):
     from lightning_bytescale.planner import make_plan
 
     return make_plan(
-        tuple(lengths), world_size=dp, capacity=_capacity(dp), planner="balance", pipeline_degree=STAGES, seed=k
+        tuple(lengths),
+        world_size=dp,
+        capacity=_capacity(dp),
+        planner="balance",
+        pipeline_degree=STAGES,
+        seed=k,
     )
 
 
@@ -82,7 +87,12 @@ class PipelineSteps(Dataset):
         seqs = global_batch(k)
         plan = _plan(k, [len(s) for s in seqs], self.pmesh.dims.data_parallel)
         return build_pipeline_step(
-            plan, self.pmesh.hdp_rank, lambda j: seqs[j], stages=STAGES, step=k, ring_ranks=self.pmesh.ring_ranks
+            plan,
+            self.pmesh.hdp_rank,
+            lambda j: seqs[j],
+            stages=STAGES,
+            step=k,
+            ring_ranks=self.pmesh.ring_ranks,
         )
 
 
@@ -161,7 +171,11 @@ def _fit(
     os.environ.pop("MASTER_PORT", None)
     dp = world // STAGES
     strategy = ByteScaleStrategy(
-        pipeline_parallel_size=STAGES, capacity=_capacity(dp), start_method="fork", timeout=120, **strategy_options
+        pipeline_parallel_size=STAGES,
+        capacity=_capacity(dp),
+        start_method="fork",
+        timeout=120,
+        **strategy_options,
     )
     callbacks: list[pl.Callback] = [Recorder(out)]
     if ckpt_every:
@@ -216,7 +230,9 @@ def _check(out: Path, world: int, steps: int, first_step: int = 0) -> dict:
             print("loss differences per step:", " ".join(f"{d:.1e}" for d in per_step))
         stage, hdp = r // dp, r % dp  # the stage outermost
         assert rep["coords"][:2] == [stage, hdp]
-        assert rep["coords"][2] == [stage * dp + h for h in range(dp)]  # ring peers: this stage of every pipeline
+        assert rep["coords"][2] == [
+            stage * dp + h for h in range(dp)
+        ]  # ring peers: this stage of every pipeline
     assert seen == expected.keys(), "the stages together must hold every parameter"
     return {"param": worst_param, "loss": worst_loss, "reports": reports}
 
@@ -247,7 +263,9 @@ def test_sharded_checkpoint_resumes_exactly_on_2x2(tmp_path):
     first = tmp_path / "first"
     _fit(first, 4, steps=3, data_steps=steps, ckpt_every=3)
     folder = first / "ckpt" / "epoch=0-step=3.ckpt"
-    assert is_sharded_checkpoint(folder), "with pipelines checkpoint_format='auto' must write a sharded folder"
+    assert is_sharded_checkpoint(folder), (
+        "with pipelines checkpoint_format='auto' must write a sharded folder"
+    )
     second = tmp_path / "second"
     _fit(second, 4, steps=steps, resume=folder)
     result = _check(second, 4, steps, first_step=3)
@@ -258,7 +276,9 @@ def test_sharded_checkpoint_resumes_exactly_on_2x2(tmp_path):
 
 def test_a_module_without_a_stage_is_refused(tmp_path):
     # the fork launcher re-raises a rank's error with its traceback: the class and the fix are named there
-    with pytest.raises(Exception, match=f"{PipelineModelError.__name__}: .*exactly one LlamaStage.*configure_model"):
+    with pytest.raises(
+        Exception, match=f"{PipelineModelError.__name__}: .*exactly one LlamaStage.*configure_model"
+    ):
         _fit(tmp_path, 2, steps=1, module=PipelineLM(split=False))
 
 
@@ -267,8 +287,14 @@ def test_a_module_without_a_stage_is_refused(tmp_path):
     [
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer"),
         ({"pipeline_parallel_size": 2, "zero": 1}, "zero=1.*not supported with pipeline_parallel_size=2"),
-        ({"pipeline_parallel_size": 2, "checkpoint_format": "consolidated"}, "checkpoint_format='consolidated'"),
-        ({"pipeline_parallel_size": 2, "pipeline_degree": 3}, "pipeline_degree=3 but pipeline_parallel_size=2"),
+        (
+            {"pipeline_parallel_size": 2, "checkpoint_format": "consolidated"},
+            "checkpoint_format='consolidated'",
+        ),
+        (
+            {"pipeline_parallel_size": 2, "pipeline_degree": 3},
+            "pipeline_degree=3 but pipeline_parallel_size=2",
+        ),
     ],
 )
 def test_refused_at_construction(options, match):

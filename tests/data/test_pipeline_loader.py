@@ -1,0 +1,62 @@
+"""The step loader with pipelines: each item is the pipeline's ``PipelineStepBatch``, the one the torch floor builds.
+
+``ByteScaleDataModule`` under ``ByteScaleStrategy(pipeline_parallel_size=P)`` plans for the
+pipelines (``world_size`` HDP ranks, ``pipeline_degree=P`` from the strategy's planner config) and
+gives its :class:`StepDataset` ``pipeline_stages=P`` and the stage's ring ranks; every stage and
+lane of a pipeline then builds the same micro-batches.  Here the dataset's store is replaced by
+tokens in memory, and its items are compared with :func:`build_pipeline_step` on the same plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lightning_bytescale.data.loader import StepDataset
+from lightning_bytescale.parallel import PipelineStepBatch, build_pipeline_step
+from lightning_bytescale.planner import make_plan
+
+CAPACITY = 24
+LENGTHS = (5, 9, 30, 14, 3, 20, 11)
+
+
+class InMemorySteps(StepDataset):
+    """A StepDataset whose global batch is ``LENGTHS`` (random tokens), without a token store."""
+
+    def sample_ids(self, epoch: int, step: int) -> np.ndarray:
+        return np.arange(len(LENGTHS))
+
+    def tokens(self, sample: int) -> np.ndarray:
+        g = torch.Generator().manual_seed(sample)
+        return torch.randint(0, 64, (LENGTHS[sample],), generator=g).numpy()
+
+    @property
+    def masked(self) -> bool:
+        return False
+
+    def data_identity(self, ids: np.ndarray) -> str:
+        return "in memory"
+
+    def plan(self, epoch: int, step: int):
+        return make_plan(LENGTHS, world_size=self.world_size, seed=step, **self.plan_options)
+
+
+def test_items_are_the_pipeline_step_batches_of_the_plan():
+    options = {"capacity": CAPACITY, "planner": "balance", "pipeline_degree": 2}
+    for hdp_rank in range(2):
+        ring_ranks = (2, 3)  # stage 1 of both pipelines on the (2, 2) mesh
+        ds = InMemorySteps(None, None, None, hdp_rank, 2, options, ring_ranks=ring_ranks, pipeline_stages=2)
+        got = ds[(0, 1)]
+        assert isinstance(got, PipelineStepBatch)
+        plan = ds.plan(0, 1)
+        want = build_pipeline_step(
+            plan, hdp_rank, lambda j: torch.from_numpy(ds.tokens(j)), stages=2, step=1, ring_ranks=ring_ranks,
+            data_identity="in memory",
+        )  # fmt: skip
+        assert got.counts == want.counts and got.step.digest == want.step.digest
+        assert len(got.micro_batches) == len(want.micro_batches) > 0
+        for a, b in zip(got.micro_batches, want.micro_batches):
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+            assert a.layout == b.layout and a.num_slots == CAPACITY
+        assert got.stats["loss_tokens"] == sum(n - 1 for n in LENGTHS)  # the loader's statistics on the step
+    assert any(mb.layout.ring is not None for mb in got.micro_batches), "the 30-token sequence is a ring item"
