@@ -50,7 +50,7 @@ def test_items_are_the_pipeline_step_batches_of_the_plan():
         assert isinstance(got, PipelineStepBatch)
         plan = ds.plan(0, 1)
         want = build_pipeline_step(
-            plan, hdp_rank, lambda j: torch.from_numpy(ds.tokens(j)), stages=2, step=1, ring_ranks=ring_ranks,
+            plan, hdp_rank, lambda j, ds=ds: torch.from_numpy(ds.tokens(j)), stages=2, step=1, ring_ranks=ring_ranks,
             data_identity="in memory",
         )  # fmt: skip
         assert got.counts == want.counts and got.step.digest == want.step.digest
