@@ -179,14 +179,16 @@ def reference(
     *,
     initial: dict[str, torch.Tensor] | None = None,
     clip_grads: Callable[[list[torch.nn.Parameter]], None] | None = None,
+    config: LlamaConfig | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, whole sequences, float64: the ground truth.
 
     ``initial``: start from these weights (a state dict of ``TinyLM``) instead of ``INIT_SEED``'s;
-    ``clip_grads(params)``: clip this way instead of by the norm ``clip``.
+    ``clip_grads(params)``: clip this way instead of by the norm ``clip``; ``config``: the model's
+    shape (default the ``tiny`` preset).
     """
     torch.manual_seed(INIT_SEED)
-    model = LlamaModel(LlamaConfig.preset("tiny"), attention_fn=causal_sdpa).double()
+    model = LlamaModel(config or LlamaConfig.preset("tiny"), attention_fn=causal_sdpa).double()
     if initial is not None:
         model.load_state_dict({k.removeprefix("model."): v.double() for k, v in initial.items()})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)

@@ -28,7 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_bytescale.engine.executor import LocalResult
@@ -71,35 +74,34 @@ def check_options(pipeline_parallel_size: Any, *, zero: int, checkpoint_format: 
     return pp
 
 
+_NOT_WITH_PIPELINES = {
+    "precision='16-mixed'": "a float16 GradScaler (precision='16-mixed') is not supported: the loss is computed "
+    "inside torch's pipeline schedule, which the scaler does not see. Use precision='bf16-mixed', '32-true' or "
+    "'64-true'",
+    "empty_init=True": "the model has parameters on the meta device (Trainer.init_module(empty_init=True)); build "
+    "it on the device in configure_model and replace it by its LlamaStage",
+    "fully_shard": "configure_model applied fully_shard, which is not supported with pipelines yet: FSDP2's "
+    "gathers and reduce-scatters are not driven inside torch's pipeline schedule. Remove fully_shard (each stage "
+    "already holds only its own blocks)",
+}
+
+
 def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
     """What cannot run with pipelines yet, refused at set-up by the setting's name; the stage is checked."""
-    from lightning.pytorch.trainer.states import TrainerFn
-
     pp = strategy.pipeline_parallel_size
     if trainer.state.fn != TrainerFn.FITTING:
         raise ConfigError(
             f"trainer.{trainer.state.fn.value}() is not supported with pipeline_parallel_size={pp} yet: only "
             "training runs through the pipeline schedule. Evaluate with pipeline_parallel_size=1"
         )
-    if getattr(strategy.precision_plugin, "scaler", None) is not None:
-        raise ConfigError(
-            f"pipeline_parallel_size={pp} cannot run with a float16 GradScaler (precision='16-mixed'): the loss "
-            "is computed inside torch's pipeline schedule, which the scaler does not see. Use "
-            "precision='bf16-mixed', '32-true' or '64-true'"
-        )
-    if any(p.is_meta for p in strategy.model.parameters()):
-        raise ConfigError(
-            f"pipeline_parallel_size={pp}: the model has parameters on the meta device (Trainer.init_module("
-            "empty_init=True)); build it on the device in configure_model and replace it by its LlamaStage"
-        )
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(m, FSDPModule) for m in strategy.model.modules()):
-        raise ConfigError(
-            f"configure_model applied fully_shard, which is not supported with pipeline_parallel_size={pp} yet: "
-            "FSDP2's gathers and reduce-scatters are not driven inside torch's pipeline schedule. Remove "
-            "fully_shard (each stage already holds only its own blocks)"
-        )
+    refusals = {
+        "precision='16-mixed'": getattr(strategy.precision_plugin, "scaler", None) is not None,
+        "empty_init=True": any(p.is_meta for p in strategy.model.parameters()),
+        "fully_shard": any(isinstance(m, FSDPModule) for m in strategy.model.modules()),
+    }
+    for setting, refused in refusals.items():
+        if refused:
+            raise ConfigError(f"pipeline_parallel_size={pp}: {_NOT_WITH_PIPELINES[setting]}")
     stage_of(strategy.model, strategy.parallel_mesh)
 
 
@@ -121,14 +123,16 @@ def stage_of(module: nn.Module, pmesh: ParallelMesh) -> LlamaStage:
             'build it as LlamaStage(model, self.device_mesh["pipeline"].get_local_rank(), '
             'self.device_mesh["pipeline"].size())'
         )
-    inside = {id(p) for p in stage.parameters()}
-    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
-    if outside:
-        raise PipelineModelError(
-            f"parameters {outside[:3]} are trained but are not in the LlamaStage; with pipelines only the stage "
-            "runs, so keep every trained parameter inside it (or set requires_grad=False)"
-        )
-    return stage
+    held = set(map(id, stage.parameters()))
+    trained_elsewhere = sorted(
+        name for name, p in module.named_parameters() if p.requires_grad and id(p) not in held
+    )
+    if not trained_elsewhere:
+        return stage
+    raise PipelineModelError(
+        f"parameters {trained_elsewhere[:3]} are trained but are not in the LlamaStage; with pipelines only the "
+        "stage runs, so keep every trained parameter inside it (or set requires_grad=False)"
+    )
 
 
 @torch.no_grad()
@@ -138,8 +142,6 @@ def broadcast_state(module: nn.Module, pmesh: ParallelMesh) -> None:
     Plain tensors come from lane 0 of HDP rank 0 of the stage (over the TP group, then the
     stage's data-parallel group); DTensor shards from the same lane of HDP rank 0 of the stage.
     """
-    from torch.distributed.tensor import DTensor
-
     tensors = list({id(t): t for t in (*module.parameters(), *module.buffers())}.values())
     plain = [t for t in tensors if not isinstance(t, DTensor)]
     dims, stage = pmesh.dims, pmesh.stage

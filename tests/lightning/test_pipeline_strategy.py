@@ -8,7 +8,7 @@ stage computes the token loss in torch's schedule).  The data reads the strategy
 planner with ``pipeline_degree=2``: PP-Balance) and builds its pipeline's ``PipelineStepBatch``
 with its stage's ring ranks.  The reference is an independent single process on whole sequences
 (plain causal SDPA, the loss over all tokens, ``torch.nn.utils.clip_grad_norm_``, AdamW with weight
-decay), from the same initial weights.
+decay, a learning-rate schedule), from the same initial weights.
 
 * ``(pipeline=2, data_parallel=2)``: six steps; every global batch holds a sequence longer than C,
   a ring item across both pipelines, and PP-Balance gives the pipelines different micro-batch
@@ -31,8 +31,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from _strategy_helpers import QUIET, causal_sdpa, global_batch
+from _strategy_helpers import QUIET, TinyLM, global_batch, reference
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -44,8 +43,7 @@ from lightning_bytescale.parallel import ParallelDimsError, PipelineModelError
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
-INIT_SEED = 1234
-LR = 1e-2
+INIT_SEED = 1234  # _strategy_helpers' (TinyLM and the reference)
 MAX_NORM = 0.05  # below the gradient norms: clipping acts in every step
 TOLERANCE = 1e-10
 STAGES = 2
@@ -96,24 +94,19 @@ class PipelineSteps(Dataset):
         )
 
 
-class PipelineData(pl.LightningDataModule):
-    def __init__(self, steps: int) -> None:
-        super().__init__()
-        self.steps = steps
+class PipelineLM(TinyLM):
+    """TinyLM's optimizer and schedule; built whole (the same seed on every rank), replaced by this rank's stage in configure_model."""
 
-    def train_dataloader(self):
-        pmesh = self.trainer.strategy.parallel_mesh
-        return StatefulDataLoader(PipelineSteps(pmesh, self.steps), batch_size=None, shuffle=False)
-
-
-class PipelineLM(pl.LightningModule):
-    """Built whole (the same seed on every rank), replaced by this rank's stage in configure_model."""
-
-    def __init__(self, split: bool = True) -> None:
+    def __init__(self, split: bool = True, data_steps: int = 0) -> None:
         super().__init__()
         torch.manual_seed(INIT_SEED)
         self.model = LlamaModel(_config())
-        self.split = split
+        self.split, self.data_steps = split, data_steps
+
+    def train_dataloader(self):
+        """The pipeline's steps, read with the strategy's mesh (as ByteScaleDataModule does)."""
+        steps = PipelineSteps(self.trainer.strategy.parallel_mesh, self.data_steps)
+        return StatefulDataLoader(steps, batch_size=None, shuffle=False)
 
     def configure_model(self) -> None:
         from lightning_bytescale.parallel import LlamaStage
@@ -125,9 +118,6 @@ class PipelineLM(pl.LightningModule):
 
     def training_step(self, mb, batch_idx):
         raise AssertionError("training_step is not called under pipelines")
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
 
 
 class Recorder(pl.Callback):
@@ -152,61 +142,45 @@ class Recorder(pl.Callback):
         r = trainer.global_rank
         report = {"rows": self.rows, "coords": [pmesh.stage, pmesh.hdp_rank, list(pmesh.ring_ranks)]}
         (self.out / f"report_{r}.json").write_text(json.dumps(report))
-        params = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
+        params = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         torch.save(params, self.out / f"params_{r}.pt")
 
 
-def _fit(
-    out: Path,
-    world: int,
-    *,
-    steps: int,
-    data_steps: int | None = None,
-    ckpt_every: int | None = None,
-    resume: Path | None = None,
-    module: PipelineLM | None = None,
-    **strategy_options,
-) -> None:
+def _fit(out: Path, world: int, steps: int, **options) -> None:
+    """``steps`` optimizer steps on ``world`` CPU ranks; ``options``: ``data_steps``, ``ckpt_every``, ``resume``,
+    ``module`` and the strategy's own."""
+    data_steps, ckpt_every = options.pop("data_steps", steps), options.pop("ckpt_every", None)
+    resume, module = options.pop("resume", None), options.pop("module", None) or PipelineLM()
+    module.data_steps = data_steps
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MASTER_PORT", None)
-    dp = world // STAGES
     strategy = ByteScaleStrategy(
         pipeline_parallel_size=STAGES,
-        capacity=_capacity(dp),
+        capacity=_capacity(world // STAGES),
         start_method="fork",
         timeout=120,
-        **strategy_options,
+        **options,
     )
     callbacks: list[pl.Callback] = [Recorder(out)]
     if ckpt_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=ckpt_every))
-    options = {**QUIET, "enable_checkpointing": bool(ckpt_every)}
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, precision="64-true", default_root_dir=out,
-        max_steps=steps, gradient_clip_val=MAX_NORM, callbacks=callbacks, **options,
+        max_steps=steps, gradient_clip_val=MAX_NORM, callbacks=callbacks,
+        **{**QUIET, "enable_checkpointing": bool(ckpt_every)},
     )  # fmt: skip
-    trainer.fit(module or PipelineLM(), datamodule=PipelineData(data_steps or steps), ckpt_path=resume)
+    trainer.fit(module, ckpt_path=resume)
 
 
 def _reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
-    """One process, whole sequences, float64: parameters, losses and gradient norms."""
-    torch.manual_seed(INIT_SEED)
-    model = LlamaModel(_config(), attention_fn=causal_sdpa).double()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    losses, norms = [], []
-    for k in range(steps):
-        seqs = global_batch(k)
-        n = sum(len(s) - 1 for s in seqs)
-        opt.zero_grad()
-        total = 0.0
-        for s in seqs:
-            loss = F.cross_entropy(model(s, torch.arange(len(s)))[:-1], s[1:], reduction="sum") / n
-            loss.backward()
-            total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-        losses.append(total)
-    return {f"model.{k}": v for k, v in model.named_parameters()}, losses, norms
+    """One process, whole sequences, float64 (the shared reference): parameters, losses and gradient norms."""
+    norms: list[float] = []
+
+    def clip(params: list[torch.nn.Parameter]) -> None:
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM)))
+
+    expected, losses = reference(steps, clip_grads=clip, config=_config())
+    return expected, losses, norms
 
 
 def _check(out: Path, world: int, steps: int, first_step: int = 0) -> dict:
@@ -237,13 +211,19 @@ def _check(out: Path, world: int, steps: int, first_step: int = 0) -> dict:
     return {"param": worst_param, "loss": worst_loss, "reports": reports}
 
 
-def test_2x2_pp_balance_with_rings_equals_one_process(tmp_path):
-    steps = 6
-    _fit(tmp_path, 4, steps=steps)
-    result = _check(tmp_path, 4, steps)
-    print(f"(2, 2): max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
+def _assert_exact(result: dict, label: str) -> None:
+    print(
+        f"{label}: max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}"
+    )
     assert result["param"] <= TOLERANCE, result["param"]
     assert result["loss"] <= TOLERANCE, result["loss"]
+
+
+def test_2x2_pp_balance_with_rings_equals_one_process(tmp_path):
+    steps = 6
+    _fit(tmp_path, 4, steps)
+    result = _check(tmp_path, 4, steps)
+    _assert_exact(result, "(2, 2)")
     rows = [row for rep in result["reports"] for row in rep["rows"]]
     assert all(row["rings"] for row in rows), "every global batch holds a ring item across the pipelines"
     assert any(row["counts"][0] != row["counts"][1] for row in rows), "PP-Balance gave no pipeline more"
@@ -251,27 +231,21 @@ def test_2x2_pp_balance_with_rings_equals_one_process(tmp_path):
 
 def test_2x1_one_pipeline_equals_one_process(tmp_path):
     steps = 4
-    _fit(tmp_path, 2, steps=steps)
-    result = _check(tmp_path, 2, steps)
-    print(f"(2, 1): max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
-    assert result["param"] <= TOLERANCE, result["param"]
-    assert result["loss"] <= TOLERANCE, result["loss"]
+    _fit(tmp_path, 2, steps)
+    _assert_exact(_check(tmp_path, 2, steps), "(2, 1)")
 
 
 def test_sharded_checkpoint_resumes_exactly_on_2x2(tmp_path):
     steps = 6
     first = tmp_path / "first"
-    _fit(first, 4, steps=3, data_steps=steps, ckpt_every=3)
+    _fit(first, 4, 3, data_steps=steps, ckpt_every=3)
     folder = first / "ckpt" / "epoch=0-step=3.ckpt"
     assert is_sharded_checkpoint(folder), (
         "with pipelines checkpoint_format='auto' must write a sharded folder"
     )
     second = tmp_path / "second"
-    _fit(second, 4, steps=steps, resume=folder)
-    result = _check(second, 4, steps, first_step=3)
-    print(f"resumed (2, 2): max parameter difference {result['param']:.3e}, max loss {result['loss']:.3e}")
-    assert result["param"] <= TOLERANCE, result["param"]
-    assert result["loss"] <= TOLERANCE, result["loss"]
+    _fit(second, 4, steps, resume=folder)
+    _assert_exact(_check(second, 4, steps, first_step=3), "resumed (2, 2)")
 
 
 def test_a_module_without_a_stage_is_refused(tmp_path):
@@ -279,7 +253,7 @@ def test_a_module_without_a_stage_is_refused(tmp_path):
     with pytest.raises(
         Exception, match=f"{PipelineModelError.__name__}: .*exactly one LlamaStage.*configure_model"
     ):
-        _fit(tmp_path, 2, steps=1, module=PipelineLM(split=False))
+        _fit(tmp_path, 2, 1, module=PipelineLM(split=False))
 
 
 @pytest.mark.parametrize(
