@@ -14,6 +14,7 @@ decay, a learning-rate schedule), from the same initial weights.
   a ring item across both pipelines, and PP-Balance gives the pipelines different micro-batch
   counts.
 * ``(2, 1)``: four steps, one pipeline.
+* ``(2, 1, 2)``: three steps, one pipeline whose stages are each sharded over a TP group of two.
 * A sharded checkpoint of the ``(2, 2)`` run at step 3, resumed on ``(2, 2)`` to step 6.
 * The refusals at construction and in ``Trainer(...)``.
 
@@ -97,11 +98,11 @@ class PipelineSteps(Dataset):
 class PipelineLM(TinyLM):
     """TinyLM's optimizer and schedule; built whole (the same seed on every rank), replaced by this rank's stage in configure_model."""
 
-    def __init__(self, split: bool = True, data_steps: int = 0) -> None:
+    def __init__(self, split: bool = True, data_steps: int = 0, tensor_parallel: bool = False) -> None:
         super().__init__()
         torch.manual_seed(INIT_SEED)
         self.model = LlamaModel(_config())
-        self.split, self.data_steps = split, data_steps
+        self.split, self.data_steps, self.tensor_parallel = split, data_steps, tensor_parallel
 
     def train_dataloader(self):
         """The pipeline's steps, read with the strategy's mesh (as ByteScaleDataModule does)."""
@@ -113,6 +114,10 @@ class PipelineLM(TinyLM):
 
         mesh = self.device_mesh
         assert mesh.mesh_dim_names == ("pipeline", "data_parallel", "tensor_parallel")
+        if self.tensor_parallel and not isinstance(self.model, LlamaStage):  # TP before the split
+            from lightning_bytescale.parallel import parallelize_llama
+
+            parallelize_llama(self.model, mesh["tensor_parallel"])
         if self.split and not isinstance(self.model, LlamaStage):
             self.model = LlamaStage(self.model, mesh["pipeline"].get_local_rank(), mesh["pipeline"].size())
 
@@ -142,7 +147,12 @@ class Recorder(pl.Callback):
         r = trainer.global_rank
         report = {"rows": self.rows, "coords": [pmesh.stage, pmesh.hdp_rank, list(pmesh.ring_ranks)]}
         (self.out / f"report_{r}.json").write_text(json.dumps(report))
-        params = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        from torch.distributed.tensor import DTensor
+
+        state = pl_module.state_dict()
+        params = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()
+        }
         torch.save(params, self.out / f"params_{r}.pt")
 
 
@@ -156,7 +166,7 @@ def _fit(out: Path, world: int, steps: int, **options) -> None:
     os.environ.pop("MASTER_PORT", None)
     strategy = ByteScaleStrategy(
         pipeline_parallel_size=STAGES,
-        capacity=_capacity(world // STAGES),
+        capacity=_capacity(world // (STAGES * options.get("tensor_parallel_size", 1))),
         start_method="fork",
         timeout=120,
         **options,
@@ -183,10 +193,10 @@ def _reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float], list[f
     return expected, losses, norms
 
 
-def _check(out: Path, world: int, steps: int, first_step: int = 0) -> dict:
+def _check(out: Path, world: int, steps: int, first_step: int = 0, tp: int = 1) -> dict:
     expected, losses, norms = _reference(steps)
     assert min(norms) > MAX_NORM, "clipping must act in every step"
-    dp = world // STAGES
+    dp = world // (STAGES * tp)
     reports = [json.loads((out / f"report_{r}.json").read_text()) for r in range(world)]
     worst_param = worst_loss = 0.0
     seen: set[str] = set()
@@ -202,11 +212,10 @@ def _check(out: Path, world: int, steps: int, first_step: int = 0) -> dict:
         worst_loss = max(worst_loss, max(per_step))
         if r == 0:
             print("loss differences per step:", " ".join(f"{d:.1e}" for d in per_step))
-        stage, hdp = r // dp, r % dp  # the stage outermost
+        stage, hdp, lane = r // (dp * tp), r // tp % dp, r % tp  # the stage outermost, TP inner
         assert rep["coords"][:2] == [stage, hdp]
-        assert rep["coords"][2] == [
-            stage * dp + h for h in range(dp)
-        ]  # ring peers: this stage of every pipeline
+        ring_peers = [(stage * dp + h) * tp + lane for h in range(dp)]
+        assert rep["coords"][2] == ring_peers  # this stage (and lane) of every pipeline
     assert seen == expected.keys(), "the stages together must hold every parameter"
     return {"param": worst_param, "loss": worst_loss, "reports": reports}
 
@@ -233,6 +242,13 @@ def test_2x1_one_pipeline_equals_one_process(tmp_path):
     steps = 4
     _fit(tmp_path, 2, steps)
     _assert_exact(_check(tmp_path, 2, steps), "(2, 1)")
+
+
+def test_2x1x2_tensor_parallel_stages_equal_one_process(tmp_path):
+    """Four ranks: one pipeline of two stages, each sharded over a TP group of two."""
+    steps = 3
+    _fit(tmp_path, 4, steps, module=PipelineLM(tensor_parallel=True), tensor_parallel_size=2)
+    _assert_exact(_check(tmp_path, 4, steps, tp=2), "(2, 1, 2)")
 
 
 def test_sharded_checkpoint_resumes_exactly_on_2x2(tmp_path):
