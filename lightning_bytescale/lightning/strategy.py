@@ -363,9 +363,8 @@ class ByteScaleStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        if (
-            self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
-        ):  # the mesh (once), before configure_model
+        # the mesh (once), the module's device_mesh before configure_model
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             self.parallel_mesh = mesh_.build_mesh(self, self.parallel_mesh)
 
     def set_world_ranks(self) -> None:
