@@ -16,7 +16,8 @@ decay, a learning-rate schedule), from the same initial weights.
 * ``(2, 1)``: four steps, one pipeline.
 * ``(2, 1, 2)``: three steps, one pipeline whose stages are each sharded over a TP group of two.
 * A sharded checkpoint of the ``(2, 2)`` run at step 3, resumed on ``(2, 2)`` to step 6.
-* The refusals at construction and in ``Trainer(...)``.
+* The refusals at construction, in ``Trainer(...)`` and at set-up (a module without its stage,
+  ``trainer.validate``).
 
 Clipping acts in every step (the max norm is below the gradient norms).  Parameters (gathered over
 the stages from every rank's own ones) and the loss logged on every rank, first stages included,
@@ -303,3 +304,24 @@ def test_sizes_that_do_not_fit_the_world_are_refused_in_the_trainer(tmp_path):
             accelerator="cpu", devices=3, strategy=ByteScaleStrategy(pipeline_parallel_size=2, start_method="fork"),
             default_root_dir=tmp_path, **QUIET,
         )  # fmt: skip
+
+
+class EvaluatedPipelineLM(PipelineLM):
+    def validation_step(self, mb, batch_idx):
+        raise AssertionError("refused before any batch")
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_evaluation_is_refused_at_set_up(tmp_path):
+    os.environ.pop("MASTER_PORT", None)
+    module = EvaluatedPipelineLM(data_steps=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, precision="64-true", default_root_dir=tmp_path, **QUIET,
+        strategy=ByteScaleStrategy(pipeline_parallel_size=STAGES, capacity=48, start_method="fork", timeout=60),
+    )  # fmt: skip
+    with pytest.raises(
+        Exception, match=r"ConfigError: trainer.validate\(\) is not supported with pipeline_parallel_size=2"
+    ):
+        trainer.validate(module)
