@@ -60,3 +60,42 @@ def test_items_are_the_pipeline_step_batches_of_the_plan():
             assert a.layout == b.layout and a.num_slots == CAPACITY
         assert got.stats["loss_tokens"] == sum(n - 1 for n in LENGTHS)  # the loader's statistics on the step
     assert any(mb.layout.ring is not None for mb in got.micro_batches), "the 30-token sequence is a ring item"
+
+
+def test_data_module_plans_pp_balance_for_the_pipelines_of_the_strategy_mesh(tmp_path):
+    """Under pipeline_parallel_size=2 on 4 ranks, global rank 3 is stage 1 of pipeline 1 of 2 (rings with 2 and 3)."""
+    from types import SimpleNamespace
+
+    from lightning_bytescale import ByteScaleDataModule, ByteScaleStrategy
+    from lightning_bytescale.parallel import ParallelDims
+
+    dims = ParallelDims(4, pipeline=2)
+    ring_ranks = tuple(dims.global_rank(h, 0, 1) for h in range(2))
+    pmesh = SimpleNamespace(dims=dims, hdp_rank=dims.hdp_rank(3), lane=0, stage=1, ring_ranks=ring_ranks)
+    strategy = ByteScaleStrategy(pipeline_parallel_size=2, capacity=96)
+    strategy.parallel_mesh = pmesh
+    dm = ByteScaleDataModule(
+        source={"kind": "synthetic", "name": "github", "num_samples": 120, "scale": 1 / 256},
+        cache_dir=tmp_path / "cache",
+        tokens_per_step=512,
+        num_workers=0,
+    )
+    dm.prepare_data()
+    dm.trainer = SimpleNamespace(global_rank=3, world_size=4, strategy=strategy, overfit_batches=0)
+    assert (dm.rank, dm.world_size) == (1, 2)
+    assert dm.planner_options()["pipeline_degree"] == 2  # PP-Balance, from the strategy's planner config
+    dm.setup("fit")
+    dataset = dm.train_dataloader().dataset
+    assert (dataset.rank, dataset.world_size, dataset.ring_ranks, dataset.pipeline_stages) == (
+        1,
+        2,
+        (2, 3),
+        2,
+    )
+    batch = next(iter(dm.train_dataloader()))
+    assert isinstance(batch, PipelineStepBatch) and batch.stages == 2
+    assert all(mb.num_slots == 96 for mb in batch.micro_batches)  # padded to C for static stage shapes
+    plan = dataset.plan(0, 0)
+    assert plan.options.get("pipeline_degree") == 2
+    for mb in batch.micro_batches:
+        assert mb.layout.ring is None or set(mb.layout.ring) <= {2, 3}
