@@ -17,6 +17,7 @@ from lightning_bytescale.parallel import PipelineStepBatch, build_pipeline_step
 from lightning_bytescale.planner import make_plan
 
 CAPACITY = 24
+SYNTHETIC = {"kind": "synthetic", "name": "github", "num_samples": 120, "scale": 1 / 256}
 LENGTHS = (5, 9, 30, 14, 3, 20, 11)
 
 
@@ -74,15 +75,11 @@ def test_data_module_plans_pp_balance_for_the_pipelines_of_the_strategy_mesh(tmp
     pmesh = SimpleNamespace(dims=dims, hdp_rank=dims.hdp_rank(3), lane=0, stage=1, ring_ranks=ring_ranks)
     strategy = ByteScaleStrategy(pipeline_parallel_size=2, capacity=96)
     strategy.parallel_mesh = pmesh
-    dm = ByteScaleDataModule(
-        source={"kind": "synthetic", "name": "github", "num_samples": 120, "scale": 1 / 256},
-        cache_dir=tmp_path / "cache",
-        tokens_per_step=512,
-        num_workers=0,
-    )
+    dm = ByteScaleDataModule(SYNTHETIC, cache_dir=tmp_path / "cache", tokens_per_step=512, num_workers=0)
     dm.prepare_data()
-    dm.trainer = SimpleNamespace(global_rank=3, world_size=4, strategy=strategy, overfit_batches=0)
-    assert (dm.rank, dm.world_size) == (1, 2)
+    trainer = {"global_rank": 3, "world_size": 4, "strategy": strategy, "overfit_batches": 0}
+    dm.trainer = SimpleNamespace(**trainer)
+    assert (dm.rank, dm.world_size) == (1, 2)  # HDP rank 1 of 2 pipelines
     assert dm.planner_options()["pipeline_degree"] == 2  # PP-Balance, from the strategy's planner config
     dm.setup("fit")
     dataset = dm.train_dataloader().dataset
