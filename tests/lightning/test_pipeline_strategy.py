@@ -14,6 +14,8 @@ decay, a learning-rate schedule), from the same initial weights.
   a ring item across both pipelines, and PP-Balance gives the pipelines different micro-batch
   counts.
 * ``(2, 1)``: four steps, one pipeline.
+* ``(2, 2)`` with ``ByteScaleDataModule``: three steps of synthetic documents planned by the data
+  module on the strategy's mesh, against one process on the data module's global batches.
 * ``(2, 1, 2)``: three steps, one pipeline whose stages are each sharded over a TP group of two.
 * A sharded checkpoint of the ``(2, 2)`` run at step 3, resumed on ``(2, 2)`` to step 6.
 * The refusals at construction, in ``Trainer(...)`` and at set-up (a module without its stage,
@@ -49,10 +51,11 @@ INIT_SEED = 1234  # _strategy_helpers' (TinyLM and the reference)
 MAX_NORM = 0.05  # below the gradient norms: clipping acts in every step
 TOLERANCE = 1e-10
 STAGES = 2
+DATA_CAPACITY = 96  # the data-module run: a few documents longer than C (rings)
 
 
-def _config() -> LlamaConfig:
-    return LlamaConfig.preset("tiny", layers=3, tie_embeddings=False)
+def _config(vocab: int = 64) -> LlamaConfig:
+    return LlamaConfig.preset("tiny", layers=3, tie_embeddings=False, vocab=vocab)
 
 
 def _capacity(dp: int) -> int:
@@ -99,10 +102,12 @@ class PipelineSteps(Dataset):
 class PipelineLM(TinyLM):
     """TinyLM's optimizer and schedule; built whole (the same seed on every rank), replaced by this rank's stage in configure_model."""
 
-    def __init__(self, split: bool = True, data_steps: int = 0, tensor_parallel: bool = False) -> None:
+    def __init__(
+        self, split: bool = True, data_steps: int = 0, tensor_parallel: bool = False, vocab: int = 64
+    ) -> None:
         super().__init__()
         torch.manual_seed(INIT_SEED)
-        self.model = LlamaModel(_config())
+        self.model = LlamaModel(_config(vocab))
         self.split, self.data_steps, self.tensor_parallel = split, data_steps, tensor_parallel
 
     def train_dataloader(self):
@@ -162,15 +167,15 @@ def _fit(out: Path, world: int, steps: int, **options) -> None:
     ``module`` and the strategy's own."""
     data_steps, ckpt_every = options.pop("data_steps", steps), options.pop("ckpt_every", None)
     resume, module = options.pop("resume", None), options.pop("module", None) or PipelineLM()
+    datamodule = options.pop("datamodule", None)
     module.data_steps = data_steps
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MASTER_PORT", None)
+    capacity = options.pop("capacity", None) or _capacity(
+        world // (STAGES * options.get("tensor_parallel_size", 1))
+    )
     strategy = ByteScaleStrategy(
-        pipeline_parallel_size=STAGES,
-        capacity=_capacity(world // (STAGES * options.get("tensor_parallel_size", 1))),
-        start_method="fork",
-        timeout=120,
-        **options,
+        pipeline_parallel_size=STAGES, capacity=capacity, start_method="fork", timeout=120, **options
     )
     callbacks: list[pl.Callback] = [Recorder(out)]
     if ckpt_every:
@@ -180,22 +185,22 @@ def _fit(out: Path, world: int, steps: int, **options) -> None:
         max_steps=steps, gradient_clip_val=MAX_NORM, callbacks=callbacks,
         **{**QUIET, "enable_checkpointing": bool(ckpt_every)},
     )  # fmt: skip
-    trainer.fit(module, ckpt_path=resume)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
 
 
-def _reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+def _reference(steps: int, **options) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     """One process, whole sequences, float64 (the shared reference): parameters, losses and gradient norms."""
     norms: list[float] = []
 
     def clip(params: list[torch.nn.Parameter]) -> None:
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM)))
 
-    expected, losses = reference(steps, clip_grads=clip, config=_config())
+    expected, losses = reference(steps, clip_grads=clip, **{"config": _config(), **options})
     return expected, losses, norms
 
 
-def _check(out: Path, world: int, steps: int, first_step: int = 0, tp: int = 1) -> dict:
-    expected, losses, norms = _reference(steps)
+def _check(out: Path, world: int, steps: int, first_step: int = 0, tp: int = 1, **reference_options) -> dict:
+    expected, losses, norms = _reference(steps, **reference_options)
     assert min(norms) > MAX_NORM, "clipping must act in every step"
     dp = world // (STAGES * tp)
     reports = [json.loads((out / f"report_{r}.json").read_text()) for r in range(world)]
@@ -250,6 +255,42 @@ def test_2x1x2_tensor_parallel_stages_equal_one_process(tmp_path):
     steps = 3
     _fit(tmp_path, 4, steps, module=PipelineLM(tensor_parallel=True), tensor_parallel_size=2)
     _assert_exact(_check(tmp_path, 4, steps, tp=2), "(2, 1, 2)")
+
+
+def _data_module(cache: Path, **standalone):
+    from lightning_bytescale import ByteScaleDataModule
+
+    return ByteScaleDataModule(
+        {"kind": "synthetic", "name": "github", "num_samples": 120, "scale": 1 / 256},
+        cache_dir=cache, tokens_per_step=512, num_workers=0, capacity=DATA_CAPACITY, **standalone,
+    )  # fmt: skip
+
+
+def test_2x2_with_the_bytescale_data_module_equals_one_process(tmp_path):
+    """ByteScaleDataModule on the strategy's mesh: PP-Balance for the two pipelines, padded pipeline batches."""
+    steps = 3
+    _fit(
+        tmp_path, 4, steps, module=PipelineLM(vocab=257), datamodule=_data_module(tmp_path / "cache"),
+        capacity=DATA_CAPACITY,
+    )  # fmt: skip
+    plain = _data_module(tmp_path / "cache", rank=0, world_size=2)  # the same global batches, in one process
+    plain.prepare_data()
+    plain.setup("fit")
+    dataset = plain.train_dataloader().dataset
+
+    def batches(k: int) -> list[torch.Tensor]:
+        return [torch.as_tensor(dataset.tokens(int(i)), dtype=torch.long) for i in dataset.sample_ids(0, k)]
+
+    result = _check(tmp_path, 4, steps, config=_config(257), batches=batches)
+    _assert_exact(result, "(2, 2) data module")
+    rows = result["reports"][0]["rows"]
+    print(
+        "micro-batches per pipeline:",
+        [row["counts"] for row in rows],
+        "ring micro-batches:",
+        [r["rings"] for r in rows],
+    )
+    assert any(row["rings"] for row in rows), "a document longer than C must run as a ring item"
 
 
 def test_sharded_checkpoint_resumes_exactly_on_2x2(tmp_path):
