@@ -69,7 +69,7 @@ def check_options(pipeline_parallel_size: Any, *, zero: int, checkpoint_format: 
         raise ConfigError(
             f"checkpoint_format='consolidated' is not supported with pipeline_parallel_size={pp}: every stage "
             "holds other parameters, so rank 0 alone cannot write the model. Use checkpoint_format='sharded' "
-            "(or 'auto', which is sharded with pipelines); export_consolidated turns a folder into one file"
+            "(or 'auto', which is sharded with pipelines)"
         )
     return pp
 
