@@ -179,21 +179,24 @@ def reference(
     *,
     initial: dict[str, torch.Tensor] | None = None,
     clip_grads: Callable[[list[torch.nn.Parameter]], None] | None = None,
+    config: LlamaConfig | None = None,
+    batches: Callable[[int], list[torch.Tensor]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, whole sequences, float64: the ground truth.
 
     ``initial``: start from these weights (a state dict of ``TinyLM``) instead of ``INIT_SEED``'s;
-    ``clip_grads(params)``: clip this way instead of by the norm ``clip``.
+    ``clip_grads(params)``: clip this way instead of by the norm ``clip``; ``config``: the model's
+    shape (default the ``tiny`` preset); ``batches(k)``: the sequences of global batch ``k`` (default ``global_batch``).
     """
     torch.manual_seed(INIT_SEED)
-    model = LlamaModel(LlamaConfig.preset("tiny"), attention_fn=causal_sdpa).double()
+    model = LlamaModel(config or LlamaConfig.preset("tiny"), attention_fn=causal_sdpa).double()
     if initial is not None:
         model.load_state_dict({k.removeprefix("model."): v.double() for k, v in initial.items()})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     losses = []
     for k in range(steps):
-        seqs = global_batch(k)
+        seqs = (batches or global_batch)(k)  # looked up now: tests may replace global_batch
         n = sum(len(s) - 1 for s in seqs)
         opt.zero_grad()
         total = 0.0

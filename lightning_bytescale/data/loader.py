@@ -34,6 +34,7 @@ from lightning_bytescale.data.sampler import GlobalBatching, TokenBudgetBatchSam
 from lightning_bytescale.data.store import TokenStore
 from lightning_bytescale.engine.batch import StepBatch
 from lightning_bytescale.engine.micro_batch import build_step
+from lightning_bytescale.parallel.pipeline_batch import PipelineStepBatch, build_pipeline_step
 from lightning_bytescale.planner.planners import make_plan
 from lightning_bytescale.proc import LoaderWorkerInit
 
@@ -64,6 +65,9 @@ class StepDataset(Dataset):
     # tensor parallelism: ``rank``/``world_size`` are the HDP rank and count, and ring peers are
     # these global ranks (this TP lane's, one per HDP rank: ParallelMesh.ring_ranks)
     ring_ranks: tuple[int, ...] | None = None
+    # pipelines: every HDP rank is a pipeline of this many stages, and each item is its PipelineStepBatch
+    # (every stage and lane of the pipeline builds the same one: docs/pipelines.md)
+    pipeline_stages: int = 1
     _identity: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,27 +122,35 @@ class StepDataset(Dataset):
             plan.validate()
         return plan
 
-    def __getitem__(self, key: tuple[int, int]) -> StepBatch:
+    def __getitem__(self, key: tuple[int, int]) -> StepBatch | PipelineStepBatch:
         epoch, step = key
         ids = self.sample_ids(epoch, step)
         t0 = time.perf_counter()
         plan = self.plan(epoch, step)
         plan_ms = (time.perf_counter() - t0) * 1e3
         masked = self.masked
-        batch = build_step(
-            plan,
-            self.rank,
-            lambda j: self.tokens(int(ids[j])),
+        build_options = dict(
             step=step,
             data_identity=self.data_identity(ids),
             loss_mask=(lambda j: self.loss_mask(int(ids[j]))) if masked else None,
             loss_tokens=self.samples.loss_tokens[ids].tolist() if masked else None,
             ring_ranks=self.ring_ranks,
         )
+        tokens = lambda j: self.tokens(int(ids[j]))  # noqa: E731
+        if self.pipeline_stages > 1:
+            pipeline = build_pipeline_step(
+                plan, self.rank, tokens, stages=self.pipeline_stages, **build_options
+            )
+            self._add_stats(pipeline.step, epoch, plan_ms)
+            return pipeline
+        batch = build_step(plan, self.rank, tokens, **build_options)
+        self._add_stats(batch, epoch, plan_ms)
+        return batch
+
+    def _add_stats(self, batch: StepBatch, epoch: int, plan_ms: float) -> None:
         stats = dict(batch.stats)
         stats.update(epoch=epoch, split=self.split, plan_ms=plan_ms, loss_tokens=batch.num_global_tokens)
         batch.stats = stats
-        return batch
 
     def __len__(self) -> int:
         return self.batching.num_steps(0)
@@ -191,7 +203,8 @@ class StepLoader(StatefulDataLoader):
         batches = super().__iter__()
         try:
             for batch in batches:
-                sampler.mark_consumed(epoch, batch.step)
+                step = batch.step.step if isinstance(batch, PipelineStepBatch) else batch.step
+                sampler.mark_consumed(epoch, step)
                 yield batch
         except BaseException:
             # a failed step (bad data in a worker) or an abandoned pass: stop the workers now,

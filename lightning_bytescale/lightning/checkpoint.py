@@ -301,14 +301,16 @@ def _load_meta(path: Path, weights_only: bool | None) -> tuple[dict[str, Any], M
     return meta, dcp.FileSystemReader(path).read_metadata()
 
 
-def _check_groups(i: int, saved: list[dict[str, Any]], current: list[list[str]]) -> None:
+def _check_groups(
+    i: int, saved: list[dict[str, Any]], current: list[list[str]], stage_only: bool = False
+) -> None:
     if len(saved) != len(current):
         raise CheckpointError(
             f"optimizer {i} has {len(current)} parameter group(s) but the checkpoint has {len(saved)}; build the "
             "optimizer as the saved run did (configure_optimizers)"
         )
     for g, (group, names) in enumerate(zip(saved, current)):
-        if set(group["params"]) != set(names):
+        if set(group["params"]) != set(names) and not (stage_only and set(names) <= set(group["params"])):
             missing = sorted(set(group["params"]) - set(names))[:3]
             extra = sorted(set(names) - set(group["params"]))[:3]
             raise CheckpointError(
@@ -351,6 +353,7 @@ def load_sharded(
     strict: bool = True,
     weights_only: bool | None = None,
     keeps_state: Callable[[Optimizer, torch.Tensor], bool] | None = None,
+    stage_only: bool = False,
 ) -> dict[str, Any]:
     """Read a sharded checkpoint for this rank; returns the dict Lightning restores from.
 
@@ -360,6 +363,8 @@ def load_sharded(
     indexed layout, the entries of the parameters this rank owns now (its ZeRO partition, those
     ``keeps_state(optimizer, parameter)`` accepts, or all), read from whichever ranks wrote them;
     a DTensor parameter's entries are DTensors like it.  No collectives: every rank reads on its own.
+    ``stage_only``: ``module`` is one pipeline stage of the saved model, so the saved keys of the
+    other stages are not unexpected (and each optimizer group may hold more names than the stage's).
     """
     path = _check_local(path)
     meta, metadata = _load_meta(path, weights_only)
@@ -370,7 +375,7 @@ def load_sharded(
     own = module.state_dict(keep_vars=False)
     saved = {e.path[1]: e.key for e in entries if e.path[0] == MODEL_KEY and len(e.path) == 2}
     missing = sorted(set(own) - set(saved))
-    unexpected = sorted(set(saved) - set(own))
+    unexpected = [] if stage_only else sorted(set(saved) - set(own))
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"the checkpoint {str(path)!r} does not match the model: missing {missing[:5]}"
@@ -395,7 +400,7 @@ def load_sharded(
     states = []
     for i, optimizer in enumerate(optimizers):
         order = _group_names(optimizer, names)
-        _check_groups(i, layouts[i]["param_groups"], order)
+        _check_groups(i, layouts[i]["param_groups"], order, stage_only)
         local = optimizer.optim if is_zero(optimizer) else optimizer  # type: ignore[attr-defined]
         held = {
             names[id(p)]: p

@@ -848,6 +848,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
             self.store, samples, batching, self.rank, self.world_size,
             self.planner_options(), self.plan_seed(), self.validate_plans, split,
             ring_ranks=None if (pmesh := self._parallel_mesh()) is None else pmesh.ring_ranks,
+            pipeline_stages=1 if pmesh is None else pmesh.dims.pipeline,
         )  # fmt: skip
         sampler = token_budget_sampler(batching, self.world_size, self.rank)
         return StepLoader(

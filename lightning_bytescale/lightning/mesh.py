@@ -70,10 +70,15 @@ def check_options(tensor_parallel_size: Any) -> int:
     return tp
 
 
-def check_world(tensor_parallel_size: int, num_processes: int, num_nodes: int) -> ParallelDims:
-    """The run's dims: TP must divide the world and a node's processes (a ``ParallelDimsError`` otherwise)."""
+def check_world(
+    tensor_parallel_size: int, num_processes: int, num_nodes: int, pipeline_parallel_size: int = 1
+) -> ParallelDims:
+    """The run's dims: TP (and pipelines) must divide the world, TP a node's processes (a ``ParallelDimsError`` otherwise)."""
     return ParallelDims(
-        max(1, num_nodes) * max(1, num_processes), tensor_parallel_size, ranks_per_node=max(1, num_processes)
+        max(1, num_nodes) * max(1, num_processes),
+        tensor_parallel_size,
+        ranks_per_node=max(1, num_processes),
+        pipeline=pipeline_parallel_size,
     )
 
 
@@ -97,7 +102,12 @@ def build_mesh(strategy: Any, built: ParallelMesh | None = None) -> ParallelMesh
     """
     pmesh = built
     if pmesh is None:
-        dims = check_world(strategy.tensor_parallel_size, strategy.num_processes, strategy.num_nodes)
+        dims = check_world(
+            strategy.tensor_parallel_size,
+            strategy.num_processes,
+            strategy.num_nodes,
+            strategy.pipeline_parallel_size,
+        )
         pmesh = dims.build(strategy.root_device.type)
         bound_mesh_groups(pmesh, strategy._timeout)
     module = strategy.lightning_module

@@ -67,6 +67,7 @@ from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
 from lightning_bytescale.lightning import mesh as mesh_
+from lightning_bytescale.lightning import pipeline as pipeline_
 from lightning_bytescale.lightning import step as step_loop
 from lightning_bytescale.lightning import strategy_options as options_
 from lightning_bytescale.lightning.checkpoint import (
@@ -77,6 +78,7 @@ from lightning_bytescale.lightning.checkpoint import (
     sharded_optimizer_state,
     validate_format,
 )
+from lightning_bytescale.parallel import PipelineStepBatch
 from lightning_bytescale.planner.config import PlannerConfig
 
 if TYPE_CHECKING:
@@ -108,7 +110,7 @@ class ByteScaleStrategy(ParallelStrategy):
             ``strategy.planner_config``, which the data module plans with; ``planner`` may be a
             whole ``PlannerConfig`` (then leave the others at their defaults).  Here
             ``offload=False`` (off) is the default, an ``ActivationOffloader`` is used as it is,
-            and ``pipeline_degree`` must be 1.
+            and ``pipeline_degree`` follows ``pipeline_parallel_size`` (leave it at 1).
         offloader_options: keyword arguments for the ``ActivationOffloader`` the strategy builds.
         zero: ZeRO level: ``0`` (default) nothing sharded; ``1`` optimizer state sharded with
             ``ZeroRedundancyOptimizer``; ``2`` gradients too, each reduced to the rank owning its
@@ -117,6 +119,10 @@ class ByteScaleStrategy(ParallelStrategy):
         tensor_parallel_size: ``N > 1``: an HDP rank is a group of ``N`` ranks on the mesh
             ``(data_parallel, tensor_parallel)``, the LightningModule's ``device_mesh`` in
             ``configure_model`` (:mod:`~lightning_bytescale.lightning.mesh`, docs/tensor-parallel.md).
+        pipeline_parallel_size: ``P > 1``: an HDP rank is a pipeline of ``P`` stages (times its TP
+            group) on the mesh ``(pipeline, data_parallel, tensor_parallel)``; ``configure_model``
+            replaces the model by its ``LlamaStage`` and the step runs torch's pipeline schedule
+            (:mod:`~lightning_bytescale.lightning.pipeline`, docs/pipelines.md).
         timeout: process-group timeout (seconds or ``timedelta``): a dead or stuck peer gives
             an error within it instead of a hang.
         check_finite: stop with :class:`~lightning_bytescale.errors.NonFiniteError` (naming ranks,
@@ -172,6 +178,7 @@ class ByteScaleStrategy(ParallelStrategy):
         zero: int = 0,
         zero1: bool | None = None,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         timeout: float | int | timedelta | None = default_pg_timeout,
         check_finite: bool = True,
         locate_non_finite: bool = False,
@@ -195,8 +202,11 @@ class ByteScaleStrategy(ParallelStrategy):
     ) -> None:
         signature = inspect.signature(ByteScaleStrategy.__init__).parameters
         options_.refuse_unknown_options(unknown, [p for p in signature if p not in ("self", "unknown")])
+        pipeline_parallel_size = pipeline_.check_options(
+            pipeline_parallel_size, zero=resolve_zero_level(zero, zero1), checkpoint_format=checkpoint_format
+        )
         planner_config = options_.strategy_planner_config(
-            planner, {k: p.default for k, p in signature.items()},
+            planner, {k: p.default for k, p in signature.items()}, pipelines=pipeline_parallel_size,
             capacity=capacity, cp_size=cp_size, offload=offload, slack=slack, seed=seed,
             cost_model=cost_model, comm_aware=comm_aware, ranks_per_node=ranks_per_node,
             num_buckets=num_buckets, pipeline_degree=pipeline_degree, options=options,
@@ -225,7 +235,8 @@ class ByteScaleStrategy(ParallelStrategy):
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
         self.tensor_parallel_size = mesh_.check_options(tensor_parallel_size)
         options_.check_cost_model_devices(planner_config, self.tensor_parallel_size)
-        self.parallel_mesh: Any = None  # the ParallelMesh (tensor_parallel_size > 1), built at set-up
+        self.pipeline_parallel_size: int = pipeline_parallel_size
+        self.parallel_mesh: Any = None  # the ParallelMesh (tensor or pipeline parallelism), built at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
         self.check_finite = bool(check_finite)
         self.locate_non_finite = bool(locate_non_finite)
@@ -310,7 +321,9 @@ class ByteScaleStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        mesh_.check_world(self.tensor_parallel_size, self.num_processes, self.num_nodes)  # in Trainer(...)
+        mesh_.check_world(  # in Trainer(...)
+            self.tensor_parallel_size, self.num_processes, self.num_nodes, self.pipeline_parallel_size
+        )
         if self._start_method == "popen":
             # Lightning's popen launcher, with ranks that die with rank 0 and named causes of death.
             # Under torchrun or SLURM it starts no process but still checks devices x num_nodes
@@ -351,7 +364,8 @@ class ByteScaleStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        if self.tensor_parallel_size > 1:  # the mesh (once), the module's device_mesh before configure_model
+        # the mesh (once), the module's device_mesh before configure_model
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             self.parallel_mesh = mesh_.build_mesh(self, self.parallel_mesh)
 
     def set_world_ranks(self) -> None:
@@ -372,7 +386,9 @@ class ByteScaleStrategy(ParallelStrategy):
             )
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if self.parallel_mesh is not None:
+        if self.pipeline_parallel_size > 1:
+            pipeline_.check_setup(self, trainer)  # what pipelines cannot run with yet; the stage
+        elif self.parallel_mesh is not None:
             mesh_.check_setup(self, trainer)  # what TP cannot run with yet (a meta-device model among them)
         compat._materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -380,7 +396,9 @@ class ByteScaleStrategy(ParallelStrategy):
         # What DDP does when it wraps a model: every rank starts from rank 0's state.
         self._phase = "the broadcast of rank 0's parameters and buffers"
         self.fsdp = mesh_.fsdp_driver(self.model, self.parallel_mesh)  # fully_shard in configure_model
-        if self.parallel_mesh is not None:
+        if self.pipeline_parallel_size > 1:
+            pipeline_.broadcast_state(self.model, self.parallel_mesh)  # from HDP rank 0 of each stage
+        elif self.parallel_mesh is not None:
             mesh_.broadcast_state(self.model, self.parallel_mesh)
         else:
             broadcast_module_state(self.model)
@@ -463,6 +481,9 @@ class ByteScaleStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         pmesh = self.parallel_mesh
+        if self.pipeline_parallel_size > 1:  # the norm over every stage (ZeRO is refused with pipelines)
+            pipeline_.clip_by_global_norm(self.precision_plugin, pmesh)
+            return
         if pmesh is not None:  # ZeRO-1/2 over each lane's HDP ranks; the norm over DTensor shards
             zeros = mesh_.lane_zero(self.optimizers, pmesh, self.zero) if self.zero >= 1 else []
             self._grad_owners = mesh_.gradient_owners(zeros) if self.zero == 2 else None
@@ -536,6 +557,8 @@ class ByteScaleStrategy(ParallelStrategy):
     @property
     def sharded_checkpoints(self) -> bool:
         """Whether a save now writes a sharded folder (``checkpoint_format``, ``"auto"`` resolved)."""
+        if self.pipeline_parallel_size > 1:  # each stage holds other parameters ("consolidated" is refused)
+            return True
         if self.checkpoint_format == "auto" and self.parallel_mesh is not None:
             return mesh_.state_sharded_over_hdp_ranks(self.optimizers, self.fsdp)
         if self.checkpoint_format == "auto":
@@ -551,6 +574,8 @@ class ByteScaleStrategy(ParallelStrategy):
         if not self.sharded_checkpoints:
             return super().optimizer_state(inner)
         assert self.lightning_module is not None
+        if self.pipeline_parallel_size > 1:  # every stage's parameter names in the groups
+            return pipeline_.optimizer_state(inner, self.lightning_module, self.parallel_mesh)
         return sharded_optimizer_state(inner, self.lightning_module)
 
     @override
@@ -608,6 +633,7 @@ class ByteScaleStrategy(ParallelStrategy):
             strict=module.strict_loading,
             weights_only=weights_only,
             keeps_state=mesh_.keeps_state,
+            stage_only=self.pipeline_parallel_size > 1,
         )
 
     # ------------------------------------------------------------------ options
@@ -637,6 +663,9 @@ class ByteScaleStrategy(ParallelStrategy):
         micro-batch of this rank (what ``on_train_batch_end`` gets as ``outputs``).
         """
         batch = args[0] if args else None
+        if isinstance(batch, PipelineStepBatch):  # the whole step, in torch's schedule
+            self._step = pipeline_.train(self, batch)
+            return {"loss": self._step.loss.to(self.root_device)}
         if not isinstance(batch, StepBatch):
             raise TypeError(
                 f"ByteScaleStrategy expects each training batch to be a StepBatch (one optimizer step), got "
@@ -664,7 +693,10 @@ class ByteScaleStrategy(ParallelStrategy):
         module = self.lightning_module
         if step is None or module is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._loop.sync(step)
+        if step.result is None:
+            self._loop.sync(step)
+        else:  # a pipeline step synced in training_step
+            step.put_back()
         closure_loss = closure_loss.detach()
         closure_loss.copy_(step.loss.to(closure_loss.device))
         step.put_aside()
@@ -712,6 +744,8 @@ class ByteScaleStrategy(ParallelStrategy):
 
     def _evaluate(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``hook(mb, ...)`` once per micro-batch of this rank; their outputs, in order (:meth:`~lightning_bytescale.lightning.step.StepLoop.evaluate`)."""
+        if args and isinstance(args[0], PipelineStepBatch):
+            raise pipeline_.refuse_evaluation(hook, self.pipeline_parallel_size)
         if not (args and isinstance(args[0], StepBatch)):
             return getattr(super(), hook)(*args, **kwargs)
         return self._loop.evaluate(hook, args[0], args[1:], kwargs)
@@ -723,6 +757,8 @@ class ByteScaleStrategy(ParallelStrategy):
         Each rank returns its own micro-batches' outputs (a list, possibly empty); ``mb.seq_ids``
         and ``mb.layout`` say which sequences (and, for a ring, which zigzag chunks) they hold.
         """
+        if args and isinstance(args[0], PipelineStepBatch):
+            raise pipeline_.refuse_evaluation("predict_step", self.pipeline_parallel_size)
         if not (args and isinstance(args[0], StepBatch)):
             return super().predict_step(*args, **kwargs)
         return self._loop.predict(args[0], args[1:], kwargs)

@@ -43,13 +43,14 @@ def as_timedelta(timeout: float | int | timedelta | None) -> timedelta | None:
 
 
 def strategy_planner_config(
-    planner: str | PlannerConfig, defaults: dict[str, Any], **given: Any
+    planner: str | PlannerConfig, defaults: dict[str, Any], *, pipelines: int = 1, **given: Any
 ) -> PlannerConfig:
     """The strategy's :class:`PlannerConfig`: ``planner`` itself when it is one (the other
     planner arguments then stay at their ``defaults``), else one built from the arguments.
 
     ``offload=None`` means off here (the strategy offloads only when asked), and an
-    ``ActivationOffloader`` means on; the strategy runs no pipeline stages.
+    ``ActivationOffloader`` means on.  ``pipeline_degree`` follows ``pipelines`` (the strategy's
+    ``pipeline_parallel_size``): the planner plans the pipelines the strategy runs.
     """
     offloader = hasattr(given["offload"], "micro_batch_context")
     if isinstance(planner, PlannerConfig):
@@ -73,12 +74,13 @@ def strategy_planner_config(
             given["offload"] = False
         given["options"] = given["options"] or {}
         config = PlannerConfig.from_options(planner=planner, **given)
-    if config.pipeline_degree != 1:
+    if config.pipeline_degree not in (1, pipelines):
         raise ConfigError(
-            f"pipeline_degree={config.pipeline_degree}: ByteScaleStrategy runs no pipeline stages, so it plans with "
-            "pipeline_degree=1; pipelines are for bytescale-plan and bytescale-sim"
+            f"pipeline_degree={config.pipeline_degree} but pipeline_parallel_size={pipelines}: the planner plans the "
+            f"pipelines the strategy runs. Give ByteScaleStrategy(pipeline_parallel_size={config.pipeline_degree}) "
+            "and leave pipeline_degree at 1"
         )
-    return config
+    return config.replace(pipeline_degree=pipelines) if config.pipeline_degree != pipelines else config
 
 
 def planner_view(name: str) -> property:

@@ -11,6 +11,10 @@ Their combination is the norm one process would compute on the whole model, the 
 rank; each rank then scales the gradients it holds by ``min(1, max_norm / (norm + 1e-6))``, as
 ``clip_grad_norm_`` does.
 
+With pipelines each stage holds other parameters: ``pipeline_group`` (the ``"pipeline"`` group
+of the mesh) combines the stages' norms (a sum of ``norm ** p``, a maximum for ``inf``), so every
+element of every stage counts once.
+
 Gradients must already be summed over the data-parallel group (the step's sync), so the copies
 a gradient has on other HDP ranks are equal and not counted again.  Under ZeRO-2 on the mesh
 each HDP rank of a lane holds the summed gradients of the parameters it owns only (every lane of
@@ -58,18 +62,33 @@ def _held_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(norms, norm_type)
 
 
+def _combined(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """The norm of the whole from the norms of the disjoint parts the ranks of ``group`` hold (one all-reduce)."""
+    if math.isinf(norm_type):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.pow(norm_type)
+    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+    return powered.pow(1.0 / norm_type)
+
+
 @torch.no_grad()
 def global_grad_norm(
-    parameters: Iterable[nn.Parameter], norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+    parameters: Iterable[nn.Parameter],
+    norm_type: float = 2.0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    pipeline_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The norm of all gradients as one vector, each element counted once; call on every rank.
 
     ``group``: each rank of it holds a different part of the gradients (ZeRO-2's owners, module
-    docstring); the parts' norms are combined over it.
+    docstring); ``pipeline_group``: the parameters are one stage's, and the norm is over every
+    stage's.  The parts' norms are combined over each group given.
     """
     params = list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    if group is None:
+    if group is None and pipeline_group is None:
         return _held_norm(grads, norm_type) if grads else torch.zeros(())
     norm_type = float(norm_type)
     locals_ = [_local(t) for t in (grads or params[:1])]
@@ -77,13 +96,11 @@ def global_grad_norm(
     dtype = locals_[0].dtype if grads else torch.float32
     # float64 on every rank: ranks may hold gradients of other dtypes, or none at all
     held = _held_norm(grads, norm_type) if grads else torch.zeros(())
-    local = held.to(device, torch.float64)
-    if math.isinf(norm_type):
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        return local.to(dtype)
-    powered = local.pow(norm_type)
-    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
-    return powered.pow(1.0 / norm_type).to(dtype)
+    total = held.to(device, torch.float64)
+    for over in (group, pipeline_group):
+        if over is not None:
+            total = _combined(total, norm_type, over)
+    return total.to(dtype)
 
 
 @torch.no_grad()
@@ -92,16 +109,19 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     group: dist.ProcessGroup | None = None,
+    *,
+    pipeline_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over DTensor and plain gradients alike; returns the total norm.
 
     Every rank of the run must call it (DTensor norms are collectives on their meshes), with
-    its parameters in the same order.  ``group``: the ranks of it hold different parts of the
-    gradients (ZeRO-2 on the mesh: the lane's data-parallel group), see :func:`global_grad_norm`.
+    its parameters in the same order.  ``group`` (the ranks of it hold different parts of the
+    gradients: ZeRO-2 on the mesh, the lane's data-parallel group) and ``pipeline_group`` (the
+    stages of a pipeline): see :func:`global_grad_norm`.
     """
     every = list(parameters)
     params = [p for p in every if p.grad is not None]
-    total = global_grad_norm(every if group is not None else params, norm_type, group)
+    total = global_grad_norm(every, norm_type, group, pipeline_group=pipeline_group)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     by_device: dict[tuple, list[torch.Tensor]] = {}
     for p in params:

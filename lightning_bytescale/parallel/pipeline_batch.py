@@ -96,6 +96,15 @@ class PipelineStepBatch:
     padding: int  # padding micro-batches of this pipeline
 
     @property
+    def stats(self) -> dict:
+        """The plan's statistics of the step (``step.stats``), where callbacks look for a batch's."""
+        return self.step.stats
+
+    @property
+    def digest(self) -> str:
+        return self.step.digest
+
+    @property
     def schedule_name(self) -> str | None:
         """``"1F1B"`` with at least one micro-batch per stage, ``"GPipe"`` with fewer, ``None`` with none.
 

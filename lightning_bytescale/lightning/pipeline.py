@@ -1,0 +1,228 @@
+"""``ByteScaleStrategy(pipeline_parallel_size=P)``: what running every HDP rank as a pipeline changes in the strategy.
+
+The algorithm is on the torch floor (:mod:`lightning_bytescale.parallel`: the
+``(pipeline, data_parallel, tensor_parallel)`` mesh, :class:`~lightning_bytescale.parallel.LlamaStage`,
+:func:`~lightning_bytescale.parallel.build_pipeline_step`,
+:func:`~lightning_bytescale.parallel.run_pipeline_step`); this module is the glue that puts it
+under a Lightning ``Trainer`` (docs/pipelines.md, "Pipelines under the Trainer"):
+
+* the options that cannot run with pipelines yet, refused by name at construction
+  (:func:`check_options`) and at set-up (:func:`check_setup`);
+* the user contract: ``configure_model`` replaces the model by its stage, one
+  :class:`~lightning_bytescale.parallel.LlamaStage` holding every trained parameter
+  (:func:`stage_of`);
+* every rank starts from the parameters of HDP rank 0 *of its own stage* (:func:`broadcast_state`);
+* the step: :func:`train` runs the whole step (torch's schedule, the loss at the last stage, the
+  gradient sum per stage) where the strategy's ``training_step`` runs its micro-batch loop, so
+  the ``LightningModule.training_step`` is not called under pipelines;
+* clipping by the norm over every stage (:func:`clip_by_global_norm`);
+* sharded checkpoints: each stage's optimizer groups merged over the pipeline
+  (:func:`optimizer_state`), so the folder names every stage's parameters and each stage
+  reads back only its own keys.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_bytescale.engine.executor import LocalResult
+from lightning_bytescale.engine.state_sync import broadcast_tensors
+from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.lightning import step as step_loop
+from lightning_bytescale.lightning.checkpoint import sharded_optimizer_state
+from lightning_bytescale.lightning.step_stats import step_stats
+from lightning_bytescale.parallel import (
+    LlamaStage,
+    ParallelMesh,
+    PipelineModelError,
+    PipelineStepBatch,
+    run_pipeline_step,
+)
+from lightning_bytescale.parallel import clip_grad_norm_ as mesh_clip_grad_norm_
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def check_options(pipeline_parallel_size: Any, *, zero: int, checkpoint_format: str) -> int:
+    """``pipeline_parallel_size`` itself, and the options that cannot run with it yet (at construction)."""
+    pp = pipeline_parallel_size
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ConfigError(f"pipeline_parallel_size must be a positive integer (1: no pipelines), got {pp!r}")
+    if pp == 1:
+        return pp
+    if zero:
+        raise ConfigError(
+            f"ByteScaleStrategy(zero={zero}) is not supported with pipeline_parallel_size={pp} yet: ZeRO's "
+            "partitions are not built per pipeline stage. Use zero=0 with pipelines"
+        )
+    if checkpoint_format == "consolidated":
+        raise ConfigError(
+            f"checkpoint_format='consolidated' is not supported with pipeline_parallel_size={pp}: every stage "
+            "holds other parameters, so rank 0 alone cannot write the model. Use checkpoint_format='sharded' "
+            "(or 'auto', which is sharded with pipelines)"
+        )
+    return pp
+
+
+_NOT_WITH_PIPELINES = {
+    "precision='16-mixed'": "a float16 GradScaler (precision='16-mixed') is not supported: the loss is computed "
+    "inside torch's pipeline schedule, which the scaler does not see. Use precision='bf16-mixed', '32-true' or "
+    "'64-true'",
+    "empty_init=True": "the model has parameters on the meta device (Trainer.init_module(empty_init=True)); build "
+    "it on the device in configure_model and replace it by its LlamaStage",
+    "fully_shard": "configure_model applied fully_shard, which is not supported with pipelines yet: FSDP2's "
+    "gathers and reduce-scatters are not driven inside torch's pipeline schedule. Remove fully_shard (each stage "
+    "already holds only its own blocks)",
+}
+
+
+def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
+    """What cannot run with pipelines yet, refused at set-up by the setting's name; the stage is checked."""
+    pp = strategy.pipeline_parallel_size
+    if trainer.state.fn != TrainerFn.FITTING:
+        raise ConfigError(
+            f"trainer.{trainer.state.fn.value}() is not supported with pipeline_parallel_size={pp} yet: only "
+            "training runs through the pipeline schedule. Evaluate with pipeline_parallel_size=1"
+        )
+    refusals = {
+        "precision='16-mixed'": getattr(strategy.precision_plugin, "scaler", None) is not None,
+        "empty_init=True": any(p.is_meta for p in strategy.model.parameters()),
+        "fully_shard": any(isinstance(m, FSDPModule) for m in strategy.model.modules()),
+    }
+    for setting, refused in refusals.items():
+        if refused:
+            raise ConfigError(f"pipeline_parallel_size={pp}: {_NOT_WITH_PIPELINES[setting]}")
+    stage_of(strategy.model, strategy.parallel_mesh)
+
+
+def stage_of(module: nn.Module, pmesh: ParallelMesh) -> LlamaStage:
+    """The one :class:`LlamaStage` of ``module``: this rank's stage, holding every trained parameter."""
+    pp = pmesh.dims.pipeline
+    stages = [m for m in module.modules() if isinstance(m, LlamaStage)]
+    if len(stages) != 1:
+        raise PipelineModelError(
+            f"with pipeline_parallel_size={pp} the LightningModule must hold exactly one LlamaStage (it holds "
+            f"{len(stages)}): in configure_model replace the model by this rank's stage, "
+            'self.model = LlamaStage(model, self.device_mesh["pipeline"].get_local_rank(), '
+            f"{pp}) (docs/pipelines.md)"
+        )
+    stage = stages[0]
+    if stage.stage != pmesh.stage or stage.stages != pp:
+        raise PipelineModelError(
+            f"the LlamaStage is stage {stage.stage} of {stage.stages} but this rank is stage {pmesh.stage} of {pp}; "
+            'build it as LlamaStage(model, self.device_mesh["pipeline"].get_local_rank(), '
+            'self.device_mesh["pipeline"].size())'
+        )
+    held = set(map(id, stage.parameters()))
+    trained_elsewhere = sorted(
+        name for name, p in module.named_parameters() if p.requires_grad and id(p) not in held
+    )
+    if not trained_elsewhere:
+        return stage
+    raise PipelineModelError(
+        f"parameters {trained_elsewhere[:3]} are trained but are not in the LlamaStage; with pipelines only the "
+        "stage runs, so keep every trained parameter inside it (or set requires_grad=False)"
+    )
+
+
+@torch.no_grad()
+def broadcast_state(module: nn.Module, pmesh: ParallelMesh) -> None:
+    """Every rank starts from HDP rank 0's parameters and buffers of its own stage (and lane).
+
+    Plain tensors come from lane 0 of HDP rank 0 of the stage (over the TP group, then the
+    stage's data-parallel group); DTensor shards from the same lane of HDP rank 0 of the stage.
+    """
+    tensors = list({id(t): t for t in (*module.parameters(), *module.buffers())}.values())
+    plain = [t for t in tensors if not isinstance(t, DTensor)]
+    dims, stage = pmesh.dims, pmesh.stage
+    if dims.tensor_parallel > 1:
+        broadcast_tensors(plain, src=dims.global_rank(pmesh.hdp_rank, 0, stage), group=pmesh.tp_group)
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    broadcast_tensors(local, src=dims.global_rank(0, pmesh.lane, stage), group=pmesh.dp_group)
+
+
+def train(strategy: Any, batch: PipelineStepBatch) -> step_loop.TrainStep:
+    """One optimizer step of this rank's stage: the schedule, the gradient sum per stage, the global loss.
+
+    Returns the step with its result set and its gradients put aside (Lightning zeroes them
+    between ``training_step`` and ``backward``, which puts them back).
+    """
+    module = strategy.lightning_module
+    pmesh: ParallelMesh = strategy.parallel_mesh
+    loop: step_loop.StepLoop = strategy._loop
+    started = time.perf_counter()
+    stage = stage_of(module, pmesh)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    for _, p in named:
+        p.grad = None
+    loop.beat(f"the pipeline step {batch.step.step} (waits on every rank)", waits_on_peers=True)
+    result = run_pipeline_step(stage, batch, pmesh, check_finite=strategy.check_finite)
+    preemption = strategy._preemption
+    if preemption is not None:  # every rank agrees on the flag: one all-reduce over the world
+        flag = torch.tensor([int(preemption.requested)], device=strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        preemption.record_agreement(bool(flag.item()))
+    dtype = next(stage.parameters()).dtype
+    local = LocalResult(loss=result.loss_tensor.detach(), loss_tokens=0)
+    step = step_loop.TrainStep(batch.step, named, local, None, False, started, dtype, result=result)
+    step.stats = step_stats(batch.step, result)
+    loop.steps_run += 1
+    if strategy.log_loss:
+        loop._log(strategy.loss_name, result.loss_tensor, on_step=True, prog_bar=True)
+    step.put_aside()
+    return step
+
+
+def clip_by_global_norm(plugin: Any, pmesh: ParallelMesh) -> None:
+    """The precision plugin's ``clip_grad_by_norm`` by the norm over every parameter of every stage, each element once."""
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+        mesh_clip_grad_norm_(plugin.main_params(optimizer), clip_val, pipeline_group=pmesh.pp_group)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm
+
+
+def refuse_evaluation(hook: str, pipeline_parallel_size: int) -> ConfigError:
+    """The error for an evaluation or prediction batch under pipelines (only training runs the schedule)."""
+    return ConfigError(
+        f"{hook} is not supported with pipeline_parallel_size={pipeline_parallel_size} yet: only training runs "
+        "through the pipeline schedule. Set Trainer(limit_val_batches=0, num_sanity_val_steps=0) or give the data "
+        "module no validation split (val_fraction=0), and evaluate with pipeline_parallel_size=1"
+    )
+
+
+def optimizer_state(optimizer: Optimizer, module: nn.Module, pmesh: ParallelMesh) -> dict[str, Any]:
+    """This rank's state by parameter name, with each group's parameter names of every stage (a pipeline collective).
+
+    Rank 0 writes the groups into ``meta.pt``; with them merged over the pipeline every stage
+    finds its own parameters there on load.
+    """
+    state = sharded_optimizer_state(optimizer, module)
+    names = [[*g["params"]] for g in state["param_groups"]]
+    every: list[Any] = [None] * pmesh.dims.pipeline
+    dist.all_gather_object(every, names, group=pmesh.pp_group)
+    for g, group in enumerate(state["param_groups"]):
+        group["params"] = [n for stage in every for n in stage[g]]
+    return state
+
+
+__all__ = [
+    "broadcast_state",
+    "check_options",
+    "check_setup",
+    "clip_by_global_norm",
+    "optimizer_state",
+    "refuse_evaluation",
+    "stage_of",
+    "train",
+]
