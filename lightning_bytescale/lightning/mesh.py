@@ -262,7 +262,7 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
 
 # ----------------------------------------------------------------------------- ZeRO-1 on the mesh
 class LaneZero:
-    """ZeRO-1 and ZeRO-2 with tensor parallelism: each lane's optimizer state split over its HDP ranks.
+    """ZeRO-1 and ZeRO-2 on the mesh: each lane's optimizer state split over its HDP ranks.
 
     Every parameter (a DTensor shard or a plain replica) has one owner among the HDP ranks,
     chosen the same way on every rank (largest first, to the least loaded).  The optimizer is the
@@ -280,6 +280,11 @@ class LaneZero:
     data-parallel group (:attr:`gradient_owners`, handed to
     :func:`~lightning_bytescale.engine.executor.sync_step`) and the other ranks drop it, so the
     optimizer finds the others' gradients gone already; the state and checkpoints are ZeRO-1's.
+
+    With pipelines the same holds per stage: the parameters are this rank's stage's, the group is
+    the stage's data-parallel group (``pmesh.dp_group``: this stage and lane of every pipeline)
+    and the owners' global ranks are those of this rank's stage (``ParallelDims.global_rank(...,
+    stage)``).
     """
 
     def __init__(self, optimizer: Optimizer, pmesh: ParallelMesh) -> None:
@@ -319,11 +324,11 @@ class LaneZero:
 
     @property
     def gradient_owners(self) -> dict[int, int]:
-        """``id(parameter) -> global rank`` of its owner in this rank's lane (ZeRO-2's gradient sync)."""
+        """``id(parameter) -> global rank`` of its owner in this rank's lane and stage (ZeRO-2's gradient sync)."""
         return {key: self._src(i) for key, i in self.owner.items()}
 
     def _src(self, i: int) -> int:
-        return self.pmesh.dims.global_rank(i, self.pmesh.lane)
+        return self.pmesh.dims.global_rank(i, self.pmesh.lane, self.pmesh.stage)
 
     @torch.no_grad()
     def broadcast_params(self) -> None:
@@ -385,7 +390,7 @@ class LaneZero:
 
 
 def lane_zero(optimizers: list[Optimizer], pmesh: ParallelMesh, level: int = 1) -> list[LaneZero]:
-    """ZeRO on the mesh for each optimizer (``ByteScaleStrategy(zero=level, tensor_parallel_size=N)``, level 1 or 2)."""
+    """ZeRO on the mesh for each optimizer (``ByteScaleStrategy(zero=level)`` with ``tensor_parallel_size`` or ``pipeline_parallel_size``, level 1 or 2)."""
     from torch.distributed.tensor import DTensor
 
     from lightning_bytescale.engine.zero import mark_step_calls

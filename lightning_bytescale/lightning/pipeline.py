@@ -15,6 +15,8 @@ under a Lightning ``Trainer`` (docs/pipelines.md, "Pipelines under the Trainer")
 * the step: :func:`train` runs the whole step (torch's schedule, the loss at the last stage, the
   gradient sum per stage) where the strategy's ``training_step`` runs its micro-batch loop, so
   the ``LightningModule.training_step`` is not called under pipelines;
+* ZeRO-1/2 per stage: :class:`~lightning_bytescale.lightning.mesh.LaneZero` over the stage's
+  data-parallel group (the strategy sets it up; ZeRO-2's owners go into the step's sync);
 * clipping by the norm over every stage (:func:`clip_by_global_norm`);
 * sharded checkpoints: each stage's optimizer groups merged over the pipeline
   (:func:`optimizer_state`), so the folder names every stage's parameters and each stage
@@ -53,18 +55,13 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def check_options(pipeline_parallel_size: Any, *, zero: int, checkpoint_format: str) -> int:
+def check_options(pipeline_parallel_size: Any, *, checkpoint_format: str) -> int:
     """``pipeline_parallel_size`` itself, and the options that cannot run with it yet (at construction)."""
     pp = pipeline_parallel_size
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ConfigError(f"pipeline_parallel_size must be a positive integer (1: no pipelines), got {pp!r}")
     if pp == 1:
         return pp
-    if zero:
-        raise ConfigError(
-            f"ByteScaleStrategy(zero={zero}) is not supported with pipeline_parallel_size={pp} yet: ZeRO's "
-            "partitions are not built per pipeline stage. Use zero=0 with pipelines"
-        )
     if checkpoint_format == "consolidated":
         raise ConfigError(
             f"checkpoint_format='consolidated' is not supported with pipeline_parallel_size={pp}: every stage "
@@ -166,7 +163,8 @@ def train(strategy: Any, batch: PipelineStepBatch) -> step_loop.TrainStep:
     for _, p in named:
         p.grad = None
     loop.beat(f"the pipeline step {batch.step.step} (waits on every rank)", waits_on_peers=True)
-    result = run_pipeline_step(stage, batch, pmesh, check_finite=strategy.check_finite)
+    owners = strategy._grad_owners if strategy.zero == 2 else None  # ZeRO-2: each gradient to its owner
+    result = run_pipeline_step(stage, batch, pmesh, check_finite=strategy.check_finite, grad_owners=owners)
     preemption = strategy._preemption
     if preemption is not None:  # every rank agrees on the flag: one all-reduce over the world
         flag = torch.tensor([int(preemption.requested)], device=strategy.root_device)
@@ -183,11 +181,18 @@ def train(strategy: Any, batch: PipelineStepBatch) -> step_loop.TrainStep:
     return step
 
 
-def clip_by_global_norm(plugin: Any, pmesh: ParallelMesh) -> None:
-    """The precision plugin's ``clip_grad_by_norm`` by the norm over every parameter of every stage, each element once."""
+def clip_by_global_norm(plugin: Any, pmesh: ParallelMesh, *, sharded_gradients: bool = False) -> None:
+    """The precision plugin's ``clip_grad_by_norm`` by the norm over every parameter of every stage, each element once.
+
+    ``sharded_gradients`` (ZeRO-2 per stage): each HDP rank of a stage holds only the gradients it
+    owns, so the norms are combined over the stage's data-parallel group, then over the pipeline.
+    """
+    group = pmesh.dp_group if sharded_gradients else None
 
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-        mesh_clip_grad_norm_(plugin.main_params(optimizer), clip_val, pipeline_group=pmesh.pp_group)
+        mesh_clip_grad_norm_(
+            plugin.main_params(optimizer), clip_val, group=group, pipeline_group=pmesh.pp_group
+        )
 
     plugin.clip_grad_by_norm = clip_grad_by_norm
 

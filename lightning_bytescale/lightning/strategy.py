@@ -203,7 +203,7 @@ class ByteScaleStrategy(ParallelStrategy):
         signature = inspect.signature(ByteScaleStrategy.__init__).parameters
         options_.refuse_unknown_options(unknown, [p for p in signature if p not in ("self", "unknown")])
         pipeline_parallel_size = pipeline_.check_options(
-            pipeline_parallel_size, zero=resolve_zero_level(zero, zero1), checkpoint_format=checkpoint_format
+            pipeline_parallel_size, checkpoint_format=checkpoint_format
         )
         planner_config = options_.strategy_planner_config(
             planner, {k: p.default for k, p in signature.items()}, pipelines=pipeline_parallel_size,
@@ -481,13 +481,14 @@ class ByteScaleStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         pmesh = self.parallel_mesh
-        if self.pipeline_parallel_size > 1:  # the norm over every stage (ZeRO is refused with pipelines)
-            pipeline_.clip_by_global_norm(self.precision_plugin, pmesh)
-            return
-        if pmesh is not None:  # ZeRO-1/2 over each lane's HDP ranks; the norm over DTensor shards
+        if (
+            pmesh is not None
+        ):  # ZeRO-1/2 over each lane's (and stage's) HDP ranks; the norm over DTensor shards
             zeros = mesh_.lane_zero(self.optimizers, pmesh, self.zero) if self.zero >= 1 else []
             self._grad_owners = mesh_.gradient_owners(zeros) if self.zero == 2 else None
-            mesh_.clip_by_global_norm(self.precision_plugin, pmesh, sharded_gradients=self.zero == 2)
+            pipelines = self.pipeline_parallel_size > 1  # the norm over every stage too
+            clip = pipeline_.clip_by_global_norm if pipelines else mesh_.clip_by_global_norm
+            clip(self.precision_plugin, pmesh, sharded_gradients=self.zero == 2)
             return
         if self.zero >= 1:
             self.optimizers = shard_optimizers(

@@ -32,14 +32,15 @@ split), one step on one rank (stage ``p`` of pipeline ``h``) is:
    a TP group stop together (:func:`~lightning_bytescale.parallel.step.agree_across_lanes`).  Then the last stage broadcasts the step's loss over its pipeline, so every rank's
    :class:`~lightning_bytescale.engine.executor.StepResult` holds it.
 
-Step the optimizer of the stage's parameters afterwards.  Clipping by the global norm over
-stages is not done here (docs/pipelines.md).  No process group is created after the mesh.
+With ``grad_owners`` (ZeRO-2 per stage) each gradient is reduced to its owner among the stage's
+HDP ranks instead.  Step the optimizer of the stage's parameters afterwards.  Clipping by the
+global norm over stages is not done here (docs/pipelines.md).  No process group is created after the mesh.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -119,12 +120,18 @@ def run_pipeline_step(
     check_plan: bool = True,
     check_tokens: bool = True,
     check_finite: bool = True,
+    grad_owners: Mapping[int, int] | None = None,
 ) -> StepResult:
     """One step of this rank's stage ``module`` of its pipeline's ``batch`` (module docstring).
 
     Gradients accumulate into ``p.grad`` of the stage's parameters (zero them before the step);
     afterwards they hold the gradient of the global token-mean loss.  ``on_schedule`` sees the
     schedule built for the step (``None`` for a pipeline without micro-batches).
+
+    ``grad_owners`` (ZeRO-2 per stage: ``id(parameter) -> global rank`` of the HDP rank of this
+    stage and lane that keeps its optimizer state) reduces each gradient to its owner over the
+    stage's data-parallel group instead of summing it everywhere; the other ranks hold ``None``.
+    Clip afterwards with ``clip_grad_norm_(..., group=pmesh.dp_group, pipeline_group=pmesh.pp_group)``.
     """
     start_step_check(batch.step, pmesh, check_plan=check_plan).wait()
     mbs = batch.micro_batches
@@ -173,6 +180,7 @@ def run_pipeline_step(
             group=pmesh.dp_group,
             check_tokens=check_tokens and module.is_last,
             check_finite=check_finite,
+            owners=None if grad_owners is None else shards.rekey(grad_owners),
         )
         shards.write_back()
         return synced

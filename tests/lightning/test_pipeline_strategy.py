@@ -137,6 +137,10 @@ class Recorder(pl.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.rows: list[dict] = []
+        self.with_grads: list[list[str]] = []  # per step: the parameters holding a gradient after the sync
+
+    def on_after_backward(self, trainer, pl_module):
+        self.with_grads.append(sorted(n for n, p in pl_module.named_parameters() if p.grad is not None))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.rows.append(
@@ -151,7 +155,15 @@ class Recorder(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         pmesh = trainer.strategy.parallel_mesh
         r = trainer.global_rank
-        report = {"rows": self.rows, "coords": [pmesh.stage, pmesh.hdp_rank, list(pmesh.ring_ranks)]}
+        names = {p: n for n, p in pl_module.named_parameters()}
+        state = sorted(names[p] for p, entry in trainer.optimizers[0].state.items() if entry)
+        report = {
+            "rows": self.rows,
+            "coords": [pmesh.stage, pmesh.hdp_rank, list(pmesh.ring_ranks)],
+            "stage_params": sorted(names.values()),
+            "optimizer_state": state,  # the parameters this rank keeps optimizer state for
+            "with_grads": self.with_grads,
+        }
         (self.out / f"report_{r}.json").write_text(json.dumps(report))
         from torch.distributed.tensor import DTensor
 
@@ -234,11 +246,40 @@ def _assert_exact(result: dict, label: str) -> None:
     assert result["loss"] <= TOLERANCE, result["loss"]
 
 
-def test_2x2_pp_balance_with_rings_equals_one_process(tmp_path):
+def _check_zero_partition(reports: list[dict], zero: int, dp: int) -> None:
+    """Each stage's optimizer state (ZeRO-2: its gradients after the sync) split over the stage's HDP ranks.
+
+    Without ZeRO every rank keeps the state of its whole stage; with ZeRO the ranks of a stage keep
+    disjoint parts that together are the stage's parameters, each part a proper one, and with
+    ZeRO-2 a rank holds after every step's sync exactly the gradients of the parameters it owns.
+    """
+    for stage in range(STAGES):
+        ranks = reports[stage * dp : (stage + 1) * dp]
+        params = set(ranks[0]["stage_params"])
+        parts = [set(rep["optimizer_state"]) for rep in ranks]
+        if not zero:
+            assert all(part == params for part in parts), "without ZeRO every rank keeps its stage's state"
+            continue
+        assert sum(map(len, parts)) == len(params) and set().union(*parts) == params, (
+            f"stage {stage}: the HDP ranks' optimizer states {parts} must split the stage's parameters"
+        )
+        assert all(part and part != params for part in parts), f"stage {stage}: one rank kept everything"
+        for rep, part in zip(ranks, parts):
+            held = {name for step in rep["with_grads"] for name in step}
+            if zero == 2:
+                assert held == part, "ZeRO-2: a rank holds only the gradients it owns after the sync"
+            else:
+                assert held == params
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_2x2_pp_balance_with_rings_equals_one_process(tmp_path, zero):
+    """ZeRO-1/2 per stage: each stage's optimizer state (and gradients) split over its two HDP ranks."""
     steps = 6
-    _fit(tmp_path, 4, steps)
+    _fit(tmp_path, 4, steps, zero=zero)
     result = _check(tmp_path, 4, steps)
-    _assert_exact(result, "(2, 2)")
+    _assert_exact(result, f"(2, 2) zero={zero}")
+    _check_zero_partition(result["reports"], zero, dp=2)
     rows = [row for rep in result["reports"] for row in rep["rows"]]
     assert all(row["rings"] for row in rows), "every global batch holds a ring item across the pipelines"
     assert any(row["counts"][0] != row["counts"][1] for row in rows), "PP-Balance gave no pipeline more"
@@ -293,17 +334,43 @@ def test_2x2_with_the_bytescale_data_module_equals_one_process(tmp_path):
     assert any(row["rings"] for row in rows), "a document longer than C must run as a ring item"
 
 
-def test_sharded_checkpoint_resumes_exactly_on_2x2(tmp_path):
+def _optimizer_writers(folder: Path) -> dict[str, set[int]]:
+    """Parameter name -> the ranks whose files hold its optimizer state in the folder (DCP's metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    paths = metadata.planner_data or {}
+    writers: dict[str, set[int]] = {}
+    for index, info in metadata.storage_data.items():
+        path = paths.get(index.fqn, (index.fqn,))
+        if path[0] == "optimizer_0":  # DCP names each rank's file __<rank>_<n>.distcp
+            writers.setdefault(path[1], set()).add(int(info.relative_path.split("_")[2]))
+    return writers
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_sharded_checkpoint_resumes_exactly_on_2x2(tmp_path, zero):
     steps = 6
     first = tmp_path / "first"
-    _fit(first, 4, 3, data_steps=steps, ckpt_every=3)
+    _fit(first, 4, 3, data_steps=steps, ckpt_every=3, zero=zero)
     folder = first / "ckpt" / "epoch=0-step=3.ckpt"
     assert is_sharded_checkpoint(folder), (
         "with pipelines checkpoint_format='auto' must write a sharded folder"
     )
+    saved = [json.loads((first / f"report_{r}.json").read_text()) for r in range(4)]
+    owners = {name: {r} for r, rep in enumerate(saved) for name in rep["optimizer_state"]}
+    writers = _optimizer_writers(folder)
+    assert set(writers) == {name for rep in saved for name in rep["stage_params"]}, (
+        "every stage's state saved"
+    )
+    assert all(len(ranks) == 1 for ranks in writers.values()), "each parameter's state written once"
+    if zero:
+        assert writers == owners, "under ZeRO each parameter's state is written by its owner"
     second = tmp_path / "second"
-    _fit(second, 4, steps, resume=folder)
-    _assert_exact(_check(second, 4, steps, first_step=3), "resumed (2, 2)")
+    _fit(second, 4, steps, resume=folder, zero=zero)
+    result = _check(second, 4, steps, first_step=3)
+    _assert_exact(result, f"resumed (2, 2) zero={zero}")
+    _check_zero_partition(result["reports"], zero, dp=2)
 
 
 def test_a_module_without_a_stage_is_refused(tmp_path):
@@ -318,7 +385,6 @@ def test_a_module_without_a_stage_is_refused(tmp_path):
     ("options", "match"),
     [
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer"),
-        ({"pipeline_parallel_size": 2, "zero": 1}, "zero=1.*not supported with pipeline_parallel_size=2"),
         (
             {"pipeline_parallel_size": 2, "checkpoint_format": "consolidated"},
             "checkpoint_format='consolidated'",
