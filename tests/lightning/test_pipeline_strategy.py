@@ -363,9 +363,8 @@ def test_sharded_checkpoint_resumes_exactly_on_2x2(tmp_path, zero):
     assert set(writers) == {name for rep in saved for name in rep["stage_params"]}, (
         "every stage's state saved"
     )
-    assert all(len(ranks) == 1 for ranks in writers.values()), "each parameter's state written once"
-    if zero:
-        assert writers == owners, "under ZeRO each parameter's state is written by its owner"
+    if zero:  # DCP keeps one copy of each entry; under ZeRO only the owner offers it
+        assert writers == owners, "under ZeRO each parameter's state is written by its owner alone"
     second = tmp_path / "second"
     _fit(second, 4, steps, resume=folder, zero=zero)
     result = _check(second, 4, steps, first_step=3)
