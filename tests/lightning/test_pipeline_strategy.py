@@ -246,15 +246,15 @@ def _assert_exact(result: dict, label: str) -> None:
     assert result["loss"] <= TOLERANCE, result["loss"]
 
 
-def _check_zero_partition(reports: list[dict], zero: int, dp: int) -> None:
+def _check_zero_partition(reports: list[dict], zero: int, dp: int, tp: int = 1) -> None:
     """Each stage's optimizer state (ZeRO-2: its gradients after the sync) split over the stage's HDP ranks.
 
-    Without ZeRO every rank keeps the state of its whole stage; with ZeRO the ranks of a stage keep
-    disjoint parts that together are the stage's parameters, each part a proper one, and with
-    ZeRO-2 a rank holds after every step's sync exactly the gradients of the parameters it owns.
+    Without ZeRO every rank keeps the state of its whole stage; with ZeRO the ranks of a stage (and
+    lane) keep disjoint parts that together are the stage's parameters, each part a proper one, and
+    with ZeRO-2 a rank holds after every step's sync exactly the gradients of the parameters it owns.
     """
-    for stage in range(STAGES):
-        ranks = reports[stage * dp : (stage + 1) * dp]
+    for stage, lane in [(s, t) for s in range(STAGES) for t in range(tp)]:
+        ranks = [reports[(stage * dp + h) * tp + lane] for h in range(dp)]  # the stage outermost, TP inner
         params = set(ranks[0]["stage_params"])
         parts = [set(rep["optimizer_state"]) for rep in ranks]
         if not zero:
@@ -296,6 +296,15 @@ def test_2x1x2_tensor_parallel_stages_equal_one_process(tmp_path):
     steps = 3
     _fit(tmp_path, 4, steps, module=PipelineLM(tensor_parallel=True), tensor_parallel_size=2)
     _assert_exact(_check(tmp_path, 4, steps, tp=2), "(2, 1, 2)")
+
+
+def test_2x2x2_zero2_per_stage_and_lane_equals_one_process(tmp_path):
+    """Eight ranks: two pipelines of two stages, each stage sharded over a TP group of two, ZeRO-2 per stage and lane."""
+    steps = 3
+    _fit(tmp_path, 8, steps, module=PipelineLM(tensor_parallel=True), tensor_parallel_size=2, zero=2)
+    result = _check(tmp_path, 8, steps, tp=2)
+    _assert_exact(result, "(2, 2, 2) zero=2")
+    _check_zero_partition(result["reports"], 2, dp=2, tp=2)
 
 
 def _data_module(cache: Path, **standalone):
