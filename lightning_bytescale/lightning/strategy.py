@@ -115,6 +115,8 @@ class ByteScaleStrategy(ParallelStrategy):
         zero: ZeRO level: ``0`` (default) nothing sharded; ``1`` optimizer state sharded with
             ``ZeroRedundancyOptimizer``; ``2`` gradients too, each reduced to the rank owning its
             state (:mod:`~lightning_bytescale.engine.zero`); clipping uses the global norm at every level.
+            On the mesh (``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1) each lane's and
+            stage's HDP ranks split them (:class:`~lightning_bytescale.lightning.mesh.LaneZero`).
         zero1: the older spelling of ``zero=1`` (``True``); contradicting ``zero`` is an error.
         tensor_parallel_size: ``N > 1``: an HDP rank is a group of ``N`` ranks on the mesh
             ``(data_parallel, tensor_parallel)``, the LightningModule's ``device_mesh`` in

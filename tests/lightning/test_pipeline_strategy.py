@@ -17,7 +17,11 @@ decay, a learning-rate schedule), from the same initial weights.
 * ``(2, 2)`` with ``ByteScaleDataModule``: three steps of synthetic documents planned by the data
   module on the strategy's mesh, against one process on the data module's global batches.
 * ``(2, 1, 2)``: three steps, one pipeline whose stages are each sharded over a TP group of two.
-* A sharded checkpoint of the ``(2, 2)`` run at step 3, resumed on ``(2, 2)`` to step 6.
+* ZeRO per stage: the ``(2, 2)`` run with ``zero=1`` and ``zero=2``, and ``(2, 2, 2)`` with ``zero=2``
+  (per stage and lane); each rank keeps optimizer state (ZeRO-2: gradients after the sync) only
+  for the parameters it owns, the HDP ranks of a stage together for all of them.
+* A sharded checkpoint of the ``(2, 2)`` run at step 3, resumed on ``(2, 2)`` to step 6 (``zero=0``
+  and ``zero=1``: the owners' files hold the state).
 * The refusals at construction, in ``Trainer(...)`` and at set-up (a module without its stage,
   ``trainer.validate``).
 
