@@ -184,7 +184,7 @@ def test_hf_qwen3_2x2_with_rings_and_different_counts_per_pipeline_equals_one_pr
         _check_exact(padded)
         assert [r > 0 for r in train["rings"]] == [s in RING_STEPS for s in range(STEPS)], train["rings"]
         assert train["counts"][HAND_STEP][1] == 1 < train["counts"][HAND_STEP][0], train["counts"]
-        assert all(c == [PAD_TO, PAD_TO] for c in padded["counts"]) and sum(padded["padding"]) > 0, padded
+        assert all(min(c) >= PAD_TO for c in padded["counts"]) and sum(padded["padding"]) > 0, padded
         assert padded["rings"][0] > 0
     assert reports[1]["qwen3"]["schedules"][HAND_STEP] == "ScheduleGPipe"
     first, last = reports[0]["qwen3"]["params"], reports[2]["qwen3"]["params"]
