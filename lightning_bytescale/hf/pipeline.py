@@ -76,9 +76,10 @@ def _check_splittable(model: nn.Module, stages: int) -> dict[str, nn.Module]:
     head, embed = parts["head"], parts["embed"]
     if getattr(config, "tie_word_embeddings", False) or head.weight is embed.weight:
         raise PipelineModelError(
-            f"the model ties its input embedding to its output head (tie_word_embeddings=True); with pipeline "
-            f"stages the first and the last stage would both hold it. Build it untied: config_overrides="
-            "{'tie_word_embeddings': False} (from a checkpoint the head then starts as a copy of the embedding)"
+            "the model ties its input embedding to its output head (tie_word_embeddings=True); with pipeline "
+            "stages the first and the last stage would both hold it. Train a model with an untied head "
+            "(config_overrides={'tie_word_embeddings': False} for a model built from its config), or use "
+            "pipeline_parallel_size=1"
         )
     attn = getattr(config, "_attn_implementation", None)
     if attn != ATTN_IMPLEMENTATION:
@@ -121,8 +122,16 @@ class HFDecoderStage(DecoderStage):
     def rope(self, position_ids: torch.Tensor, h: torch.Tensor) -> Any:
         return self.part("rope")(h, position_ids[None])
 
-    def run_block(self, block: nn.Module, h: torch.Tensor, tables: Any, position_ids: torch.Tensor) -> torch.Tensor:
-        out = block(h, attention_mask=None, position_embeddings=tables, position_ids=position_ids[None], use_cache=False)
+    def run_block(
+        self, block: nn.Module, h: torch.Tensor, tables: Any, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        out = block(
+            h,
+            attention_mask=None,
+            position_embeddings=tables,
+            position_ids=position_ids[None],
+            use_cache=False,
+        )
         return out[0] if isinstance(out, tuple) else out
 
 

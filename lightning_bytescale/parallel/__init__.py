@@ -34,7 +34,12 @@ from lightning_bytescale.parallel.pipeline_batch import (
     pad_micro_batch,
     padding_micro_batch,
 )
-from lightning_bytescale.parallel.pipeline_stage import DecoderStage, LlamaStage, padded_attention, stage_layers
+from lightning_bytescale.parallel.pipeline_stage import (
+    DecoderStage,
+    LlamaStage,
+    padded_attention,
+    stage_layers,
+)
 from lightning_bytescale.parallel.pipeline_step import build_schedule, run_pipeline_step
 from lightning_bytescale.parallel.shards import LocalShards
 from lightning_bytescale.parallel.step import agree_across_lanes, run_parallel_step, start_step_check

@@ -137,7 +137,9 @@ class DecoderStage(nn.Module):
         """The position tables of ``position_ids [T]`` for hidden states ``h [1, T, dim]``."""
         raise NotImplementedError
 
-    def run_block(self, block: nn.Module, h: torch.Tensor, tables: Any, position_ids: torch.Tensor) -> torch.Tensor:
+    def run_block(
+        self, block: nn.Module, h: torch.Tensor, tables: Any, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         """``block`` on ``h [1, T, dim]`` with the tables of ``position_ids [T]``: ``[1, T, dim]``."""
         raise NotImplementedError
 
@@ -198,7 +200,9 @@ class LlamaStage(DecoderStage):
     def rope(self, position_ids: torch.Tensor, h: torch.Tensor) -> Any:
         return model_rope(self.config, position_ids, h[0])
 
-    def run_block(self, block: nn.Module, h: torch.Tensor, tables: Any, position_ids: torch.Tensor) -> torch.Tensor:
+    def run_block(
+        self, block: nn.Module, h: torch.Tensor, tables: Any, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         cos, sin = tables
         return block(h[0], cos, sin, self.attention_fn).unsqueeze(0)
 

@@ -116,7 +116,9 @@ def _train(pmesh, family: str, *, min_micro_batches: int) -> dict:
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR)
     opt = torch.optim.AdamW(stage.parameters(), lr=LR)
     pipelines = pmesh.dims.data_parallel
-    out: dict = {k: [] for k in ("grad_diff", "param_diff", "loss_diff", "counts", "schedules", "rings", "padding")}
+    out: dict = {
+        k: [] for k in ("grad_diff", "param_diff", "loss_diff", "counts", "schedules", "rings", "padding")
+    }
     for s in range(STEPS):
         seqs = _batch(s, pipelines)
         loss_ref, grads_ref = _reference_step(ref, opt_ref, seqs)
@@ -200,7 +202,9 @@ def test_hf_llama_and_qwen2_2x1_equal_one_process(tmp_path):
     reports = gather_reports(tmp_path, _worker, 2, 2, ["llama", "qwen2"], timeout_s=280)
     for rep in reports:
         for family in ("llama", "qwen2"):
-            print(family, "(2, 1)", rep["coords"], max(rep[family]["grad_diff"]), max(rep[family]["param_diff"]))
+            print(
+                family, "(2, 1)", rep["coords"], max(rep[family]["grad_diff"]), max(rep[family]["param_diff"])
+            )
             _check_exact(rep[family])
             _check_exact(rep[f"{family}_padded"])
         assert rep["llama"]["schedules"][HAND_STEP] == "ScheduleGPipe", rep["llama"]["counts"]
@@ -227,7 +231,10 @@ def test_one_stage_on_a_padded_micro_batch_equals_the_unsplit_model():
     logits = stage(padded.input_ids[None], slot=torch.tensor([0]))[0]
     assert logits.shape == (CAPACITY, model.config.vocab_size)
     expected = torch.cat(
-        [ref(input_ids=seqs[j][None], position_ids=torch.arange(len(seqs[j]))[None]).logits[0] for j in mb.seq_ids]
+        [
+            ref(input_ids=seqs[j][None], position_ids=torch.arange(len(seqs[j]))[None]).logits[0]
+            for j in mb.seq_ids
+        ]
     )
     assert (logits[: mb.num_slots] - expected).abs().max().item() <= 1e-12
 
@@ -242,7 +249,9 @@ def test_one_stage_on_a_padded_micro_batch_equals_the_unsplit_model():
 )
 def test_what_cannot_be_split_exactly_is_refused_by_name(family, overrides, match):
     model = (
-        AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="bytescale", dtype=torch.float64)
+        AutoModelForCausalLM.from_config(
+            tiny_config(family), attn_implementation="bytescale", dtype=torch.float64
+        )
         if family in ("gpt2", "granite")
         else _build(family, "bytescale", **overrides)
     )
@@ -251,7 +260,9 @@ def test_what_cannot_be_split_exactly_is_refused_by_name(family, overrides, matc
 
 
 def test_fewer_layers_than_stages_and_another_attention_are_refused():
-    with pytest.raises(PipelineModelError, match="fewer than the 4 pipeline stages.*pipeline_parallel_size <= 3"):
+    with pytest.raises(
+        PipelineModelError, match="fewer than the 4 pipeline stages.*pipeline_parallel_size <= 3"
+    ):
         HFDecoderStage(_build("llama", "bytescale"), 0, 4)
     with pytest.raises(PipelineModelError, match='attn_implementation="sdpa"'):
         HFDecoderStage(_build("llama", "sdpa"), 0, STAGES)

@@ -60,7 +60,12 @@ class Steps(Dataset):
             planner="balance", pipeline_degree=STAGES, seed=k,
         )  # fmt: skip
         return build_pipeline_step(
-            plan, self.pmesh.hdp_rank, lambda j: seqs[j], stages=STAGES, step=k, ring_ranks=self.pmesh.ring_ranks
+            plan,
+            self.pmesh.hdp_rank,
+            lambda j: seqs[j],
+            stages=STAGES,
+            step=k,
+            ring_ranks=self.pmesh.ring_ranks,
         )
 
 
@@ -85,7 +90,9 @@ class Recorder(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         r = trainer.global_rank
         stage = type(pl_module.model).__name__
-        torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, self.out / f"final_{r}.pt")
+        torch.save(
+            {k: v.detach().clone() for k, v in pl_module.state_dict().items()}, self.out / f"final_{r}.pt"
+        )
         (self.out / f"report_{r}.json").write_text(json.dumps({"rows": self.rows, "stage": stage}))
 
 
@@ -111,7 +118,9 @@ def _reference(path: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
         opt.zero_grad()
         total = 0.0
         for s in seqs:
-            logits = model(input_ids=s[None], position_ids=torch.arange(len(s))[None], use_cache=False).logits[0]
+            logits = model(
+                input_ids=s[None], position_ids=torch.arange(len(s))[None], use_cache=False
+            ).logits[0]
             loss = F.cross_entropy(logits[:-1], s[1:], reduction="sum") / n
             loss.backward()
             total += loss.item()
@@ -125,7 +134,9 @@ def _reference(path: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
 def test_hf_qwen3_pipelines_2x2_under_the_strategy_equal_one_process(tmp_path):
     os.environ.pop("MASTER_PORT", None)
     path = _checkpoint(tmp_path / "checkpoint")
-    module = HFCausalLM(str(path), dtype=torch.float64, lr=LR, weight_decay=WEIGHT_DECAY, local_files_only=True)
+    module = HFCausalLM(
+        str(path), dtype=torch.float64, lr=LR, weight_decay=WEIGHT_DECAY, local_files_only=True
+    )
     strategy = ByteScaleStrategy(
         pipeline_parallel_size=STAGES, capacity=CAPACITY, start_method="fork", timeout=120
     )
