@@ -42,6 +42,7 @@ from lightning_bytescale.lightning import compat
 from lightning_bytescale.lightning.strategy import ByteScaleStrategy
 from lightning_bytescale.packed_attention import attention_context
 from lightning_bytescale.packed_attention.context import current_scope
+from lightning_bytescale.parallel import DecoderStage
 
 LOAD_ON = ("rank_zero", "every_rank")
 
@@ -245,6 +246,12 @@ class HFCausalLM(pl.LightningModule):
             raise ConfigError(
                 "HFCausalLM has no model yet: it is built in configure_model, which the Trainer calls; outside "
                 "a Trainer call module.configure_model() first"
+            )
+        if isinstance(self.model, DecoderStage):
+            raise ConfigError(
+                f"HFCausalLM holds stage {self.model.stage} of {self.model.stages} of its model "
+                "(ByteScaleStrategy(pipeline_parallel_size > 1)); forward and save_pretrained need the whole model. "
+                "Run them with pipeline_parallel_size=1 (e.g. from the sharded checkpoint)"
             )
         return self.model
 

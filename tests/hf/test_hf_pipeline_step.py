@@ -266,3 +266,15 @@ def test_fewer_layers_than_stages_and_another_attention_are_refused():
         HFDecoderStage(_build("llama", "bytescale"), 0, 4)
     with pytest.raises(PipelineModelError, match='attn_implementation="sdpa"'):
         HFDecoderStage(_build("llama", "sdpa"), 0, STAGES)
+
+
+def test_hf_causal_lm_holding_a_stage_refuses_forward_and_save_pretrained(tmp_path):
+    from lightning_bytescale.errors import ConfigError
+    from lightning_bytescale.hf import HFCausalLM
+
+    module = HFCausalLM(tiny_config("llama"), dtype=torch.float64)
+    module.model = HFDecoderStage(_build("llama", "bytescale"), 1, STAGES)
+    with pytest.raises(ConfigError, match="stage 1 of 2 .*pipeline_parallel_size=1"):
+        module.save_pretrained(str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match="need the whole model"):
+        module(torch.zeros(4, dtype=torch.long), torch.arange(4))
