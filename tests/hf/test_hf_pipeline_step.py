@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from lightning_bytescale.hf.pipeline import HFDecoderStage  # noqa: E402
 from lightning_bytescale.parallel import PipelineModelError  # noqa: E402
-from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan  # noqa: E402
+from lightning_bytescale.planner.plan import Plan  # noqa: E402
 
 CAPACITY = 24
 LR = 1e-2
@@ -84,22 +84,13 @@ def _batch(step: int, pipelines: int) -> list[torch.Tensor]:
     return helpers.global_batch(step, (2, CAPACITY), 4 * pipelines + 2)
 
 
-def _greedy(seqs: list[int], lengths: list[int]) -> list[MicroBatch]:
-    out: list[list[int]] = []
-    for j in seqs:
-        if not out or sum(lengths[k] for k in out[-1]) + lengths[j] > CAPACITY:
-            out.append([])
-        out[-1].append(j)
-    return [MicroBatch([Piece(j, ((0, lengths[j]),)) for j in mb]) for mb in out]
-
-
 def _plan(step: int, seqs: list[torch.Tensor], pipelines: int) -> Plan:
     from lightning_bytescale.planner import make_plan
 
     lengths = [len(s) for s in seqs]
     if pipelines == 2 and step == HAND_STEP:  # several micro-batches on pipeline 0, one on pipeline 1
         split = len(lengths) - 1
-        ranks = [_greedy(list(range(split)), lengths), _greedy([split], lengths)]
+        ranks = [helpers.greedy_micro_batches(part, lengths, CAPACITY) for part in (range(split), [split])]
         plan = Plan(2, CAPACITY, "hand", tuple(lengths), ranks, {"pipeline_degree": STAGES})
         plan.validate()
         return plan
@@ -109,8 +100,6 @@ def _plan(step: int, seqs: list[torch.Tensor], pipelines: int) -> Plan:
 
 
 def _train(pmesh, family: str, *, min_micro_batches: int) -> dict:
-    from lightning_bytescale.parallel import build_pipeline_step, run_pipeline_step
-
     ref, model = _models(family)
     stage = HFDecoderStage(model, pmesh.stage, pmesh.dims.pipeline)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR)
@@ -122,31 +111,8 @@ def _train(pmesh, family: str, *, min_micro_batches: int) -> dict:
     for s in range(STEPS):
         seqs = _batch(s, pipelines)
         loss_ref, grads_ref = _reference_step(ref, opt_ref, seqs)
-        batch = build_pipeline_step(
-            _plan(s, seqs, pipelines),
-            pmesh.hdp_rank,
-            lambda j, seqs=seqs: seqs[j],
-            stages=pmesh.dims.pipeline,
-            step=s,
-            min_micro_batches=min_micro_batches,
-            ring_ranks=pmesh.ring_ranks,
-        )
-        schedules: list[str | None] = []
-        opt.zero_grad(set_to_none=True)
-        result = run_pipeline_step(
-            stage,
-            batch,
-            pmesh,
-            on_schedule=lambda sch, seen=schedules: seen.append(None if sch is None else type(sch).__name__),
-        )
-        out["grad_diff"].append(helpers.grad_diff(stage, grads_ref))
-        opt.step()
-        out["param_diff"].append(helpers.param_diff(stage, ref))
-        out["loss_diff"].append(abs(result.loss - loss_ref))
-        out["counts"].append(batch.counts)
-        out["schedules"].append(schedules[0])
-        out["padding"].append(batch.padding)
-        out["rings"].append(sum(mb.layout.ring is not None for mb in batch.micro_batches))
+        batch = helpers.pipeline_batch(_plan(s, seqs, pipelines), pmesh, seqs, s, min_micro_batches)
+        helpers.pipeline_step_against(stage, opt, batch, pmesh, ref, grads_ref, loss_ref, out)
     out["params"] = sorted(n for n, _ in stage.named_parameters())
     return out
 
