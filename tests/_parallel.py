@@ -199,3 +199,71 @@ def train_against_reference(
             {"rings": sum(mb.layout.ring is not None for mb in step.micro_batches), "events": events}
         )
     return out
+
+
+def greedy_micro_batches(seqs: Sequence[int], lengths: Sequence[int], capacity: int) -> list:
+    """Whole sequences ``seqs`` packed in order into micro-batches of at most ``capacity`` tokens."""
+    from lightning_bytescale.planner.plan import MicroBatch, Piece
+
+    out: list[list[int]] = []
+    for j in seqs:
+        if not out or sum(lengths[k] for k in out[-1]) + lengths[j] > capacity:
+            out.append([])
+        out[-1].append(j)
+    return [MicroBatch([Piece(j, ((0, lengths[j]),)) for j in mb]) for mb in out]
+
+
+def pipeline_batch(
+    plan: Any, pmesh: Any, seqs: Sequence[torch.Tensor], step: int, min_micro_batches: int = 0
+):
+    """This rank's pipeline's ``PipelineStepBatch`` of ``plan`` over ``seqs``, with its stage's ring ranks."""
+    from lightning_bytescale.parallel import build_pipeline_step
+
+    return build_pipeline_step(
+        plan,
+        pmesh.hdp_rank,
+        lambda j: seqs[j],
+        stages=pmesh.dims.pipeline,
+        step=step,
+        min_micro_batches=min_micro_batches,
+        ring_ranks=pmesh.ring_ranks,
+    )
+
+
+def recorded_pipeline_step(stage: torch.nn.Module, batch: Any, pmesh: Any) -> tuple[Any, str | None]:
+    """``run_pipeline_step`` and the name of the schedule it built (``None``: none)."""
+    from lightning_bytescale.parallel import run_pipeline_step
+
+    seen: list[str | None] = []
+    result = run_pipeline_step(
+        stage, batch, pmesh, on_schedule=lambda sch: seen.append(None if sch is None else type(sch).__name__)
+    )
+    return result, seen[0]
+
+
+def pipeline_step_against(
+    stage: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Any,
+    pmesh: Any,
+    ref: torch.nn.Module,
+    grads_ref: dict[str, torch.Tensor],
+    loss_ref: float,
+    out: dict[str, list],
+) -> Any:
+    """One pipeline step of ``stage`` and its optimizer step, recorded in ``out`` against the reference's step.
+
+    Appends the largest gradient (before the step), parameter (after it) and loss differences,
+    the pipelines' counts, the schedule, the padding micro-batches and the ring micro-batches.
+    """
+    opt.zero_grad(set_to_none=True)
+    result, schedule = recorded_pipeline_step(stage, batch, pmesh)
+    out["grad_diff"].append(grad_diff(stage, grads_ref))
+    opt.step()
+    out["param_diff"].append(param_diff(stage, ref))
+    out["loss_diff"].append(abs(result.loss - loss_ref))
+    out["counts"].append(batch.counts)
+    out["schedules"].append(schedule)
+    out["padding"].append(batch.padding)
+    out["rings"].append(sum(mb.layout.ring is not None for mb in batch.micro_batches))
+    return result

@@ -6,7 +6,8 @@ and ``.from_pretrained(path, attn_implementation="bytescale")`` run local variab
 zigzag ring attention on packed ``input_ids [1, T]`` / ``position_ids [1, T]``.
 :class:`HFCausalLM` (imported on first use: it needs Lightning) is the LightningModule that
 builds or loads such a model and trains it under ``ByteScaleStrategy``; :func:`parallelize_hf`
-shards one over a tensor-parallel mesh with transformers' own plan.
+shards one over a tensor-parallel mesh with transformers' own plan, and :class:`HFDecoderStage`
+is one pipeline stage of a Llama-layout decoder (Llama, Qwen2, Qwen3, Mistral).
 
 transformers is an optional dependency: ``pip install "lightning-bytescale[hf]"``.
 """
@@ -36,6 +37,7 @@ register()
 
 _LAZY = {
     "HFCausalLM": "lightning_bytescale.hf.module",
+    "HFDecoderStage": "lightning_bytescale.hf.pipeline",
     "LoadReport": "lightning_bytescale.hf.module",
     "ModelSource": "lightning_bytescale.hf.loading",
     "OptimizerOptions": "lightning_bytescale.hf.optim",
@@ -49,6 +51,7 @@ __getattr__ = lazy_getattr(globals(), _LAZY)
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "HFCausalLM",
+    "HFDecoderStage",
     "LoadReport",
     "ModelSource",
     "OptimizerOptions",

@@ -42,6 +42,7 @@ from lightning_bytescale.lightning import compat
 from lightning_bytescale.lightning.strategy import ByteScaleStrategy
 from lightning_bytescale.packed_attention import attention_context
 from lightning_bytescale.packed_attention.context import current_scope
+from lightning_bytescale.parallel import DecoderStage
 
 LOAD_ON = ("rank_zero", "every_rank")
 
@@ -97,7 +98,10 @@ class HFCausalLM(pl.LightningModule):
     every rank.  ``tensor_parallel=True`` shards the model over ``device_mesh["tensor_parallel"]``
     with its own plan (:func:`~lightning_bytescale.hf.tensor_parallel.parallelize_hf`) in
     ``configure_model``, after every rank received rank 0's whole weights; it needs
-    ``ByteScaleStrategy(tensor_parallel_size > 1)``.  Optimizer: AdamW with ``lr``, ``weight_decay``, ``betas``, ``eps``,
+    ``ByteScaleStrategy(tensor_parallel_size > 1)``.  Under ``ByteScaleStrategy(pipeline_parallel_size=P)``
+    ``configure_model`` replaces the model by this rank's
+    :class:`~lightning_bytescale.hf.pipeline.HFDecoderStage` (every rank builds or loads the whole
+    model first, whatever ``load_on``; docs/pipelines.md).  Optimizer: AdamW with ``lr``, ``weight_decay``, ``betas``, ``eps``,
     ``warmup_steps``, ``schedule`` (``constant``/``linear``/``cosine``) and ``min_lr_ratio``.
     """
 
@@ -163,6 +167,7 @@ class HFCausalLM(pl.LightningModule):
             or trainer.world_size <= 1
             or self.source.from_config
             or self.load_on != "rank_zero"
+            or self._pipeline() is not None  # each stage starts from its own HDP rank 0: every rank loads
         ):
             return False
         return isinstance(trainer.strategy, ByteScaleStrategy)
@@ -194,6 +199,18 @@ class HFCausalLM(pl.LightningModule):
             self._check_same_structure()
         if self.tensor_parallel:
             self._shard_over_lanes()
+        pipeline = self._pipeline()
+        if pipeline is not None:  # docs/pipelines.md: the model is replaced by this rank's stage
+            from lightning_bytescale.hf.pipeline import HFDecoderStage
+
+            self.model = HFDecoderStage(model, pipeline.get_local_rank(), pipeline.size())
+
+    def _pipeline(self) -> Any:
+        """The ``"pipeline"`` dimension of the device mesh under ``ByteScaleStrategy(pipeline_parallel_size > 1)``."""
+        mesh = self.device_mesh if compat.module_trainer(self) is not None else None
+        if mesh is None or "pipeline" not in (mesh.mesh_dim_names or ()) or mesh["pipeline"].size() == 1:
+            return None
+        return mesh["pipeline"]
 
     def _shard_over_lanes(self) -> None:
         """``tensor_parallel=True``: rank 0's whole weights on every rank, then each keeps its TP slice."""
@@ -229,6 +246,12 @@ class HFCausalLM(pl.LightningModule):
             raise ConfigError(
                 "HFCausalLM has no model yet: it is built in configure_model, which the Trainer calls; outside "
                 "a Trainer call module.configure_model() first"
+            )
+        if isinstance(self.model, DecoderStage):
+            raise ConfigError(
+                f"HFCausalLM holds stage {self.model.stage} of {self.model.stages} of its model "
+                "(ByteScaleStrategy(pipeline_parallel_size > 1)); forward and save_pretrained need the whole model. "
+                "Run them with pipeline_parallel_size=1 (e.g. from the sharded checkpoint)"
             )
         return self.model
 

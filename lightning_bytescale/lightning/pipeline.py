@@ -43,7 +43,7 @@ from lightning_bytescale.lightning import step as step_loop
 from lightning_bytescale.lightning.checkpoint import sharded_optimizer_state
 from lightning_bytescale.lightning.step_stats import step_stats
 from lightning_bytescale.parallel import (
-    LlamaStage,
+    DecoderStage,
     ParallelMesh,
     PipelineModelError,
     PipelineStepBatch,
@@ -102,22 +102,22 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
     stage_of(strategy.model, strategy.parallel_mesh)
 
 
-def stage_of(module: nn.Module, pmesh: ParallelMesh) -> LlamaStage:
-    """The one :class:`LlamaStage` of ``module``: this rank's stage, holding every trained parameter."""
+def stage_of(module: nn.Module, pmesh: ParallelMesh) -> DecoderStage:
+    """The one :class:`DecoderStage` (``LlamaStage``, ``HFDecoderStage``) of ``module``: this rank's stage, holding every trained parameter."""
     pp = pmesh.dims.pipeline
-    stages = [m for m in module.modules() if isinstance(m, LlamaStage)]
+    stages = [m for m in module.modules() if isinstance(m, DecoderStage)]
     if len(stages) != 1:
         raise PipelineModelError(
-            f"with pipeline_parallel_size={pp} the LightningModule must hold exactly one LlamaStage (it holds "
-            f"{len(stages)}): in configure_model replace the model by this rank's stage, "
-            'self.model = LlamaStage(model, self.device_mesh["pipeline"].get_local_rank(), '
-            f"{pp}) (docs/pipelines.md)"
+            f"with pipeline_parallel_size={pp} the LightningModule must hold exactly one LlamaStage or "
+            f"HFDecoderStage (it holds {len(stages)} pipeline stages): in configure_model replace the model by this "
+            'rank\'s stage, self.model = LlamaStage(model, self.device_mesh["pipeline"].get_local_rank(), '
+            f"{pp}) (HFCausalLM does this itself; docs/pipelines.md)"
         )
     stage = stages[0]
     if stage.stage != pmesh.stage or stage.stages != pp:
         raise PipelineModelError(
-            f"the LlamaStage is stage {stage.stage} of {stage.stages} but this rank is stage {pmesh.stage} of {pp}; "
-            'build it as LlamaStage(model, self.device_mesh["pipeline"].get_local_rank(), '
+            f"the {type(stage).__name__} is stage {stage.stage} of {stage.stages} but this rank is stage {pmesh.stage} of {pp}; "
+            f'build it as {type(stage).__name__}(model, self.device_mesh["pipeline"].get_local_rank(), '
             'self.device_mesh["pipeline"].size())'
         )
     held = set(map(id, stage.parameters()))
@@ -127,7 +127,7 @@ def stage_of(module: nn.Module, pmesh: ParallelMesh) -> LlamaStage:
     if not trained_elsewhere:
         return stage
     raise PipelineModelError(
-        f"parameters {trained_elsewhere[:3]} are trained but are not in the LlamaStage; with pipelines only the "
+        f"parameters {trained_elsewhere[:3]} are trained but are not in the {type(stage).__name__}; with pipelines only the "
         "stage runs, so keep every trained parameter inside it (or set requires_grad=False)"
     )
 

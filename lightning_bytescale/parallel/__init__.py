@@ -5,7 +5,7 @@ lane on the global group; :func:`parallelize_llama` shards the reference Llama w
 parallel styles; :class:`FSDPStepDriver` keeps FSDP2's collectives to one per unit per step
 whatever a rank's micro-batch count; :func:`run_parallel_step` is the HDP step on the mesh and
 :func:`clip_grad_norm_` clips by the global norm over DTensor shards.  With pipelines,
-:class:`LlamaStage` is one stage of the reference Llama, :func:`build_pipeline_step` a
+:class:`DecoderStage` is one stage of a decoder (:class:`LlamaStage` of the reference Llama), :func:`build_pipeline_step` a
 pipeline's padded micro-batches in the pipeline order and :func:`run_pipeline_step` the step.
 """
 
@@ -34,7 +34,12 @@ from lightning_bytescale.parallel.pipeline_batch import (
     pad_micro_batch,
     padding_micro_batch,
 )
-from lightning_bytescale.parallel.pipeline_stage import LlamaStage, padded_attention, stage_layers
+from lightning_bytescale.parallel.pipeline_stage import (
+    DecoderStage,
+    LlamaStage,
+    padded_attention,
+    stage_layers,
+)
 from lightning_bytescale.parallel.pipeline_step import build_schedule, run_pipeline_step
 from lightning_bytescale.parallel.shards import LocalShards
 from lightning_bytescale.parallel.step import agree_across_lanes, run_parallel_step, start_step_check
@@ -45,6 +50,7 @@ __all__ = [
     "FSDPSettingError",
     "FSDPStepDriver",
     "LaneDivergenceError",
+    "DecoderStage",
     "LlamaStage",
     "LocalShards",
     "MESH_DIM_NAMES",

@@ -53,7 +53,7 @@ from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
 from lightning_bytescale.parallel.dims import ParallelMesh
 from lightning_bytescale.parallel.errors import ParallelDimsError
 from lightning_bytescale.parallel.pipeline_batch import ONE_F_ONE_B, PipelineStepBatch
-from lightning_bytescale.parallel.pipeline_stage import LlamaStage
+from lightning_bytescale.parallel.pipeline_stage import DecoderStage
 from lightning_bytescale.parallel.shards import LocalShards
 from lightning_bytescale.parallel.step import agree_across_lanes, start_step_check
 
@@ -66,7 +66,7 @@ def _device(pmesh: ParallelMesh) -> torch.device:
 
 
 def build_schedule(
-    module: LlamaStage, batch: PipelineStepBatch, pmesh: ParallelMesh, *, dtype: torch.dtype | None = None
+    module: DecoderStage, batch: PipelineStepBatch, pmesh: ParallelMesh, *, dtype: torch.dtype | None = None
 ) -> PipelineScheduleSingle | None:
     """This step's ``PipelineStage`` of ``module`` and its schedule for ``len(batch.micro_batches)``, or ``None``.
 
@@ -80,16 +80,15 @@ def build_schedule(
     if module.stage != pmesh.stage or module.stages != dims.pipeline:
         raise ParallelDimsError(
             f"the stage module is stage {module.stage} of {module.stages} but this rank is stage {pmesh.stage} of "
-            f"{dims.pipeline}; build LlamaStage(model, pmesh.stage, pmesh.dims.pipeline)"
+            f"{dims.pipeline}; build the stage as e.g. LlamaStage(model, pmesh.stage, pmesh.dims.pipeline)"
         )
-    cfg = module.config
     c = batch.capacity
     dtype = dtype or next(module.parameters()).dtype
     # activations require grad: torch makes a stage's receive buffers from these (their gradient goes back)
-    hidden = torch.empty(1, c, cfg.dim, dtype=dtype, device="meta", requires_grad=True)
+    hidden = torch.empty(1, c, module.hidden_size, dtype=dtype, device="meta", requires_grad=True)
     inputs = torch.empty(1, c, dtype=torch.long, device="meta") if module.is_first else hidden
     outputs = (
-        torch.empty(1, c, cfg.vocab, dtype=dtype, device="meta", requires_grad=True)
+        torch.empty(1, c, module.vocab_size, dtype=dtype, device="meta", requires_grad=True)
         if module.is_last
         else hidden
     )
@@ -112,7 +111,7 @@ def build_schedule(
 
 
 def run_pipeline_step(
-    module: LlamaStage,
+    module: DecoderStage,
     batch: PipelineStepBatch,
     pmesh: ParallelMesh,
     *,

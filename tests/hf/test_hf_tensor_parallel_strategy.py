@@ -13,20 +13,17 @@ logged losses must agree to 1e-10.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from _strategy_helpers import QUIET, global_batch  # noqa: E402
+from _hf_strategy import fit_hf, hf_reference  # noqa: E402
+from _strategy_helpers import global_batch  # noqa: E402
 from test_hf_families import tiny_config  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from lightning_bytescale import ByteScaleStrategy  # noqa: E402
@@ -39,7 +36,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 CAPACITY = 24
 STEPS = 4
 IDLE_STEP = 2
-LR, WEIGHT_DECAY, MAX_NORM = 1e-2, 0.1, 0.05
+OPTIM = {"lr": 1e-2, "weight_decay": 0.1, "max_norm": 0.05}
 FAMILY = "qwen3"
 
 
@@ -54,24 +51,10 @@ def _plan(k: int, lengths: list[int]) -> Plan:
     return make_plan(tuple(lengths), world_size=2, capacity=CAPACITY, planner="balance", seed=k)
 
 
-class Steps(Dataset):
-    def __init__(self, pmesh) -> None:
-        self.pmesh = pmesh
-
-    def __len__(self) -> int:
-        return STEPS
-
-    def __getitem__(self, k: int):
-        seqs = global_batch(k)
-        plan = _plan(k, [len(s) for s in seqs])
-        return build_step(
-            plan, self.pmesh.hdp_rank, lambda j: seqs[j], step=k, ring_ranks=self.pmesh.ring_ranks
-        )
-
-
-class Data(pl.LightningDataModule):
-    def train_dataloader(self):
-        return StatefulDataLoader(Steps(self.trainer.strategy.parallel_mesh), batch_size=None, shuffle=False)
+def _step(pmesh, k: int):
+    seqs = global_batch(k)
+    plan = _plan(k, [len(s) for s in seqs])
+    return build_step(plan, pmesh.hdp_rank, lambda j: seqs[j], step=k, ring_ranks=pmesh.ring_ranks)
 
 
 def _full(module) -> dict[str, torch.Tensor]:
@@ -107,50 +90,11 @@ def _checkpoint(path: Path) -> Path:
     return path
 
 
-def _reference(path: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float64)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    losses = []
-    for k in range(STEPS):
-        seqs = global_batch(k)
-        n = sum(len(s) - 1 for s in seqs)
-        opt.zero_grad()
-        total = 0.0
-        for s in seqs:
-            logits = model(
-                input_ids=s[None], position_ids=torch.arange(len(s))[None], use_cache=False
-            ).logits[0]
-            loss = F.cross_entropy(logits[:-1], s[1:], reduction="sum") / n
-            loss.backward()
-            total += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        assert norm > MAX_NORM, "clipping must act in every step"
-        opt.step()
-        losses.append(total)
-    return {f"model.{k}": v for k, v in model.state_dict().items()}, losses
-
-
 def test_hf_qwen3_with_transformers_tp_plan_under_the_strategy_equals_one_process(tmp_path):
-    os.environ.pop("MASTER_PORT", None)
     path = _checkpoint(tmp_path / "checkpoint")
-    module = HFCausalLM(
-        str(path),
-        dtype=torch.float64,
-        lr=LR,
-        weight_decay=WEIGHT_DECAY,
-        tensor_parallel=True,
-        local_files_only=True,
-    )
     strategy = ByteScaleStrategy(tensor_parallel_size=2, capacity=CAPACITY, start_method="fork", timeout=120)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, precision="64-true", default_root_dir=tmp_path,
-        max_steps=STEPS, gradient_clip_val=MAX_NORM, callbacks=[Recorder(tmp_path)], **QUIET,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=Data())
-    expected, losses = _reference(path)
+    fit_hf(tmp_path, path, strategy, Recorder(tmp_path), STEPS, _step, tensor_parallel=True, **OPTIM)
+    expected, losses = hf_reference(path, STEPS, **OPTIM)
     worst_param = worst_loss = 0.0
     for r in range(4):
         got = torch.load(tmp_path / f"final_{r}.pt")

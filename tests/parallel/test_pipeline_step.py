@@ -67,13 +67,7 @@ def _batch(step: int, pipelines: int) -> list[torch.Tensor]:
 
 
 def _greedy(seqs: list[int], lengths: list[int]) -> list[MicroBatch]:
-    """Whole sequences packed in order into micro-batches of at most CAPACITY tokens."""
-    out: list[list[int]] = []
-    for j in seqs:
-        if not out or sum(lengths[k] for k in out[-1]) + lengths[j] > CAPACITY:
-            out.append([])
-        out[-1].append(j)
-    return [MicroBatch([Piece(j, ((0, lengths[j]),)) for j in mb]) for mb in out]
+    return helpers.greedy_micro_batches(seqs, lengths, CAPACITY)
 
 
 def _hand_plan(lengths: list[int], split: int) -> Plan:
@@ -141,12 +135,7 @@ def _plan(step: int, seqs: list[torch.Tensor], pipelines: int) -> Plan:
 
 
 def _train(pmesh, log: helpers.CallLog, *, steps: int, min_micro_batches: int) -> dict:
-    from lightning_bytescale.parallel import (
-        LlamaStage,
-        build_pipeline_step,
-        parallelize_llama,
-        run_pipeline_step,
-    )
+    from lightning_bytescale.parallel import LlamaStage, parallelize_llama
 
     ref, model = _models()
     parallelize_llama(model, pmesh.tp_mesh)  # one lane: unchanged
@@ -169,35 +158,12 @@ def _train(pmesh, log: helpers.CallLog, *, steps: int, min_micro_batches: int) -
     for s in range(steps):
         seqs = _batch(s, pipelines)
         loss_ref, _, grads_ref = helpers.reference_step(ref, opt_ref, seqs, float("inf"))  # no clipping
-        batch = build_pipeline_step(
-            _plan(s, seqs, pipelines),
-            pmesh.hdp_rank,
-            lambda j, seqs=seqs: seqs[j],
-            stages=pmesh.dims.pipeline,
-            step=s,
-            min_micro_batches=min_micro_batches,
-            ring_ranks=pmesh.ring_ranks,
-        )
-        schedules: list[str | None] = []
-        opt.zero_grad(set_to_none=True)
+        batch = helpers.pipeline_batch(_plan(s, seqs, pipelines), pmesh, seqs, s, min_micro_batches)
         log.mark(f"step{s}")
-        result = run_pipeline_step(
-            stage,
-            batch,
-            pmesh,
-            on_schedule=lambda sch, seen=schedules: seen.append(None if sch is None else type(sch).__name__),
-        )
+        helpers.pipeline_step_against(stage, opt, batch, pmesh, ref, grads_ref, loss_ref, out)
         events = log.since(f"step{s}")
-        out["grad_diff"].append(helpers.grad_diff(stage, grads_ref))
-        opt.step()
-        out["param_diff"].append(helpers.param_diff(stage, ref))
-        out["loss_diff"].append(abs(result.loss - loss_ref))
-        out["counts"].append(batch.counts)
-        out["schedules"].append(schedules[0])
-        out["padding"].append(batch.padding)
         p2p = [(list(ranks), list(ps)) for name, ranks, ps in events if name == "batch_isend_irecv"]
         out["peers"].append(p2p)
-        out["rings"].append(sum(mb.layout.ring is not None for mb in batch.micro_batches))
     out["params"] = sorted(n for n, _ in stage.named_parameters())
     out["sharded"] = sum(type(p).__name__ == "DTensor" for p in stage.parameters())
     return out
