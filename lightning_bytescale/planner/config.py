@@ -81,8 +81,8 @@ class PlannerConfig:
 
     pipeline_degree: int = 1
     """Pipeline stages per data-parallel replica; above 1 ``balance`` runs PP-Balance on the
-    1F1B load model.  Planning and simulation only: ``ByteScaleStrategy`` runs no pipeline
-    stages and needs 1."""
+    1F1B load model.  ``ByteScaleStrategy(pipeline_parallel_size=P)`` sets it to ``P`` (any other
+    value is refused there); the recipes do not run pipelines and keep 1."""
 
     options: Mapping[str, Any] = field(default_factory=dict)
     """A planner's own keyword options, checked against its function's parameters: ``balance``

@@ -19,7 +19,7 @@ the schedule before any move, an upper bound (a move only makes ring items start
 the same time), so an accepted move never lengthens the step even after later ones.  The sync's
 own time is not in the cost model; the rule never trades estimated compute time for overlap.
 Plans with pipelines (``pipeline_degree > 1``) are left as placed (their step time depends on
-the 1F1B order, and the engine runs no pipeline stages), and so are plans with barrier rounds
+the 1F1B order, which ``order_pipelines`` sets for the pipeline executor), and so are plans with barrier rounds
 (``options["rounds"]``, Megatron's dynamic-CP reading in :mod:`.peers`: a round is a list of
 positions, and the simulator times the plan round by round).
 """

@@ -91,7 +91,7 @@ class PlannerSchema:
     ranks_per_node: int | None = None  # topology for ring placement (None: from the cost model)
     seed: int = "${seed}"  # type: ignore[assignment]  # planning seed, the same on every rank
     num_buckets: int = 8  # the balance scheduler's buckets of about equal work
-    pipeline_degree: int = 1  # must be 1 for training (the strategy runs no pipeline stages)
+    pipeline_degree: int = 1  # must be 1 for the recipes (they run no pipeline stages)
     options: dict[str, Any] = field(default_factory=dict)  # the planner's own, e.g. {pp_reading: round_robin}
 
 
