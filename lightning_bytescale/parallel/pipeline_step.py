@@ -130,9 +130,13 @@ class StageClock:
     def attach(self, schedule: PipelineScheduleSingle) -> None:
         """Time this schedule's stage compute (its ``forward_one_chunk``, ``backward_one_chunk``, loss)."""
         stage = schedule._stage
-        stage.forward_one_chunk = self._timed(stage.forward_one_chunk)
-        stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
-        schedule._compute_loss = self._timed(schedule._compute_loss)
+        for owner, name in (
+            (stage, "forward_one_chunk"),
+            (stage, "backward_one_chunk"),
+            (schedule, "_compute_loss"),
+        ):
+            if callable(getattr(owner, name, None)):  # torch's names: a release without one times the rest
+                setattr(owner, name, self._timed(getattr(owner, name)))
 
     @property
     def compute(self) -> float:
