@@ -88,7 +88,9 @@ def bound_mesh_groups(pmesh: ParallelMesh, timeout: timedelta | None) -> None:
     ``init_device_mesh`` makes them with the backend's default (30 minutes for gloo), so a rank
     waiting on a stuck TP partner in a layer's all-reduce, or on its lane's gradient sum, would
     outwait the strategy's ``timeout`` and end by its own watchdog, blaming itself, instead of
-    failing with the peer error at the timeout as the global group's collectives do.
+    failing with the peer error at the timeout as the global group's collectives do.  A
+    pipeline's stages wait for each other in point-to-point receives, which gloo bounds only by
+    the timeout a group was made with: those groups are made with it (:func:`build_mesh`).
     """
     if timeout is not None:
         for group in (pmesh.tp_group, pmesh.dp_group):
@@ -108,7 +110,9 @@ def build_mesh(strategy: Any, built: ParallelMesh | None = None) -> ParallelMesh
             strategy.num_nodes,
             strategy.pipeline_parallel_size,
         )
-        pmesh = dims.build(strategy.root_device.type)
+        pmesh = dims.build(
+            strategy.root_device.type, timeout=strategy._timeout
+        )  # pipeline groups: made with it
         bound_mesh_groups(pmesh, strategy._timeout)
     module = strategy.lightning_module
     if module is not None:

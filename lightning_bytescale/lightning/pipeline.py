@@ -17,6 +17,9 @@ under a Lightning ``Trainer`` (docs/pipelines.md, "Pipelines under the Trainer")
   the ``LightningModule.training_step`` is not called under pipelines;
 * ZeRO-1/2 per stage: :class:`~lightning_bytescale.lightning.mesh.LaneZero` over the stage's
   data-parallel group (the strategy sets it up; ZeRO-2's owners go into the step's sync);
+* after the step one all-reduce over the world agrees on the stop flag (preemption) and
+  gives every rank every stage's measured times, from which ``step_stats`` get each
+  pipeline's measured bubble (:func:`agree_after_step`, :func:`pipeline_stats`);
 * clipping by the norm over every stage (:func:`clip_by_global_norm`);
 * sharded checkpoints: each stage's optimizer groups merged over the pipeline
   (:func:`optimizer_state`), so the folder names every stage's parameters and each stage
@@ -47,7 +50,9 @@ from lightning_bytescale.parallel import (
     ParallelMesh,
     PipelineModelError,
     PipelineStepBatch,
+    PipelineStepResult,
     run_pipeline_step,
+    stage_bubble,
 )
 from lightning_bytescale.parallel import clip_grad_norm_ as mesh_clip_grad_norm_
 
@@ -166,19 +171,72 @@ def train(strategy: Any, batch: PipelineStepBatch) -> step_loop.TrainStep:
     owners = strategy._grad_owners if strategy.zero == 2 else None  # ZeRO-2: each gradient to its owner
     result = run_pipeline_step(stage, batch, pmesh, check_finite=strategy.check_finite, grad_owners=owners)
     preemption = strategy._preemption
-    if preemption is not None:  # every rank agrees on the flag: one all-reduce over the world
-        flag = torch.tensor([int(preemption.requested)], device=strategy.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        preemption.record_agreement(bool(flag.item()))
+    stop, times = agree_after_step(result, pmesh, preemption is not None and preemption.requested)
+    if preemption is not None:
+        preemption.record_agreement(stop)
     dtype = next(stage.parameters()).dtype
     local = LocalResult(loss=result.loss_tensor.detach(), loss_tokens=0)
     step = step_loop.TrainStep(batch.step, named, local, None, False, started, dtype, result=result)
-    step.stats = step_stats(batch.step, result)
+    step.stats = {**step_stats(batch.step, result), **pipeline_stats(times, pmesh)}
     loop.steps_run += 1
     if strategy.log_loss:
         loop._log(strategy.loss_name, result.loss_tensor, on_step=True, prog_bar=True)
     step.put_aside()
     return step
+
+
+def agree_after_step(
+    result: PipelineStepResult, pmesh: ParallelMesh, stop_requested: bool
+) -> tuple[bool, torch.Tensor]:
+    """One all-reduce over the world after the step: the stop flag and every rank's stage times.
+
+    Returns whether any rank asked to stop (preemption) and a ``[2, world]`` float64 tensor on
+    the host: every global rank's schedule wall time and stage compute, the same on every rank.
+    """
+    world = pmesh.dims.world_size
+    values = torch.zeros(1 + 2 * world, dtype=torch.float64)
+    values[0] = float(stop_requested)
+    me = dist.get_rank()
+    values[1 + me], values[1 + world + me] = result.schedule_s, result.compute_s
+    device = pmesh.mesh.device_type
+    values = values.to(device)
+    dist.all_reduce(values)
+    values = values.cpu()
+    return bool(values[0] > 0), values[1:].reshape(2, world)
+
+
+def pipeline_stats(times: torch.Tensor, pmesh: ParallelMesh) -> dict[str, Any]:
+    """The measured pipeline figures of ``strategy.step_stats`` from every rank's stage times (the same on every rank).
+
+    ``pipeline_stage_bubble[h][p]``: stage p of pipeline h, ``1 - compute / schedule wall`` (the
+    mean over its TP lanes); ``pipeline_bubble[h]``: the mean over the pipeline's stages, as the
+    benchmark defines a pipeline's bubble; ``pipeline_schedule_s[h]``: its slowest stage's wall,
+    which is also the pipeline's ``busy_s`` (and the imbalance figures computed from it), so
+    every rank, whatever its stage, reports the same.
+    """
+    dims = pmesh.dims
+    lanes = range(dims.tensor_parallel)
+    stage_bubbles, walls = [], []
+    for h in range(dims.data_parallel):
+        row = []
+        for p in range(dims.pipeline):
+            ranks = [dims.global_rank(h, lane, p) for lane in lanes]
+            row.append(sum(stage_bubble(float(times[1, g]), float(times[0, g])) for g in ranks) / len(ranks))
+        walls.append(
+            max(float(times[0, dims.global_rank(h, lane, p)]) for p in range(dims.pipeline) for lane in lanes)
+        )
+        stage_bubbles.append(row)
+    mean, top = sum(walls) / len(walls), max(walls)
+    return {
+        "pipeline_stage_bubble": stage_bubbles,
+        "pipeline_bubble": [sum(row) / len(row) for row in stage_bubbles],
+        "pipeline_schedule_s": walls,
+        # per HDP rank the pipeline's schedule wall (its slowest stage), the same on every rank,
+        # in place of the stage's own report of its data-parallel group
+        "busy_s": walls,
+        "max_over_mean_measured": top / mean if mean > 0 else float("nan"),
+        "bubble_fraction": 1.0 - mean / top if top > 0 else 0.0,
+    }
 
 
 def clip_by_global_norm(plugin: Any, pmesh: ParallelMesh, *, sharded_gradients: bool = False) -> None:
@@ -222,11 +280,13 @@ def optimizer_state(optimizer: Optimizer, module: nn.Module, pmesh: ParallelMesh
 
 
 __all__ = [
+    "agree_after_step",
     "broadcast_state",
     "check_options",
     "check_setup",
     "clip_by_global_norm",
     "optimizer_state",
+    "pipeline_stats",
     "refuse_evaluation",
     "stage_of",
     "train",

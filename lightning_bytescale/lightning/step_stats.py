@@ -22,6 +22,9 @@ PLAN_FACTS: dict[str, str] = {
     "lengths": "lengths",
     "cp_degrees": "cp_degrees",
     "num_sequences": "num_sequences",
+    # under pipelines (``build_pipeline_step``): micro-batches and simulated bubble per pipeline
+    "pipeline_micro_batches": "pipeline_micro_batches",
+    "pipeline_bubble_sim": "pipeline_bubble_sim",
 }
 
 

@@ -5,7 +5,10 @@ after every optimizer step.
 `TelemetryCallback` logs it through Lightning's logging, so every logger (W&B, CSV, TensorBoard)
 gets the scalars every step: loss, tokens/s, estimated MFU, planned and measured per-rank busy
 time, max/mean imbalance, bubble fraction, ring bytes, measured (blocked) and planned exposed ring
-time, plan time and micro-batches per rank.
+time, plan time and micro-batches per rank.  Under pipelines (``pipeline_parallel_size`` > 1)
+also per pipeline (HDP rank) ``h``: its micro-batch count, its measured pipeline bubble and the
+simulator's bubble for the same executed order (``pipeline/bubble/<h>`` next to
+``pipeline/bubble_sim/<h>``, :func:`pipeline_metrics`).
 Every ``charts_every_n_steps`` steps it also logs the distributions: a sequence-length and a
 CP-degree histogram, a per-rank load bar chart and the plan as a table -- as W&B objects when a
 `WandbLogger` is attached, as TensorBoard histograms/text for a `TensorBoardLogger`, and as
@@ -30,6 +33,7 @@ __all__ = [
     "TelemetryCallback",
     "merge_plan_stats",
     "step_metrics",
+    "pipeline_metrics",
     "plan_rows",
     "rank_rows",
     "peak_tflops_for_device",
@@ -130,6 +134,7 @@ def step_metrics(
         if len(values) <= per_rank_limit:
             for rank, value in enumerate(values):
                 out[f"ranks/{name}/{rank}"] = value
+    out.update(pipeline_metrics(stats, per_rank_limit=per_rank_limit))
     waits = _floats(stats.get("ring_wait_s"))
     if waits:  # summed over ranks, like the plan's exposed_ring_time
         out["comm/ring_wait_s"] = sum(waits)
@@ -146,6 +151,39 @@ def step_metrics(
         out["comm/cp_degree_mean"] = statistics.fmean(degrees)
         out["comm/sharded_sequences"] = float(sum(1 for d in degrees if d > 1))
     return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+#: ``step_stats`` key -> metric prefix of the per-pipeline figures (one key per HDP rank ``h``).
+PIPELINE_METRICS: dict[str, str] = {
+    "pipeline_micro_batches": "pipeline/micro_batches",
+    "pipeline_bubble": "pipeline/bubble",
+    "pipeline_bubble_sim": "pipeline/bubble_sim",
+    "pipeline_schedule_s": "pipeline/schedule_s",
+}
+
+
+def pipeline_metrics(stats: dict[str, Any], *, per_rank_limit: int = 64) -> dict[str, float]:
+    """Per pipeline (HDP rank) ``h`` under pipelines: ``pipeline/<figure>/<h>``, and ``pipeline/stage_bubble/<h>/<p>``.
+
+    ``pipeline/bubble/<h>`` (measured: the mean over the pipeline's stages of ``1 - compute /
+    schedule wall``) and ``pipeline/bubble_sim/<h>`` (the simulator's for the executed order)
+    share the last part of their names, so a W&B chart of one pipeline shows both; with more
+    than ``per_rank_limit`` pipelines only the mean and max of each are logged.
+    """
+    out: dict[str, float] = {}
+    for key, prefix in PIPELINE_METRICS.items():
+        values = _floats(stats.get(key))
+        if not values:
+            continue
+        out[f"{prefix}_mean"] = statistics.fmean(values)
+        out[f"{prefix}_max"] = max(values)
+        if len(values) <= per_rank_limit:
+            out.update({f"{prefix}/{h}": v for h, v in enumerate(values)})
+    stages = stats.get("pipeline_stage_bubble") or []
+    if len(stages) <= per_rank_limit:
+        for h, row in enumerate(stages):
+            out.update({f"pipeline/stage_bubble/{h}/{p}": float(v) for p, v in enumerate(row)})
+    return out
 
 
 def cp_degrees_of(plan: Any) -> list[int]:

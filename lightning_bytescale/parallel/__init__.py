@@ -40,7 +40,13 @@ from lightning_bytescale.parallel.pipeline_stage import (
     padded_attention,
     stage_layers,
 )
-from lightning_bytescale.parallel.pipeline_step import build_schedule, run_pipeline_step
+from lightning_bytescale.parallel.pipeline_step import (
+    PipelineStepResult,
+    StageClock,
+    build_schedule,
+    run_pipeline_step,
+    stage_bubble,
+)
 from lightning_bytescale.parallel.shards import LocalShards
 from lightning_bytescale.parallel.step import agree_across_lanes, run_parallel_step, start_step_check
 from lightning_bytescale.parallel.tensor_parallel import llama_tp_plan, parallelize_llama
@@ -61,6 +67,8 @@ __all__ = [
     "ParallelMesh",
     "PipelineModelError",
     "PipelineStepBatch",
+    "PipelineStepResult",
+    "StageClock",
     "TENSOR_PARALLEL",
     "TensorParallelHeadsError",
     "agree_across_lanes",
@@ -77,6 +85,7 @@ __all__ = [
     "parallelize_llama",
     "run_parallel_step",
     "run_pipeline_step",
+    "stage_bubble",
     "stage_layers",
     "start_step_check",
 ]

@@ -33,6 +33,7 @@ above, unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
@@ -159,8 +160,16 @@ class ParallelDims:
         """Refuse a model whose heads cannot be split whole over the TP ranks (:func:`check_heads`)."""
         check_heads(heads, kv_heads, self.tensor_parallel, model=model)
 
-    def build(self, device_type: str) -> ParallelMesh:
-        """The 2-D mesh over the initialised world, with this rank's coordinates (call once, on every rank)."""
+    def build(self, device_type: str, *, timeout: timedelta | None = None) -> ParallelMesh:
+        """The 2-D mesh over the initialised world, with this rank's coordinates (call once, on every rank).
+
+        ``timeout``: with pipelines, the ``"pipeline"`` groups are made again with it
+        (:attr:`ParallelMesh.pp_group`).  A stage waits for its neighbour in a point-to-point
+        receive, which gloo bounds by the timeout the group was *made* with (setting it later
+        bounds collectives only), and ``init_device_mesh`` makes its groups with the backend's
+        default (30 minutes for gloo), so a stage waiting on a stuck neighbour would outwait the
+        run's timeout.
+        """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -188,7 +197,15 @@ class ParallelDims:
             ]
         if mesh.mesh.tolist() != expected:  # the rank layout every other part relies on
             raise ParallelDimsError(f"the device mesh has layout {mesh.mesh.tolist()}, expected {expected}")
-        return ParallelMesh(self, mesh, dist.get_rank())
+        pipeline_group = None
+        if self.pipeline > 1 and timeout is not None:  # every pipeline's stages in stage order, every rank
+            pipelines = [
+                [self.global_rank(h, lane, p) for p in range(self.pipeline)]
+                for h in range(self.data_parallel)
+                for lane in range(self.tensor_parallel)
+            ]
+            pipeline_group, _ = dist.new_subgroups_by_enumeration(pipelines, timeout=timeout)
+        return ParallelMesh(self, mesh, dist.get_rank(), pipeline_group)
 
 
 def check_heads(heads: int, kv_heads: int, tensor_parallel: int, *, model: str = "the model") -> None:
@@ -223,6 +240,7 @@ class ParallelMesh:
     dims: ParallelDims
     mesh: Any  # DeviceMesh: 2-D MESH_DIM_NAMES, or 3-D PIPELINE_MESH_DIM_NAMES with pipelines
     rank: int  # global rank of this process
+    pipeline_group: Any = None  # the "pipeline" group made with the run's timeout (ParallelDims.build)
 
     @property
     def hdp_rank(self) -> int:
@@ -239,12 +257,15 @@ class ParallelMesh:
 
     @cached_property
     def pp_group(self) -> Any:
-        """The ``"pipeline"`` group: the stages of this rank's pipeline, in stage order (P > 1 only)."""
+        """The ``"pipeline"`` group: the stages of this rank's pipeline, in stage order (P > 1 only).
+
+        The one made with the run's timeout when :meth:`ParallelDims.build` got one, else the mesh's.
+        """
         if self.dims.pipeline == 1:
             raise ParallelDimsError(
                 "a mesh without pipelines (pipeline_parallel_size=1) has no pipeline group"
             )
-        return self.mesh.get_group(PIPELINE)
+        return self.pipeline_group if self.pipeline_group is not None else self.mesh.get_group(PIPELINE)
 
     @cached_property
     def dp_mesh(self) -> Any:

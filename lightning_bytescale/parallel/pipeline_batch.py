@@ -31,8 +31,10 @@ from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.loss import IGNORE_INDEX
 from lightning_bytescale.engine.micro_batch import MaskSource, PackingError, TokenSource, build_step
 from lightning_bytescale.packed_attention.layout import AttentionLayout
+from lightning_bytescale.planner.cost_model import CostModel
 from lightning_bytescale.planner.pipeline_order import order_pipelines
 from lightning_bytescale.planner.plan import Plan
+from lightning_bytescale.sim.pipeline_bubble import pipeline_bubbles
 
 ONE_F_ONE_B = "1F1B"
 GPIPE = "GPipe"
@@ -118,6 +120,28 @@ class PipelineStepBatch:
         return ONE_F_ONE_B if n >= self.stages else GPIPE
 
 
+def _pipeline_facts(plan: Plan, counts: Sequence[int], stages: int, min_micro_batches: int) -> dict:
+    """What every rank knows of the executed pipeline order: micro-batches and simulated bubble per pipeline.
+
+    ``pipeline_micro_batches`` (padding included) and ``pipeline_bubble_sim``: the simulator's
+    bubble of every pipeline for the executed order, each micro-batch costed padded to C as the
+    stages run it, with the cost model the plan was made with
+    (:func:`~lightning_bytescale.sim.pipeline_bubble.pipeline_bubbles`); for the telemetry.
+    """
+    facts: dict = {"pipeline_micro_batches": [int(c) for c in counts]}
+    cost = plan.options.get("cost_model")
+    if cost and stages > 1:
+        bubbles = pipeline_bubbles(
+            plan,
+            CostModel.from_json_dict(cost),
+            stages=stages,
+            min_micro_batches=min_micro_batches,
+            pad_to_capacity=True,
+        )
+        facts["pipeline_bubble_sim"] = [b.bubble for b in bubbles]
+    return facts
+
+
 def build_pipeline_step(
     plan: Plan,
     hdp_rank: int,
@@ -154,6 +178,7 @@ def build_pipeline_step(
     if any(mb.ring is not None for mbs in plan.ranks for mb in mbs):
         min_micro_batches = max(min_micro_batches, stages)
     order = order_pipelines(plan, stages=stages, min_micro_batches=min_micro_batches)
+    packed.stats.update(_pipeline_facts(plan, order.micro_batch_counts, stages, min_micro_batches))
     position = {id(mb): i for i, mb in enumerate(plan.ranks[hdp_rank])}
     capacity = int(plan.capacity)
     slots = []

@@ -32,6 +32,12 @@ split), one step on one rank (stage ``p`` of pipeline ``h``) is:
    a TP group stop together (:func:`~lightning_bytescale.parallel.step.agree_across_lanes`).  Then the last stage broadcasts the step's loss over its pipeline, so every rank's
    :class:`~lightning_bytescale.engine.executor.StepResult` holds it.
 
+The result (:class:`PipelineStepResult`) also holds the stage's measured times: the wall
+time of torch's ``schedule.step`` and the stage's compute inside it (its forwards, backwards
+and, on the last stage, the loss), both taken on the host around torch's calls
+(:class:`StageClock`; on CUDA with events read after the schedule, so nothing synchronises
+inside it), whose ratio gives the stage's pipeline bubble.
+
 With ``grad_owners`` (ZeRO-2 per stage) each gradient is reduced to its owner among the stage's
 HDP ranks instead.  Step the optimizer of the stage's parameters afterwards.  Clipping by the
 global norm over stages is not done here (docs/pipelines.md).  No process group is created after the mesh.
@@ -39,8 +45,11 @@ global norm over stages is not done here (docs/pipelines.md).  No process group 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +72,80 @@ def _device(pmesh: ParallelMesh) -> torch.device:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+@dataclass
+class PipelineStepResult(StepResult):
+    """:class:`~lightning_bytescale.engine.executor.StepResult` plus this stage's measured times of the step.
+
+    ``schedule_s`` is the wall time of torch's ``schedule.step`` on this rank, ``compute_s`` the
+    stage's forwards, backwards and loss inside it (0 for a pipeline without micro-batches).
+    """
+
+    schedule_s: float = 0.0
+    compute_s: float = 0.0
+
+    @property
+    def stage_bubble(self) -> float:
+        """``1 - compute / schedule wall``: the share of the schedule this stage waited (0 without a schedule)."""
+        return stage_bubble(self.compute_s, self.schedule_s)
+
+
+def stage_bubble(compute_s: float, schedule_s: float) -> float:
+    """A stage's pipeline bubble, ``1 - compute / schedule wall`` (0 for an empty schedule), as the benchmark defines it."""
+    return 1.0 - compute_s / schedule_s if schedule_s > 0 else 0.0
+
+
+class StageClock:
+    """The schedule's wall time and the stage's compute in it, timed around torch's calls on this instance.
+
+    On the host with ``perf_counter`` for a CPU stage; on CUDA with events recorded on the
+    current stream around every forward, backward and loss, read after the schedule (no
+    synchronisation inside it: the first read waits once for the step's last event).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.wall = 0.0
+        self._host_compute = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    end.record()
+                    self._events.append((begin, end))
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._host_compute += time.perf_counter() - t0
+
+        return timed
+
+    def attach(self, schedule: PipelineScheduleSingle) -> None:
+        """Time this schedule's stage compute (its ``forward_one_chunk``, ``backward_one_chunk``, loss)."""
+        stage = schedule._stage
+        for owner, name in (
+            (stage, "forward_one_chunk"),
+            (stage, "backward_one_chunk"),
+            (schedule, "_compute_loss"),
+        ):
+            if callable(getattr(owner, name, None)):  # torch's names: a release without one times the rest
+                setattr(owner, name, self._timed(getattr(owner, name)))
+
+    @property
+    def compute(self) -> float:
+        """Seconds of stage compute (CUDA: the events' elapsed times; read after the schedule)."""
+        if not self._events:
+            return self._host_compute
+        self._events[-1][1].synchronize()
+        return sum(begin.elapsed_time(end) for begin, end in self._events) / 1000.0
 
 
 def build_schedule(
@@ -120,7 +203,7 @@ def run_pipeline_step(
     check_tokens: bool = True,
     check_finite: bool = True,
     grad_owners: Mapping[int, int] | None = None,
-) -> StepResult:
+) -> PipelineStepResult:
     """One step of this rank's stage ``module`` of its pipeline's ``batch`` (module docstring).
 
     Gradients accumulate into ``p.grad`` of the stage's parameters (zero them before the step);
@@ -136,6 +219,9 @@ def run_pipeline_step(
     mbs = batch.micro_batches
     device = _device(pmesh)
     schedule = build_schedule(module, batch, pmesh)
+    clock = StageClock(device)
+    if schedule is not None:
+        clock.attach(schedule)
     if on_schedule is not None:
         on_schedule(schedule)
     losses: list[torch.Tensor] = []
@@ -150,6 +236,9 @@ def run_pipeline_step(
         finally:
             module.bind(())
     seconds = time.perf_counter() - start
+    if clock.cuda and schedule is not None:  # the host returned at the last launch: wait for the stage's work
+        torch.cuda.current_stream(device).synchronize()
+        seconds = time.perf_counter() - start
     shards = LocalShards([(n, p) for n, p in module.named_parameters() if p.requires_grad])
     tokens = [int((mb.labels != IGNORE_INDEX).sum()) if module.is_last else 0 for mb in mbs]
     values = [float(x.detach()) for x in losses] if losses else [0.0] * len(mbs)
@@ -189,7 +278,8 @@ def run_pipeline_step(
     dist.broadcast(loss, group=pmesh.pp_group, group_src=pmesh.dims.pipeline - 1)
     result.loss_tensor = loss[0]
     result.loss = float(loss[0])
-    return result
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    return PipelineStepResult(**fields, schedule_s=seconds, compute_s=clock.compute)
 
 
-__all__ = ["build_schedule", "run_pipeline_step"]
+__all__ = ["PipelineStepResult", "StageClock", "build_schedule", "run_pipeline_step", "stage_bubble"]

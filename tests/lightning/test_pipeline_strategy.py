@@ -183,7 +183,7 @@ def _fit(out: Path, world: int, steps: int, **options) -> None:
     ``module`` and the strategy's own."""
     data_steps, ckpt_every = options.pop("data_steps", steps), options.pop("ckpt_every", None)
     resume, module = options.pop("resume", None), options.pop("module", None) or PipelineLM()
-    datamodule = options.pop("datamodule", None)
+    datamodule, extra_callbacks = options.pop("datamodule", None), options.pop("callbacks", [])
     module.data_steps = data_steps
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MASTER_PORT", None)
@@ -193,7 +193,7 @@ def _fit(out: Path, world: int, steps: int, **options) -> None:
     strategy = ByteScaleStrategy(
         pipeline_parallel_size=STAGES, capacity=capacity, start_method="fork", timeout=120, **options
     )
-    callbacks: list[pl.Callback] = [Recorder(out)]
+    callbacks: list[pl.Callback] = [*extra_callbacks, Recorder(out)]
     if ckpt_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=ckpt_every))
     trainer = pl.Trainer(

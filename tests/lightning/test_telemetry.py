@@ -289,3 +289,30 @@ def test_step_stats_count_sequences_from_the_plan_on_masked_data(tmp_path):
     for stats in module.stats:
         assert stats["num_sequences"] == 3 and stats["lengths"] == lengths
         assert stats["cp_degrees"] == [1, 1, 1] and stats["loss_tokens"] < stats["tokens"] - 3
+
+
+def test_pipeline_metrics_one_key_per_pipeline_and_stage_up_to_the_limit():
+    from lightning_bytescale.lightning.telemetry import pipeline_metrics
+
+    stats = {
+        "pipeline_micro_batches": [3, 5],
+        "pipeline_bubble": [0.25, 0.5],
+        "pipeline_bubble_sim": [0.2, 0.4],
+        "pipeline_stage_bubble": [[0.1, 0.4], [0.3, 0.7]],
+    }
+    got = step_metrics(stats)
+    assert got["pipeline/micro_batches/1"] == 5.0 and got["pipeline/micro_batches_max"] == 5.0
+    assert got["pipeline/bubble/0"] == 0.25 and got["pipeline/bubble_sim/0"] == 0.2
+    assert got["pipeline/bubble_mean"] == pytest.approx(0.375)
+    assert got["pipeline/stage_bubble/1/1"] == 0.7
+    few = pipeline_metrics(stats, per_rank_limit=1)  # two pipelines above the limit: only mean and max
+    assert "pipeline/bubble/0" not in few and "pipeline/stage_bubble/0/0" not in few
+    assert few["pipeline/bubble_max"] == 0.5
+    assert not pipeline_metrics({"busy_s": [1.0]}), "no pipeline figures without pipelines"
+
+
+def test_stage_bubble_is_the_share_of_the_schedule_not_computing():
+    from lightning_bytescale.parallel import stage_bubble
+
+    assert stage_bubble(3.0, 4.0) == 0.25
+    assert stage_bubble(0.0, 0.0) == 0.0  # a pipeline without micro-batches
