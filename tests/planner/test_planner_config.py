@@ -182,7 +182,9 @@ def test_the_strategy_refuses_a_typo_naming_the_closest_name():
         ConfigError, match=r"unknown planner option 'pp_raeding': did you mean 'pp_reading'\?"
     ):
         ByteScaleStrategy(options={"pp_raeding": "round_robin"})
-    with pytest.raises(ConfigError, match="runs no pipeline stages"):
+    with pytest.raises(
+        ConfigError, match=r"pipeline_degree=2 but pipeline_parallel_size=1.*pipeline_parallel_size=2"
+    ):
         ByteScaleStrategy(pipeline_degree=2)
     s = ByteScaleStrategy(capacity=256, options={"pp_reading": "round_robin"})
     assert s.planner_config == PlannerConfig(
