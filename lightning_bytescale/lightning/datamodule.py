@@ -389,6 +389,15 @@ class ByteScaleDataModule(pl.LightningDataModule):
     def _trainer_or_none(self):
         return getattr(self, "trainer", None)
 
+    @property
+    def _reports_data_warnings(self) -> bool:
+        """Whether this process logs the data warnings: the run's global rank 0 under a trainer (HDP
+        rank 0 is several processes with TP lanes or pipeline stages), else HDP rank 0."""
+        trainer = self._trainer_or_none()
+        if trainer is not None and self._rank is None:
+            return int(trainer.global_rank) == 0
+        return self.rank == 0
+
     def _strategy_config(self) -> PlannerConfig | None:
         """The trainer's strategy's ``planner_config`` (``ByteScaleStrategy``'s), if it has one."""
         trainer = self._trainer_or_none()
@@ -759,7 +768,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         long = s.report.get("long_documents", 0)
         if quiet:
             return s
-        if long and self.rank == 0:
+        if long and self._reports_data_warnings:
             what = "conversations" if self.conversational else "documents"
             done = {"drop": "dropped", "truncate": "truncated", "split": "split"}.get(
                 self.long_document_policy
@@ -769,7 +778,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
                 "context_length (and capacity x world size) to keep them",
                 where, long, what, self.max_length, done, self.long_document_policy,
             )  # fmt: skip
-        if s.report.get("no_loss_dropped") and self.rank == 0:
+        if s.report.get("no_loss_dropped") and self._reports_data_warnings:
             self._warn_once(
                 "%s: %d samples with no trained token (loss_on=%r) were dropped",
                 where, s.report["no_loss_dropped"], self.loss_on,
@@ -827,7 +836,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
                 f"config_overrides.vocab_size={store.vocab_size})"
             )
         store.vocab_limit = min(limit, store.vocab_size)
-        if store.vocab_size > limit and self.rank == 0:
+        if store.vocab_size > limit and self._reports_data_warnings:
             self._warn_once(
                 "the tokenizer has %d tokens, the model's vocabulary %d; the data's largest id (%s) fits",
                 store.vocab_size, limit, store.max_token_id,

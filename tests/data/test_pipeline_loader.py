@@ -96,3 +96,21 @@ def test_data_module_plans_pp_balance_for_the_pipelines_of_the_strategy_mesh(tmp
     assert plan.options.get("pipeline_degree") == 2
     for mb in batch.micro_batches:
         assert mb.layout.ring is None or set(mb.layout.ring) <= {2, 3}
+
+
+def test_data_warnings_come_from_global_rank_zero_only_on_a_mesh():
+    """HDP rank 0 is several processes with pipeline stages or TP lanes: only global rank 0 logs."""
+    from types import SimpleNamespace
+
+    from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
+
+    def on(global_rank: int) -> bool:
+        dm = ByteScaleDataModule(source="unused", capacity=64)
+        pmesh = SimpleNamespace(hdp_rank=0, dims=SimpleNamespace(data_parallel=2))
+        dm.trainer = SimpleNamespace(
+            global_rank=global_rank, world_size=4, strategy=SimpleNamespace(parallel_mesh=pmesh)
+        )
+        assert dm.rank == 0
+        return dm._reports_data_warnings
+
+    assert on(0) and not on(1)
