@@ -171,13 +171,17 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 def clip_by_global_norm(plugin: Any, pmesh: ParallelMesh, *, sharded_gradients: bool = False) -> None:
     """The precision plugin's ``clip_grad_by_norm`` by the norm over DTensor shards and plain replicas, each element once.
 
-    ``sharded_gradients`` (ZeRO-2): each HDP rank of a lane holds only the gradients it owns, so
-    the norms of what the ranks hold are combined over the lane's data-parallel group.
+    ``sharded_gradients`` (ZeRO-2): each HDP rank of a lane (and stage) holds only the gradients it
+    owns, so the norms of what the ranks hold are combined over the lane's data-parallel group.
+    With pipelines each stage holds other parameters: the norms are combined over the pipeline too.
     """
     group = pmesh.dp_group if sharded_gradients else None
+    pipeline_group = pmesh.pp_group if pmesh.dims.pipeline > 1 else None
 
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-        mesh_clip_grad_norm_(plugin.main_params(optimizer), clip_val, group=group)
+        mesh_clip_grad_norm_(
+            plugin.main_params(optimizer), clip_val, group=group, pipeline_group=pipeline_group
+        )
 
     plugin.clip_grad_by_norm = clip_grad_by_norm
 

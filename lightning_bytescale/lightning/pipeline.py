@@ -20,7 +20,7 @@ under a Lightning ``Trainer`` (docs/pipelines.md, "Pipelines under the Trainer")
 * after the step one all-reduce over the world agrees on the stop flag (preemption) and
   gives every rank every stage's measured times, from which ``step_stats`` get each
   pipeline's measured bubble (:func:`agree_after_step`, :func:`pipeline_stats`);
-* clipping by the norm over every stage (:func:`clip_by_global_norm`);
+* clipping by the norm over every stage (:func:`~lightning_bytescale.lightning.mesh.clip_by_global_norm`);
 * sharded checkpoints: each stage's optimizer groups merged over the pipeline
   (:func:`optimizer_state`), so the folder names every stage's parameters and each stage
   reads back only its own keys.
@@ -54,7 +54,6 @@ from lightning_bytescale.parallel import (
     run_pipeline_step,
     stage_bubble,
 )
-from lightning_bytescale.parallel import clip_grad_norm_ as mesh_clip_grad_norm_
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -239,22 +238,6 @@ def pipeline_stats(times: torch.Tensor, pmesh: ParallelMesh) -> dict[str, Any]:
     }
 
 
-def clip_by_global_norm(plugin: Any, pmesh: ParallelMesh, *, sharded_gradients: bool = False) -> None:
-    """The precision plugin's ``clip_grad_by_norm`` by the norm over every parameter of every stage, each element once.
-
-    ``sharded_gradients`` (ZeRO-2 per stage): each HDP rank of a stage holds only the gradients it
-    owns, so the norms are combined over the stage's data-parallel group, then over the pipeline.
-    """
-    group = pmesh.dp_group if sharded_gradients else None
-
-    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-        mesh_clip_grad_norm_(
-            plugin.main_params(optimizer), clip_val, group=group, pipeline_group=pmesh.pp_group
-        )
-
-    plugin.clip_grad_by_norm = clip_grad_by_norm
-
-
 def refuse_evaluation(hook: str, pipeline_parallel_size: int) -> ConfigError:
     """The error for an evaluation or prediction batch under pipelines (only training runs the schedule)."""
     return ConfigError(
@@ -284,7 +267,6 @@ __all__ = [
     "broadcast_state",
     "check_options",
     "check_setup",
-    "clip_by_global_norm",
     "optimizer_state",
     "pipeline_stats",
     "refuse_evaluation",

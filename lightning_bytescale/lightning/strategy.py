@@ -149,8 +149,8 @@ class ByteScaleStrategy(ParallelStrategy):
             rank of the mesh agrees on the same step.
         checkpoint_format: ``"sharded"`` (a folder every rank writes its part of, resharding on
             load: :mod:`~lightning_bytescale.lightning.checkpoint`), ``"consolidated"`` (one file
-            from rank 0) or ``"auto"`` (sharded exactly when ``zero >= 1``, or with
-            ``tensor_parallel_size > 1`` when FSDP2 shards the state); both formats load.
+            from rank 0) or ``"auto"`` (sharded exactly when ZeRO or, with ``tensor_parallel_size > 1``,
+            FSDP2 splits the optimizer state; always with pipelines); both formats load.
         log_loss: log the global token-mean loss of the step as ``loss_name`` (progress bar too).
         loss_name: the metric name used by ``log_loss``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
@@ -483,14 +483,11 @@ class ByteScaleStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         pmesh = self.parallel_mesh
-        if (
-            pmesh is not None
-        ):  # ZeRO-1/2 over each lane's (and stage's) HDP ranks; the norm over DTensor shards
+        # on the mesh: ZeRO-1/2 over each lane's (and stage's) HDP ranks; the norm over DTensor shards
+        if pmesh is not None:
             zeros = mesh_.lane_zero(self.optimizers, pmesh, self.zero) if self.zero >= 1 else []
             self._grad_owners = mesh_.gradient_owners(zeros) if self.zero == 2 else None
-            pipelines = self.pipeline_parallel_size > 1  # the norm over every stage too
-            clip = pipeline_.clip_by_global_norm if pipelines else mesh_.clip_by_global_norm
-            clip(self.precision_plugin, pmesh, sharded_gradients=self.zero == 2)
+            mesh_.clip_by_global_norm(self.precision_plugin, pmesh, sharded_gradients=self.zero == 2)
             return
         if self.zero >= 1:
             self.optimizers = shard_optimizers(
