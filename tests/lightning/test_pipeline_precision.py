@@ -50,17 +50,10 @@ class Steps(Dataset):
         from lightning_bytescale.planner import make_plan
 
         seqs = global_batch(k)
-        plan = make_plan(
-            [len(s) for s in seqs], world_size=1, capacity=CAPACITY, pipeline_degree=STAGES, seed=k
-        )
-        return build_pipeline_step(
-            plan,
-            self.pmesh.hdp_rank,
-            lambda j: seqs[j],
-            stages=STAGES,
-            step=k,
-            ring_ranks=self.pmesh.ring_ranks,
-        )
+        lengths = [len(s) for s in seqs]
+        plan = make_plan(lengths, world_size=1, capacity=CAPACITY, pipeline_degree=STAGES, seed=k)
+        ring_ranks = self.pmesh.ring_ranks
+        return build_pipeline_step(plan, 0, seqs.__getitem__, stages=STAGES, step=k, ring_ranks=ring_ranks)
 
 
 class StagedLM(pl.LightningModule):

@@ -183,6 +183,12 @@ def _autocast(pmesh) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Both ranks' reports of the one run (every check below reads them)."""
+    return gather_reports(tmp_path_factory.mktemp("pp_reuse"), _worker, STAGES, timeout_s=180)
+
+
 def _worker(rank: int, port: int, outdir: str) -> None:
     from lightning_bytescale.parallel import ParallelDims
 
@@ -207,11 +213,6 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         report["autocast"] = {"error": repr(err)}
     save_report(outdir, rank, report)
     dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    return gather_reports(tmp_path_factory.mktemp("pp_reuse"), _worker, STAGES, timeout_s=180)
 
 
 def test_no_stage_outlives_its_step(reports):
