@@ -39,5 +39,6 @@ exec bash scripts/pytest_split.sh "$VENV/bin/python" -q -p no:cacheprovider --du
     tests/engine/test_engine_distributed.py tests/engine/test_grad_sync.py \
     tests/hf/test_hf_attention.py tests/hf/test_hf_equivalence.py tests/hf/test_hf_tensor_parallel.py \
     tests/hf/test_hf_pipeline_step.py \
+    tests/lightning/test_pipeline_precision.py \
     tests/lightning/test_strategy.py \
     "$@"

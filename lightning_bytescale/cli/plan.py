@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--ranks-per-node", type=int, default=None)
     ap.add_argument("--pipeline-degree", type=int, default=1)
+    ap.add_argument(
+        "--max-micro-batches",
+        type=int,
+        default=None,
+        help="with --pipeline-degree > 1: the most micro-batches one pipeline runs in a step (receive buffers)",
+    )
     ap.add_argument("--slack", type=float, default=0.05)
     ap.add_argument("--num-buckets", type=int, default=8)
     off = ap.add_mutually_exclusive_group()
@@ -199,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             slack=args.slack,
             num_buckets=args.num_buckets,
             pipeline_degree=args.pipeline_degree,
+            max_micro_batches=args.max_micro_batches,
             ranks_per_node=args.ranks_per_node,
             comm_aware=not args.compute_only,
             **options,

@@ -105,7 +105,7 @@ class ByteScaleStrategy(ParallelStrategy):
 
     Args:
         planner, capacity, cp_size, offload, slack, seed, cost_model, comm_aware, ranks_per_node,
-            num_buckets, pipeline_degree, options: the fields of
+            num_buckets, pipeline_degree, max_micro_batches, options: the fields of
             :class:`~lightning_bytescale.planner.config.PlannerConfig` (docs/planner.md), kept as
             ``strategy.planner_config``, which the data module plans with; ``planner`` may be a
             whole ``PlannerConfig`` (then leave the others at their defaults).  Here
@@ -176,6 +176,7 @@ class ByteScaleStrategy(ParallelStrategy):
         ranks_per_node: int | None = None,
         num_buckets: int = 8,
         pipeline_degree: int = 1,
+        max_micro_batches: int | None = None,
         options: dict[str, Any] | None = None,
         zero: int = 0,
         zero1: bool | None = None,
@@ -211,7 +212,8 @@ class ByteScaleStrategy(ParallelStrategy):
             planner, {k: p.default for k, p in signature.items()}, pipelines=pipeline_parallel_size,
             capacity=capacity, cp_size=cp_size, offload=offload, slack=slack, seed=seed,
             cost_model=cost_model, comm_aware=comm_aware, ranks_per_node=ranks_per_node,
-            num_buckets=num_buckets, pipeline_degree=pipeline_degree, options=options,
+            num_buckets=num_buckets, pipeline_degree=pipeline_degree, max_micro_batches=max_micro_batches,
+            options=options,
         )  # fmt: skip
         options_.check_step_options(
             check_parameters_every_n_steps=check_parameters_every_n_steps, start_method=start_method,
@@ -240,6 +242,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.pipeline_parallel_size: int = pipeline_parallel_size
         self.parallel_mesh: Any = None  # the ParallelMesh (tensor or pipeline parallelism), built at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
+        self._stage_schedules: Any = None  # pipelines: the StageSchedules kept between steps
         self.check_finite = bool(check_finite)
         self.locate_non_finite = bool(locate_non_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
@@ -344,10 +347,12 @@ class ByteScaleStrategy(ParallelStrategy):
     def check_before_launch(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         """What can be refused before any rank starts, once: the launchers call it with the run's arguments.
 
-        Gradient accumulation over Lightning batches, and a data module whose own planner
-        arguments contradict :attr:`planner_config`.
+        Gradient accumulation over Lightning batches, a float16 ``GradScaler`` with pipelines, and
+        a data module whose own planner arguments contradict :attr:`planner_config`.
         """
         step_loop.StepLoop.refuse_accumulation(trainer)
+        if self.pipeline_parallel_size > 1:
+            pipeline_.check_precision(self)
         for value in (*args, *kwargs.values()):
             check = getattr(value, "check_planner_config", None)
             if callable(check):
@@ -462,6 +467,7 @@ class ByteScaleStrategy(ParallelStrategy):
             # longer holds it: once the user destroys the process groups nothing keeps it alive
             self._step = None
             self._grad_group = None
+            self._stage_schedules = None  # the pipeline stages and their receive buffers
         super().teardown()
 
     @override

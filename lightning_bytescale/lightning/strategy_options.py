@@ -73,6 +73,10 @@ def strategy_planner_config(
         elif given["offload"] is None:
             given["offload"] = False
         given["options"] = given["options"] or {}
+        if (
+            given["pipeline_degree"] == 1
+        ):  # set here, so that the options that need pipelines are checked with it
+            given["pipeline_degree"] = pipelines
         config = PlannerConfig.from_options(planner=planner, **given)
     if config.pipeline_degree not in (1, pipelines):
         raise ConfigError(

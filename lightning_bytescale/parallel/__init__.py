@@ -6,7 +6,8 @@ parallel styles; :class:`FSDPStepDriver` keeps FSDP2's collectives to one per un
 whatever a rank's micro-batch count; :func:`run_parallel_step` is the HDP step on the mesh and
 :func:`clip_grad_norm_` clips by the global norm over DTensor shards.  With pipelines,
 :class:`DecoderStage` is one stage of a decoder (:class:`LlamaStage` of the reference Llama), :func:`build_pipeline_step` a
-pipeline's padded micro-batches in the pipeline order and :func:`run_pipeline_step` the step.
+pipeline's padded micro-batches in the pipeline order, :func:`run_pipeline_step` the step and
+:class:`StageSchedules` the stages and schedules it keeps from step to step.
 """
 
 from lightning_bytescale.parallel.clip import clip_grad_norm_, global_grad_norm
@@ -43,6 +44,7 @@ from lightning_bytescale.parallel.pipeline_stage import (
 from lightning_bytescale.parallel.pipeline_step import (
     PipelineStepResult,
     StageClock,
+    StageSchedules,
     build_schedule,
     run_pipeline_step,
     stage_bubble,
@@ -69,6 +71,7 @@ __all__ = [
     "PipelineStepBatch",
     "PipelineStepResult",
     "StageClock",
+    "StageSchedules",
     "TENSOR_PARALLEL",
     "TensorParallelHeadsError",
     "agree_across_lanes",

@@ -13,7 +13,11 @@ split), one step on one rank (stage ``p`` of pipeline ``h``) is:
    micro-batch is padded to the capacity C), and a schedule built *for this pipeline's own
    micro-batch count* (``n_microbatches`` is fixed when a schedule is built):
    ``Schedule1F1B``, or ``ScheduleGPipe`` for a pipeline with fewer micro-batches than stages
-   (1F1B refuses those), none for a pipeline without any.  ``scale_grads=False``: every
+   (1F1B refuses those), none for a pipeline without any; kept for the next step with the same
+   count (:class:`StageSchedules`: torch allocates a stage's receive buffers for every
+   micro-batch once per stage).  The stage's forwards and the loss run under the caller's
+   compute context (the precision plugin's autocast under the Trainer), the last stage's
+   logits declared in the autocast dtype.  ``scale_grads=False``: every
    micro-batch's loss is already divided by the global token count
    (:meth:`~lightning_bytescale.engine.batch.PackedMicroBatch.loss`), so the sum of the
    micro-batches' gradients is the gradient.  Only the last stage computes the loss.
@@ -45,9 +49,12 @@ global norm over stages is not done here (docs/pipelines.md).  No process group 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +66,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from lightning_bytescale.engine.executor import LocalResult, MicroBatchResult, StepResult, sync_step
 from lightning_bytescale.engine.finite import all_finite
 from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
+from lightning_bytescale.packed_attention.input_dtype import autocast_dtype
 from lightning_bytescale.parallel.dims import ParallelMesh
 from lightning_bytescale.parallel.errors import ParallelDimsError
 from lightning_bytescale.parallel.pipeline_batch import ONE_F_ONE_B, PipelineStepBatch
@@ -97,11 +105,14 @@ def stage_bubble(compute_s: float, schedule_s: float) -> float:
 
 
 class StageClock:
-    """The schedule's wall time and the stage's compute in it, timed around torch's calls on this instance.
+    """The schedule's wall time and the stage's compute in it, timed around torch's calls.
 
     On the host with ``perf_counter`` for a CPU stage; on CUDA with events recorded on the
     current stream around every forward, backward and loss, read after the schedule (no
-    synchronisation inside it: the first read waits once for the step's last event).
+    synchronisation inside it: the first read waits once for the step's last event).  The
+    stage's :class:`TimedStage` and its :class:`TokenLoss` time themselves with the clock of the
+    step they run in (:meth:`timing`); nothing of torch's is patched, so the clock holds no
+    reference to a stage and a stage none to the clock after its step.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -110,34 +121,23 @@ class StageClock:
         self._host_compute = 0.0
         self._events: list[tuple[Any, Any]] = []
 
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self.cuda:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    end.record()
-                    self._events.append((begin, end))
-            t0 = time.perf_counter()
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """Count the time of the code inside as stage compute."""
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
             try:
-                return fn(*args, **kwargs)
+                yield
             finally:
-                self._host_compute += time.perf_counter() - t0
-
-        return timed
-
-    def attach(self, schedule: PipelineScheduleSingle) -> None:
-        """Time this schedule's stage compute (its ``forward_one_chunk``, ``backward_one_chunk``, loss)."""
-        stage = schedule._stage
-        for owner, name in (
-            (stage, "forward_one_chunk"),
-            (stage, "backward_one_chunk"),
-            (schedule, "_compute_loss"),
-        ):
-            if callable(getattr(owner, name, None)):  # torch's names: a release without one times the rest
-                setattr(owner, name, self._timed(getattr(owner, name)))
+                end.record()
+                self._events.append((begin, end))
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._host_compute += time.perf_counter() - t0
 
     @property
     def compute(self) -> float:
@@ -148,34 +148,129 @@ class StageClock:
         return sum(begin.elapsed_time(end) for begin, end in self._events) / 1000.0
 
 
-def build_schedule(
-    module: DecoderStage, batch: PipelineStepBatch, pmesh: ParallelMesh, *, dtype: torch.dtype | None = None
-) -> PipelineScheduleSingle | None:
-    """This step's ``PipelineStage`` of ``module`` and its schedule for ``len(batch.micro_batches)``, or ``None``.
+ComputeContext = Callable[[], AbstractContextManager[Any]]
 
-    Shapes are static (``[1, C]`` ids, ``[1, C, dim]`` activations in ``dtype``, default the
-    stage's parameters' dtype, ``[1, C, vocab]`` logits), so torch infers nothing at run time.
+
+@dataclass
+class StepScope:
+    """What one step lends a cached stage and its loss: the clock, the compute context, the global token count.
+
+    ``context`` is entered around every forward and every loss of the stage, never around a
+    backward: Lightning enters its precision plugin's ``train_step_context`` (autocast under
+    ``"bf16-mixed"``) around ``training_step`` and runs the backward outside it.
+    :func:`run_pipeline_step` sets the fields before the schedule and resets them after it.
     """
+
+    clock: StageClock | None = None
+    context: ComputeContext = contextlib.nullcontext
+    num_global_tokens: int = 1
+
+    @contextlib.contextmanager
+    def compute(self, *, forward: bool) -> Iterator[None]:
+        """The stage's compute: timed by the step's clock, a forward (or the loss) under the step's context."""
+        with contextlib.ExitStack() as stack:
+            if forward:
+                stack.enter_context(self.context())
+            if self.clock is not None:
+                stack.enter_context(self.clock.timing())
+            yield
+
+    def reset(self) -> None:
+        self.clock, self.context = None, contextlib.nullcontext
+
+
+class TimedStage(PipelineStage):
+    """torch's ``PipelineStage`` whose forwards and backwards run in its :class:`StepScope` (timed, forwards under the context).
+
+    A subclass rather than wrappers stored on the instance: a wrapper of a bound method kept on
+    its own object is a reference cycle, which kept every step's stage and its receive buffers
+    alive until a full garbage collection.
+    """
+
+    def __init__(self, *args: Any, scope: StepScope, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scope = scope
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.scope.compute(forward=True):
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.scope.compute(forward=False):
+            return super().backward_one_chunk(*args, **kwargs)
+
+
+class TokenLoss:
+    """The last stage's loss: a micro-batch's token cross-entropy sum over the step's global token count.
+
+    The count comes from the :class:`StepScope` (it changes every step while the schedule is
+    reused); the loss runs under the step's compute context, as Lightning computes the loss
+    inside ``training_step``.
+    """
+
+    def __init__(self, scope: StepScope) -> None:
+        self.scope = scope
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self.scope.compute(forward=True):
+            return token_loss(logits[0], labels[0], self.scope.num_global_tokens)
+
+
+@dataclass(frozen=True)
+class ScheduleKey:
+    """What determines a stage and its schedule: reused while these repeat (the stage module and mesh are the cache's)."""
+
+    micro_batches: int
+    schedule: str
+    capacity: int
+    dtype: torch.dtype
+    output_dtype: torch.dtype
+
+
+@dataclass
+class StageSchedule:
+    """A ``PipelineStage`` of the stage module, its schedule, and the step scope both read."""
+
+    key: ScheduleKey
+    stage: TimedStage
+    schedule: PipelineScheduleSingle
+    scope: StepScope
+
+
+def logits_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the last stage's logits from parameters in ``dtype``: autocast's under autocast (float64 stays)."""
+    target = autocast_dtype(device.type)
+    return target if target is not None and dtype != torch.float64 else dtype
+
+
+def _schedule_key(
+    module: DecoderStage, batch: PipelineStepBatch, dtype: torch.dtype | None, out: torch.dtype | None
+):
     name = batch.schedule_name
     if name is None:
         return None
+    dtype = dtype or next(module.parameters()).dtype
+    return ScheduleKey(len(batch.micro_batches), name, batch.capacity, dtype, out or dtype)
+
+
+def _build(module: DecoderStage, key: ScheduleKey, pmesh: ParallelMesh) -> StageSchedule:
     dims = pmesh.dims
     if module.stage != pmesh.stage or module.stages != dims.pipeline:
         raise ParallelDimsError(
             f"the stage module is stage {module.stage} of {module.stages} but this rank is stage {pmesh.stage} of "
             f"{dims.pipeline}; build the stage as e.g. LlamaStage(model, pmesh.stage, pmesh.dims.pipeline)"
         )
-    c = batch.capacity
-    dtype = dtype or next(module.parameters()).dtype
+    c = key.capacity
     # activations require grad: torch makes a stage's receive buffers from these (their gradient goes back)
-    hidden = torch.empty(1, c, module.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    hidden = torch.empty(1, c, module.hidden_size, dtype=key.dtype, device="meta", requires_grad=True)
     inputs = torch.empty(1, c, dtype=torch.long, device="meta") if module.is_first else hidden
     outputs = (
-        torch.empty(1, c, module.vocab_size, dtype=dtype, device="meta", requires_grad=True)
+        torch.empty(1, c, module.vocab_size, dtype=key.output_dtype, device="meta", requires_grad=True)
         if module.is_last
         else hidden
     )
-    stage = PipelineStage(
+    scope = StepScope()
+    stage = TimedStage(
         module,
         pmesh.stage,
         dims.pipeline,
@@ -183,14 +278,84 @@ def build_schedule(
         input_args=inputs,
         output_args=outputs,
         group=pmesh.pp_group,
+        scope=scope,
     )
-    num_global = batch.step.num_global_tokens
+    schedule_cls = Schedule1F1B if key.schedule == ONE_F_ONE_B else ScheduleGPipe
+    schedule = schedule_cls(stage, key.micro_batches, loss_fn=TokenLoss(scope), scale_grads=False)
+    return StageSchedule(key, stage, schedule, scope)
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss(logits[0], labels[0], num_global)
 
-    schedule = Schedule1F1B if name == ONE_F_ONE_B else ScheduleGPipe
-    return schedule(stage, len(batch.micro_batches), loss_fn=loss_fn, scale_grads=False)
+def build_schedule(
+    module: DecoderStage,
+    batch: PipelineStepBatch,
+    pmesh: ParallelMesh,
+    *,
+    dtype: torch.dtype | None = None,
+    output_dtype: torch.dtype | None = None,
+) -> PipelineScheduleSingle | None:
+    """A ``PipelineStage`` of ``module`` and its schedule for ``len(batch.micro_batches)``, or ``None``.
+
+    Shapes are static (``[1, C]`` ids, ``[1, C, dim]`` activations in ``dtype``, default the
+    stage's parameters' dtype, ``[1, C, vocab]`` logits in ``output_dtype``, default ``dtype``:
+    give the autocast dtype under autocast, :func:`logits_dtype`), so torch infers nothing at run
+    time.  The loss reads the global token count of the step's :class:`StepScope`
+    (``schedule._stage.scope``); :func:`run_pipeline_step` sets it.
+    """
+    key = _schedule_key(module, batch, dtype, output_dtype)
+    return None if key is None else _build(module, key, pmesh).schedule
+
+
+class StageSchedules:
+    """This rank's stages and schedules, kept from step to step where the micro-batch count repeats.
+
+    torch's ``PipelineStage`` allocates its activation and output-gradient receive buffers
+    (``[1, C, dim]`` each) for every micro-batch the first time its schedule runs; a stage and
+    its schedule built again every step allocate them again every step (and, on torch 2.13,
+    vote over the pipeline again).  :meth:`get` returns the cached pair of the step's
+    :class:`ScheduleKey` or builds it.  The cache never holds more micro-batches' buffers than
+    ``max_micro_batches`` (the planner's limit on one pipeline's count, which the memory
+    accounting counts, :func:`~lightning_bytescale.planner.pipeline.receive_buffer_bytes`), or
+    without one more than the step's own count: the least recently used pairs are dropped
+    before a new one is built.  One cache serves one stage module on one mesh.
+    """
+
+    def __init__(
+        self, module: DecoderStage, pmesh: ParallelMesh, *, max_micro_batches: int | None = None
+    ) -> None:
+        self.module, self.pmesh = module, pmesh
+        self.max_micro_batches = max_micro_batches
+        self._entries: OrderedDict[ScheduleKey, StageSchedule] = OrderedDict()
+        self.built = 0
+
+    @property
+    def held_micro_batches(self) -> int:
+        """Micro-batches whose receive buffers the cached stages hold."""
+        return sum(key.micro_batches for key in self._entries)
+
+    def get(
+        self,
+        batch: PipelineStepBatch,
+        *,
+        dtype: torch.dtype | None = None,
+        output_dtype: torch.dtype | None = None,
+    ) -> StageSchedule | None:
+        """The stage and schedule of this step (``None`` for a pipeline without micro-batches)."""
+        key = _schedule_key(self.module, batch, dtype, output_dtype)
+        if key is None:
+            return None
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            limit = max(key.micro_batches, self.max_micro_batches or 0)
+            while self._entries and self.held_micro_batches + key.micro_batches > limit:
+                self._entries.popitem(last=False)
+            entry = _build(self.module, key, self.pmesh)
+            self.built += 1
+        self._entries[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        """Drop every cached stage and schedule (their receive buffers with them)."""
+        self._entries.clear()
 
 
 def run_pipeline_step(
@@ -199,6 +364,8 @@ def run_pipeline_step(
     pmesh: ParallelMesh,
     *,
     on_schedule: Callable[[PipelineScheduleSingle | None], None] | None = None,
+    schedules: StageSchedules | None = None,
+    compute_context: ComputeContext | None = None,
     check_plan: bool = True,
     check_tokens: bool = True,
     check_finite: bool = True,
@@ -208,7 +375,13 @@ def run_pipeline_step(
 
     Gradients accumulate into ``p.grad`` of the stage's parameters (zero them before the step);
     afterwards they hold the gradient of the global token-mean loss.  ``on_schedule`` sees the
-    schedule built for the step (``None`` for a pipeline without micro-batches).
+    schedule of the step (``None`` for a pipeline without micro-batches).
+
+    ``schedules`` keeps the stage and schedule for the next step with the same micro-batch count
+    (:class:`StageSchedules`; without it they are built for this step and dropped after it).
+    ``compute_context`` (a context-manager factory: under the Trainer the precision plugin's
+    ``train_step_context``) is entered around every forward and loss of the stage, not its
+    backward; under autocast the last stage's logits are declared in the autocast dtype.
 
     ``grad_owners`` (ZeRO-2 per stage: ``id(parameter) -> global rank`` of the HDP rank of this
     stage and lane that keeps its optimizer state) reduces each gradient to its owner over the
@@ -218,27 +391,45 @@ def run_pipeline_step(
     start_step_check(batch.step, pmesh, check_plan=check_plan).wait()
     mbs = batch.micro_batches
     device = _device(pmesh)
-    schedule = build_schedule(module, batch, pmesh)
+    context = compute_context or contextlib.nullcontext
+    one_step = schedules is None
+    if schedules is None:
+        schedules = StageSchedules(module, pmesh)
+    elif schedules.module is not module or schedules.pmesh is not pmesh:
+        raise ParallelDimsError(
+            "the StageSchedules were made for another stage module or mesh; make one per stage: "
+            "StageSchedules(stage, pmesh)"
+        )
+    dtype = next(module.parameters()).dtype
+    with context():
+        out_dtype = logits_dtype(dtype, device)
+    entry = schedules.get(batch, dtype=dtype, output_dtype=out_dtype)
+    schedule = None if entry is None else entry.schedule
     clock = StageClock(device)
-    if schedule is not None:
-        clock.attach(schedule)
     if on_schedule is not None:
         on_schedule(schedule)
     losses: list[torch.Tensor] = []
     start = time.perf_counter()
-    if schedule is not None:
+    if entry is not None:
+        scope = entry.scope
+        scope.clock, scope.context, scope.num_global_tokens = clock, context, batch.step.num_global_tokens
         module.bind(mbs)
         inputs = (torch.stack([mb.input_ids for mb in mbs]).to(device),) if module.is_first else ()
         target = torch.stack([mb.labels for mb in mbs]).to(device) if module.is_last else None
         slot = torch.arange(len(mbs))  # on the host: the stage reads it without a synchronisation
         try:
-            schedule.step(*inputs, target=target, losses=losses, return_outputs=False, slot=slot)
+            entry.schedule.step(*inputs, target=target, losses=losses, return_outputs=False, slot=slot)
         finally:
             module.bind(())
+            scope.reset()
+            entry.stage.clear_runtime_states()  # the input buffers' gradients and the cached forwards, until next time
     seconds = time.perf_counter() - start
-    if clock.cuda and schedule is not None:  # the host returned at the last launch: wait for the stage's work
+    if clock.cuda and entry is not None:  # the host returned at the last launch: wait for the stage's work
         torch.cuda.current_stream(device).synchronize()
         seconds = time.perf_counter() - start
+    if one_step:  # nothing keeps this step's stage: its buffers go now, before the gradient sync
+        schedules.clear()
+    del entry, schedule
     shards = LocalShards([(n, p) for n, p in module.named_parameters() if p.requires_grad])
     tokens = [int((mb.labels != IGNORE_INDEX).sum()) if module.is_last else 0 for mb in mbs]
     values = [float(x.detach()) for x in losses] if losses else [0.0] * len(mbs)
@@ -282,4 +473,12 @@ def run_pipeline_step(
     return PipelineStepResult(**fields, schedule_s=seconds, compute_s=clock.compute)
 
 
-__all__ = ["PipelineStepResult", "StageClock", "build_schedule", "run_pipeline_step", "stage_bubble"]
+__all__ = [
+    "PipelineStepResult",
+    "StageClock",
+    "StageSchedules",
+    "build_schedule",
+    "logits_dtype",
+    "run_pipeline_step",
+    "stage_bubble",
+]

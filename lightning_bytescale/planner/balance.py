@@ -37,6 +37,7 @@ def plan_balance(
     slack=0.05,
     num_buckets=8,
     pipeline_degree=1,
+    max_micro_batches=None,
     ranks_per_node=None,
     comm_aware=True,
     pp_reading="sequential",
@@ -68,7 +69,7 @@ def plan_balance(
             assignment, end = _dp_balance(ctx, [x for b in buckets for x in b], slack, cm)
         else:
             assignment, end = _pp_balance(
-                ctx, buckets, slack, cm, pipeline_degree, pp_reading == "round_robin"
+                ctx, buckets, slack, cm, pipeline_degree, pp_reading == "round_robin", max_micro_batches
             )
         if best is None or end < best[0]:
             best = (end, choice, assignment)
@@ -209,9 +210,14 @@ def _dp_balance(ctx: PlanContext, seq: list[tuple[Item, float]], slack: float, c
     return assignment, max(load for load, _ in heap)
 
 
-def _pp_balance(ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round_robin: bool):
+def _pp_balance(
+    ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round_robin: bool, limit: int | None = None
+):
     """PP-Balance: the least-loaded pipeline draws next, from its own bucket (``round_robin``)
-    or from the first non-empty bucket (``sequential``, the other reading of §4.5 item 5)."""
+    or from the first non-empty bucket (``sequential``, the other reading of §4.5 item 5).
+
+    A pipeline that holds ``limit`` micro-batches (``max_micro_batches``) draws no more; a ring
+    item that finds fewer open pipelines than its size is a :class:`PlanError`."""
     nb = len(buckets)
     queues = [list(reversed(b)) for b in buckets]  # pop() from the end = next item of the bucket
     remaining = sum(len(b) for b in buckets)
@@ -220,8 +226,11 @@ def _pp_balance(ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round
     tmax = [0.0] * ctx.world
     durations: list[list[float]] = [[] for _ in range(ctx.world)]
     heap = [(0.0, r) for r in range(ctx.world)]
+    full: list[tuple[float, int]] = []  # pipelines at the limit, out of the heap
     assignment = []
     while remaining:
+        if not heap:
+            raise _over_limit(limit, remaining, 1)
         load, r0 = heap[0]
         b = cur[r0] if round_robin else 0
         for step in range(nb):
@@ -230,6 +239,8 @@ def _pp_balance(ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round
                 break
         it, _ = queues[b].pop()
         remaining -= 1
+        if it.size > len(heap):
+            raise _over_limit(limit, remaining + 1, it.size)
         chosen, back, t = _pick_members(ctx, heap, it, slack, cm)
         members = tuple(sorted(r for _, r in chosen))
         for e in back:
@@ -240,9 +251,21 @@ def _pp_balance(ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round
             durations[r].append(t)
             cur[r] = b
             new = tsum[r] / p + (p - 1) * tmax[r] / p
-            heapq.heappush(heap, (new, r))
+            if limit is not None and len(durations[r]) >= limit:
+                full.append((new, r))
+            else:
+                heapq.heappush(heap, (new, r))
         assignment.append((it, members, (len(assignment), 0)))
-    return assignment, _pipelines_end(durations, heap, p, ctx.cost.forward_fraction)
+    return assignment, _pipelines_end(durations, heap + full, p, ctx.cost.forward_fraction)
+
+
+def _over_limit(limit: int | None, remaining: int, size: int) -> PlanError:
+    return PlanError(
+        f"every pipeline already holds max_micro_batches={limit} micro-batches but {remaining} item(s) of the "
+        f"global batch are left (the next needs {size} pipeline(s)): the batch does not fit the pipelines' "
+        'receive-buffer limit. Raise max_micro_batches (docs/pipelines.md, "Receive buffers and reused stages") or the capacity, '
+        "or lower the tokens per step"
+    )
 
 
 PP_EXACT_PIPELINES = 32  # pipelines timed by the exact 1F1B schedule when candidates are compared

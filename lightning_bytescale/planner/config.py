@@ -84,6 +84,14 @@ class PlannerConfig:
     1F1B load model.  ``ByteScaleStrategy(pipeline_parallel_size=P)`` sets it to ``P`` (any other
     value is refused there); the recipes do not run pipelines and keep 1."""
 
+    max_micro_batches: int | None = None
+    """With pipelines (``pipeline_degree`` > 1): the most micro-batches one pipeline runs in a
+    step, at least ``pipeline_degree``.  torch's pipeline stages keep receive buffers for every
+    micro-batch of the step (``2 n C dim`` activation elements on a middle stage,
+    :func:`~lightning_bytescale.planner.pipeline.receive_buffer_bytes`), on top of what C bounds;
+    ``balance`` gives no pipeline more, and a plan of another planner that needs more is refused.
+    ``None``: no bound (the buffers grow with the count; docs/pipelines.md, "Receive buffers and reused stages")."""
+
     options: Mapping[str, Any] = field(default_factory=dict)
     """A planner's own keyword options, checked against its function's parameters: ``balance``
     takes ``pp_reading``, ``grow_rings`` and ``refine``, ``naive`` takes ``offload_policy``; a registered
@@ -120,6 +128,20 @@ class PlannerConfig:
             if value < 1:
                 raise PlannerConfigError(f"{name} must be >= 1, got {value}")
             put(self, name, value)
+        if self.max_micro_batches is not None:
+            cap = _integer("max_micro_batches", self.max_micro_batches, "an integer or None")
+            if self.pipeline_degree == 1:
+                raise PlannerConfigError(
+                    f"max_micro_batches={cap} bounds the micro-batches of a pipeline (its stages' receive buffers), "
+                    "but pipeline_degree is 1: plan pipelines (ByteScaleStrategy(pipeline_parallel_size=P) sets "
+                    "pipeline_degree) or leave max_micro_batches=None"
+                )
+            if cap < self.pipeline_degree:
+                raise PlannerConfigError(
+                    f"max_micro_batches must be >= pipeline_degree ({self.pipeline_degree}), got {cap}: a plan with "
+                    "rings pads every pipeline to one micro-batch per stage"
+                )
+            put(self, "max_micro_batches", cap)
         if self.seed is not None:
             put(self, "seed", _integer("seed", self.seed, "an integer or None"))
         slack = self.slack

@@ -105,6 +105,7 @@ from lightning_bytescale.planner.items import (
     ring_mbs,
 )
 from lightning_bytescale.planner.packing import best_fit_decreasing
+from lightning_bytescale.planner.pipeline_order import check_micro_batch_limit
 from lightning_bytescale.planner.plan import MicroBatch, Plan
 from lightning_bytescale.planner.registry import (  # noqa: F401  (re-exported: the registry's old home)
     _REGISTRY,
@@ -320,7 +321,11 @@ def make_plan(
     gets a local one last where that does not lengthen the plan's estimated step time
     (:func:`~.sync_order.local_last`: so its gradient sync can overlap that backward).
     """
-    return local_last(_place(lengths, world_size=world_size, config=config, **options))
+    plan = local_last(_place(lengths, world_size=world_size, config=config, **options))
+    limit = plan.options.get("max_micro_batches")
+    if limit is not None:
+        check_micro_batch_limit(plan, limit)
+    return plan
 
 
 def _place(
@@ -356,11 +361,14 @@ def _place(
             slack=cfg.slack,
             num_buckets=cfg.num_buckets,
             pipeline_degree=cfg.pipeline_degree,
+            max_micro_batches=cfg.max_micro_batches,
             ranks_per_node=ranks_per_node,
             comm_aware=cfg.comm_aware,
             **cfg.planner_kwargs(),
         )
         _fill_costs(plan, cost, ranks_per_node)
+        if cfg.max_micro_batches is not None:
+            plan.options["max_micro_batches"] = cfg.max_micro_batches
     finally:
         if gc_was_enabled:
             gc.enable()
