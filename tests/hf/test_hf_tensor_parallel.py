@@ -11,8 +11,8 @@ process (loss, gradients before clipping, parameters).
 On one process, on torch's fake process group (``tests/_tp_comm.py``), with 2 lanes: a tiny
 Llama's and Qwen3's backward all-reduces twice per block (the attention's input gradient and the
 MLP's; Qwen3 adds the sums of its per-head norms' weight gradients) and once for the head, for 1
-and 2 layers; the vocabulary-sharded embedding's weight gradient is a ``Shard(0)`` DTensor of the
-lane's rows, equal in float64 to those rows of one process's gradient (the padding row zero),
+and 2 layers; the vocabulary-sharded embedding's weight gradient (Llama's, and Gemma's scaled
+one) is a ``Shard(0)`` DTensor of the lane's rows, equal in float64 to those rows of one process's gradient (the padding row zero),
 and no op of its backward produces more elements than those rows.
 """
 
@@ -188,10 +188,11 @@ def test_a_block_all_reduces_twice_in_backward_and_the_head_once(family):
 
 
 @pytest.mark.parametrize("lane", range(FAKE_TP))
-def test_the_embedding_gradient_is_this_lanes_rows_of_one_process_gradient(lane):
+@pytest.mark.parametrize("family", ["llama", "gemma"])  # gemma: a subclass whose forward scales the lookup
+def test_the_embedding_gradient_is_this_lanes_rows_of_one_process_gradient(family, lane):
     from lightning_bytescale.hf import parallelize_hf
 
-    ref = _model("llama", {}, "sdpa")
+    ref = _model(family, {}, "sdpa")
     ids = torch.cat([global_batch(1, (20, 21), 1)[0], torch.tensor([0, 0, 5, 5, 63])])  # 0 is the padding id
     embed = ref.get_input_embeddings()
     assert embed.padding_idx == 0
@@ -202,7 +203,7 @@ def test_the_embedding_gradient_is_this_lanes_rows_of_one_process_gradient(lane)
     rows = embed.num_embeddings // FAKE_TP
     start = lane * rows
     with fake_tp_mesh(lane) as mesh:
-        model = parallelize_hf(_model("llama", {}, "sdpa"), mesh)
+        model = parallelize_hf(_model(family, {}, "sdpa"), mesh)
         assert list(model.state_dict()) == list(ref.state_dict())
         weight = model.get_input_embeddings().weight
         assert isinstance(weight, DTensor) and weight.placements == (Shard(0),)
