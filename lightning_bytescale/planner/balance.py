@@ -200,6 +200,8 @@ def _pick_members(
         cap = d + 2 * ctx.rpn
     else:
         t_nodes = member_time(ctx, it, d, False, cm)  # whole node groups (the likely layout)
+        if t_got <= t_nodes:  # the d least loaded run as fast as whole node groups would
+            return got, [], t_got
         limit = got[-1][0] + max(slack * t_got, t_got - t_nodes)
         cap = 2 * d + 2 * ctx.rpn
     while heap and len(got) < cap and heap[0][0] <= limit:
