@@ -213,11 +213,7 @@ class CostModel:
         self, lengths: Sequence[int], n: int, *, intra: bool = False
     ) -> tuple[float, float, float]:
         """Per-layer ``(linear, attention, transfer)`` seconds of one member of a ring of ``n``."""
-        slots = 0
-        area = 0.0
-        for s in lengths:
-            slots += 2 * (-(-s // (2 * n)))
-            area += s * s
+        slots, area = _member_share(lengths, n)
         linear = self.b * slots + self.g
         attention = self.a * area / n
         bw = self.bandwidth(intra)
@@ -305,11 +301,7 @@ class CostModel:
         self, lengths: Sequence[int], n: int, *, intra: bool = False
     ) -> tuple[float, float, float]:
         """Per-layer ``(linear, attention, exchange)`` seconds of one member of a Ulysses group of ``n``."""
-        slots = 0
-        area = 0.0
-        for s in lengths:
-            slots += 2 * (-(-s // (2 * n)))
-            area += s * s
+        slots, area = _member_share(lengths, n)
         return self.b * slots + self.g, self.a * area / n, self.ulysses_exchange(slots, n, intra=intra)
 
     def ulysses_member_time(
@@ -330,11 +322,7 @@ class CostModel:
         ``per_node x`` its tokens for ``ulysses_kv_heads(per_node)`` K/V heads."""
         u = per_node
         rings = n // u
-        slots = 0
-        area = 0.0
-        for s in lengths:
-            slots += 2 * (-(-s // (2 * n)))
-            area += s * s
+        slots, area = _member_share(lengths, n)
         exchange = self.ulysses_exchange(slots, u, intra=True)
         bw = self.bandwidth(False)
         if rings <= 1 or bw is None or self.kv_bytes_per_token_per_layer <= 0:
@@ -576,6 +564,17 @@ def load_cost_model(path: str | os.PathLike) -> CostModel:
             f"cost_model file {str(p)!r} is not a usable cost model ({err}); pass the JSON written by "
             "bytescale-profile or CostModel.to_json_dict(), or cost_model=None for the planner's default"
         ) from err
+
+
+def _member_share(lengths: Sequence[int], n: int) -> tuple[int, float]:
+    """One member's slots (``2 ceil(s / 2n)`` per sequence, padding included) and the whole
+    causal-mask measure ``sum s^2`` of an item's sequences on a group of ``n``."""
+    slots = 0
+    area = 0.0
+    for s in lengths:
+        slots += 2 * (-(-s // (2 * n)))
+        area += s * s
+    return slots, area
 
 
 @functools.lru_cache(maxsize=4096)
