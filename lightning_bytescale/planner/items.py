@@ -120,25 +120,12 @@ def ring_mbs(
     n = len(ring)
     sl = [lens[q] for q in seqs]
     choice = ring_mode(ctx, sl, ring, True)
-    t, exposed = choice.time, choice.exposed
     per_member: list[list[Piece]] = [[] for _ in range(n)]
     for q in seqs:
         for m, ranges in enumerate(all_member_ranges(lens[q], n)):
             per_member[m].append(Piece(q, ranges))
-    out = []
-    for pieces in per_member:
-        out.append(
-            MicroBatch(
-                pieces=pieces,
-                ring=ring,
-                item=item,
-                offload_ratio=ratio,
-                est_time=t,
-                exposed_time=exposed,
-                mode=choice.mode,
-            )
-        )
-    return out
+    timing = {"est_time": choice.time, "exposed_time": choice.exposed, "mode": choice.mode}
+    return [MicroBatch(pieces, ring, item, ratio, **timing) for pieces in per_member]
 
 
 def plan_options(ctx: PlanContext, **kw) -> dict:
