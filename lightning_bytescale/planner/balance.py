@@ -28,7 +28,7 @@ from lightning_bytescale.planner.items import (
     resolve_offload,
     ring_time,
 )
-from lightning_bytescale.planner.modes import HYBRID, RING_ONLY, parse_modes
+from lightning_bytescale.planner.modes import HYBRID, RING_ONLY, check_modes
 from lightning_bytescale.planner.pipeline import one_f_one_b
 from lightning_bytescale.planner.plan import Plan
 from lightning_bytescale.planner.refine import refine_local_shares
@@ -56,13 +56,7 @@ def plan_balance(
 ) -> Plan:
     if pp_reading not in ("round_robin", "sequential"):
         raise PlanError(f"pp_reading must be 'round_robin' or 'sequential', got {pp_reading!r}")
-    allowed = parse_modes(modes)
-    if modes is not None and allowed != RING_ONLY and cost_model.attention_heads is None:
-        raise PlanError(
-            f"modes {list(allowed)} need the cost model's attention_heads and kv_heads (the query and key/value "
-            "heads of one tensor-parallel lane) to know where Ulysses splits them; give them to the CostModel (or "
-            "its JSON file), or plan with modes=('ring',)"
-        )
+    allowed = check_modes(modes, cost_model)
     off = resolve_offload(offload, cost_model, pipeline_degree, default_on=True)
     ctx = PlanContext(lengths, world_size, capacity, cost_model, ranks_per_node, off)
     options = {

@@ -48,7 +48,14 @@ def parse_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:
     """
     if modes is None:
         return MODES
-    names = [m.strip() for m in modes.split(",")] if isinstance(modes, str) else list(modes)
+    if isinstance(modes, str):
+        names = [m.strip() for m in modes.split(",")]
+    elif isinstance(modes, Iterable):
+        names = list(modes)
+    else:
+        raise PlanError(
+            f"modes must be None, a list of attention modes from {list(MODES)} or their comma-separated names, got {modes!r}"
+        )
     unknown = [m for m in names if m not in MODES]
     if unknown or not names:
         raise PlanError(
@@ -61,6 +68,20 @@ def parse_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:
             "divide the heads, hybrid a group over whole nodes); add 'ring'"
         )
     return tuple(m for m in MODES if m in names)
+
+
+def check_modes(modes: str | Iterable[str] | None, cost: CostModel) -> tuple[str, ...]:
+    """The ``modes`` option checked against the cost model: :func:`parse_modes`, and a mode
+    other than the ring named explicitly needs the heads (``None`` quietly means the ring
+    alone when the heads are unknown)."""
+    allowed = parse_modes(modes)
+    if modes is not None and allowed != RING_ONLY and cost.attention_heads is None:
+        raise PlanError(
+            f"modes {list(allowed)} need the cost model's attention_heads and kv_heads (the query and key/value "
+            "heads of one tensor-parallel lane) to know where Ulysses splits them; give them to the CostModel (or "
+            "its JSON file), or plan with modes=('ring',)"
+        )
+    return allowed
 
 
 @dataclass(frozen=True)
@@ -209,6 +230,7 @@ __all__ = [
     "ModeChoice",
     "allowed_modes",
     "best_mode",
+    "check_modes",
     "group_layout",
     "hybrid_groups",
     "likely_layout",

@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from lightning_bytescale.planner import CostModel, Plan, PlanError, PlanValidationError, make_plan
+from lightning_bytescale.planner import (
+    CostModel,
+    Plan,
+    PlanError,
+    PlannerConfig,
+    PlannerConfigError,
+    PlanValidationError,
+    make_plan,
+)
 from lightning_bytescale.planner.cost_model import ULYSSES_PASSES
 from lightning_bytescale.planner.modes import (
     GroupLayout,
@@ -177,6 +185,18 @@ def test_parse_modes_and_the_planner_option_refuse_what_cannot_run():
         make_plan(lengths, world_size=8, capacity=8192).digest()
         == make_plan(lengths, world_size=8, capacity=8192, modes=("ring",)).digest()
     )
+
+
+def test_the_modes_option_is_checked_when_the_config_is_made():
+    with pytest.raises(PlannerConfigError, match="lacks 'ring'"):
+        PlannerConfig(options={"modes": ["ulysses"]})
+    with pytest.raises(PlannerConfigError, match="need the cost model's attention_heads"):
+        PlannerConfig(options={"modes": "ring,hybrid"})  # the paper preset names no heads
+    with pytest.raises(PlannerConfigError, match="modes must be None, a list"):
+        PlannerConfig(options={"modes": 3})
+    cfg = PlannerConfig(cost_model=_model(32, 8), options={"modes": ["ring", "hybrid"]})
+    assert cfg.planner_kwargs() == {"modes": ["ring", "hybrid"]}
+    PlannerConfig(planner="naive", options={"modes": ["ulysses"]})  # balance's option: kept, not passed
 
 
 def test_cost_model_heads_are_checked_and_left_out_of_files_when_unknown():
