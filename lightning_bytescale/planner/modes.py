@@ -15,8 +15,10 @@ A ring item (sequences sharded over ``n`` ranks, each member holding its zigzag 
   Needs two nodes or more, the same ``u >= 2`` members on each, each node's members
   consecutive in ring order, and ``u`` dividing the query heads.  Members hold zigzag shares of
   the ``2n`` chunks in ring order, so the ``u`` members of node group ``j`` together hold chunks
-  ``ju .. (j+1)u - 1`` and their mirror: the zigzag share of member ``j`` in a ring of ``n / u``
-  (:func:`hybrid_groups` lists the groups).
+  ``ju .. (j+1)u - 1`` and their mirror, two contiguous blocks of positions: the zigzag share of
+  member ``j`` in a ring of ``n / u`` (its bounds those of the ``2n``-chunk split, which differ by
+  a few tokens from a ``2n / u``-chunk split when ``2n`` does not divide the length: masks come
+  from positions).  :func:`hybrid_groups` lists the groups.
 
 The planner chooses per item the allowed mode with the least time under the cost model (ties
 go to the ring, so a plan where nothing else is faster is the ring plan); ``modes`` restricts
