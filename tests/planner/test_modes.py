@@ -306,3 +306,22 @@ def test_mode_stats_count_items_and_bytes_per_mode():
     # by hand: Ulysses over 4 members of 250 slots each, 8 query and 2 K/V heads (one each), 4 layers
     by_hand = 4 * 4 * ULYSSES_PASSES * 3 * 250 * (2 + 2 * 1 + 2) * HEAD_BYTES
     assert cm.ulysses_bytes(lengths, 4) == pytest.approx(by_hand)
+
+
+@pytest.mark.parametrize(("s", "n", "u"), [(1024, 8, 4), (96, 6, 3), (1003, 8, 2), (77, 12, 4)])
+def test_a_hybrid_node_group_holds_a_zigzag_share_of_the_ring_across_nodes(s, n, u):
+    def merged(ranges):
+        out = []
+        for a, b in sorted(ranges):
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            elif b > a:
+                out.append((a, b))
+        return out
+
+    shares = all_member_ranges(s, n)
+    for j in range(n // u):
+        union = merged([x for m in range(j * u, (j + 1) * u) for x in shares[m]])
+        assert len(union) <= 2  # a front block and its mirror
+        if s % (2 * n) == 0:  # no padding: exactly member j's share of a ring of n / u
+            assert union == merged(all_member_ranges(s, n // u)[j])
