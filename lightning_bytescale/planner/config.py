@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig, load_cost_model
 from lightning_bytescale.planner.errors import PlanError, PlannerConfigError
+from lightning_bytescale.planner.modes import check_modes
 from lightning_bytescale.planner.registry import planner_names, planner_own_options
 
 
@@ -158,6 +159,11 @@ class PlannerConfig:
         put(self, "offload", _offload(self.offload))
         put(self, "cost_model", _cost_model(self.cost_model))
         put(self, "options", self._checked_options())
+        if "modes" in self.planner_kwargs():  # balance's attention modes: checked now, not at the first step
+            try:
+                check_modes(self.options["modes"], self.cost_model or CostModel.paper_preset())
+            except PlanError as err:
+                raise PlannerConfigError(str(err)) from err
 
     # ------------------------------------------------------------------ building
     @classmethod

@@ -104,6 +104,7 @@ from lightning_bytescale.planner.items import (
     resolve_offload,
     ring_mbs,
 )
+from lightning_bytescale.planner.modes import group_layout, mode_time
 from lightning_bytescale.planner.packing import best_fit_decreasing
 from lightning_bytescale.planner.pipeline_order import check_micro_batch_limit
 from lightning_bytescale.planner.plan import MicroBatch, Plan
@@ -381,7 +382,6 @@ def _fill_costs(plan: Plan, cost: CostModel, rpn: int | None) -> None:
     if "cost_model" not in opts:
         opts["cost_model"] = cost.to_json_dict()
     opts.setdefault("ranks_per_node", rpn)
-    ctx = PlanContext(list(plan.lengths), plan.world_size, plan.capacity, cost, rpn, None)
     for mbs in plan.ranks:
         for mb in mbs:
             if mb.est_time:
@@ -390,6 +390,5 @@ def _fill_costs(plan: Plan, cost: CostModel, rpn: int | None) -> None:
             if mb.ring is None:
                 mb.est_time = cost.local_time(lens)
             else:
-                mb.est_time, mb.exposed_time = cost.ring_member_time(
-                    lens, len(mb.ring), intra=ctx.intra(mb.ring), comm_aware=True
-                )
+                layout = group_layout(mb.ring, rpn)
+                mb.est_time, mb.exposed_time = mode_time(cost, mb.mode, lens, layout)
