@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from itertools import groupby
 
 import numpy as np
 import torch
@@ -237,13 +238,7 @@ def hybrid_ulysses_size(ring: Sequence[int], ranks_per_node: int | None, item: i
             "does not say how many ranks a node holds; plan with ranks_per_node (the planner option, or the "
             "cost model's)"
         )
-    nodes = [int(r) // int(ranks_per_node) for r in ring]
-    runs: list[list[int]] = []
-    for node in nodes:
-        if runs and runs[-1][0] == node:
-            runs[-1][1] += 1
-        else:
-            runs.append([node, 1])
+    runs = [(node, len(list(run))) for node, run in groupby(int(r) // int(ranks_per_node) for r in ring)]
     if len({node for node, _ in runs}) != len(runs) or len({size for _, size in runs}) != 1:
         raise PackingError(
             f"hybrid item {item}: its ring {tuple(ring)} holds {[size for _, size in runs]} consecutive members "

@@ -110,18 +110,7 @@ def ring_setup(
         return dataclasses.replace(
             _build_setup(layout, num_slots, device, group, check_rank=False), transport=transport
         )
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
-    # host ints only (the layout holds no tensor): the key costs no host-device synchronisation
-    key = (
-        layout.cu_seqlens,
-        layout.seq_lens,
-        layout.ring,
-        layout.member,
-        num_slots,
-        str(device),
-        id(group),
-        rank,
-    )
+    key = setup_key(layout, num_slots, device, group)
     cached = _LAST_SETUP.get(key)
     if cached is not None:
         return cached
@@ -129,6 +118,26 @@ def ring_setup(
     _LAST_SETUP.clear()
     _LAST_SETUP[key] = setup
     return setup
+
+
+def setup_key(layout: AttentionLayout, num_slots: int, device: torch.device, group: Any) -> tuple:
+    """The content a member's set-up depends on: the layout, the tensors' slots and device, the group and rank.
+
+    Host ints only (the layout holds no tensor), so the key costs no host-device synchronisation.
+    """
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+    return (
+        layout.cu_seqlens,
+        layout.seq_lens,
+        layout.ring,
+        layout.member,
+        layout.mode,
+        layout.ulysses_size,
+        num_slots,
+        str(device),
+        id(group),
+        rank,
+    )
 
 
 def _check_rank(ranks: tuple[int, ...], member: int) -> None:

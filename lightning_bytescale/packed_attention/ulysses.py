@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -93,6 +94,18 @@ def _even(ranges: Ranges) -> bool:
     return all(r == (m * width, (m + 1) * width) for m, r in enumerate(ranges))
 
 
+def _pair(
+    ex: Exchange, parts: Sequence[torch.Tensor], got: Sequence[torch.Tensor], sends: list, recvs: list
+) -> None:
+    """Member ``m``'s part goes to member ``m`` and its answer lands in ``got[m]``; this member's own part is a copy."""
+    for m, peer in enumerate(ex.peers):
+        if m == ex.member:
+            got[m].copy_(parts[m])
+        else:
+            sends.append((peer, parts[m]))
+            recvs.append((peer, got[m]))
+
+
 def to_heads(
     ex: Exchange, tensors: Sequence[torch.Tensor], ranges: Sequence[Ranges], tag: int
 ) -> list[torch.Tensor]:
@@ -110,12 +123,7 @@ def to_heads(
             parts = x.unflatten(1, (n, b - a)).transpose(0, 1).contiguous()
         else:  # each member's (possibly overlapping) key/value heads
             parts = [x[:, lo:hi].contiguous() for lo, hi in rng]
-        for m in range(n):
-            if m == me:
-                got[m].copy_(parts[m])
-            else:
-                sends.append((ex.peers[m], parts[m]))
-                recvs.append((ex.peers[m], got[m]))
+        _pair(ex, parts, got, sends, recvs)
         stacked.append(got)
     _run(ex, sends, recvs, tag)
     return [got.view(n * slots, *got.shape[2:]).index_select(0, ex.rows) for got in stacked]
@@ -133,7 +141,7 @@ def to_tokens(
     Rows the exchange does not reach (padding slots) are zero; heads that several members hold
     (replicated key/value heads) are summed over them.
     """
-    n, me, slots = ex.size, ex.member, ex.slots
+    n, slots = ex.size, ex.slots
     sends, recvs, pending = [], [], []
     for y, rng, shape in zip(tensors, ranges, shapes):
         width, dim = y.shape[1], y.shape[-1]
@@ -144,12 +152,7 @@ def to_tokens(
             if even
             else [y.new_empty((slots, hi - lo, dim)) for lo, hi in rng]
         )
-        for m in range(n):
-            if m == me:
-                got[m].copy_(mine[m])
-            else:
-                sends.append((ex.peers[m], mine[m]))
-                recvs.append((ex.peers[m], got[m]))
+        _pair(ex, mine, got, sends, recvs)
         pending.append((got, rng, shape, even))
     _run(ex, sends, recvs, tag)
     out = []
@@ -192,12 +195,7 @@ class _HeadsToTokens(torch.autograd.Function):
 
 def _expand_kv(x: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor:
     """``x[:, heads]`` for a non-decreasing head list, from expanded views (no index tensor on the device)."""
-    runs: list[list[int]] = []
-    for h in heads:
-        if runs and runs[-1][0] == h:
-            runs[-1][1] += 1
-        else:
-            runs.append([h, 1])
+    runs = [(h, len(list(run))) for h, run in groupby(heads)]
     return torch.cat([x[:, h : h + 1].expand(-1, count, -1) for h, count in runs], dim=1)
 
 

@@ -49,6 +49,7 @@ from lightning_bytescale.packed_attention.ring_plan import (
     check_layout,
     chunk_starts,
     chunk_tokens,
+    setup_key,
 )
 from lightning_bytescale.packed_attention.segments import to_device
 
@@ -83,10 +84,10 @@ def head_split(heads: int, kv_heads: int, n: int) -> HeadSplit:
     """
     if heads % n:
         raise UlyssesHeadsError(
-            f"a Ulysses item of {n} members splits the query heads into {n} equal shares, but there are "
-            f"{heads} query heads (under tensor parallelism: the heads of one lane). Run this item as a "
-            f"ring (the plan's mode 'ring'; planner option modes=('ring',)), or use a head count "
-            f"divisible by {n}"
+            f"a Ulysses item of {n} members (a hybrid item: its members on one node) splits the query heads "
+            f"into {n} equal shares, but there are {heads} query heads (under tensor parallelism: the heads "
+            f"of one lane). Run this item as a ring (the plan's mode 'ring'; planner option "
+            f"modes=('ring',)), or use a head count divisible by {n}"
         )
     hq, group = heads // n, heads // kv_heads
     q = tuple((m * hq, (m + 1) * hq) for m in range(n))
@@ -222,27 +223,9 @@ def ulysses_setup(
     transports' and torch.distributed is not used.
     """
     in_process = transport is not None
-    key = None
-    if not in_process:
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
-        # host ints only (the layout holds no tensor): the key costs no host-device synchronisation
-        key = (
-            layout.cu_seqlens,
-            layout.seq_lens,
-            layout.ring,
-            layout.member,
-            layout.mode,
-            layout.ulysses_size,
-            num_slots,
-            str(device),
-            id(group),
-            rank,
-        )
-        cached = _LAST_SETUP.get(key)
-        if cached is not None:
-            return cached
+    key = None if in_process else setup_key(layout, num_slots, device, group)
+    if key is not None and key in _LAST_SETUP:
+        return _LAST_SETUP[key]
     ranks, seqs = check_layout(layout, num_slots, check_rank=not in_process)
     starts = [a for a, _ in seqs]
     n = len(ranks)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import threading
 from collections import Counter
 
 import pytest
@@ -31,6 +29,7 @@ import torch.nn.functional as F
 from _ranks import free_port, init_gloo, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_attention import _Mailbox, run_threads
 
 from lightning_bytescale.engine import PackingError, build_micro_batch
 from lightning_bytescale.engine.micro_batch import hybrid_ulysses_size
@@ -110,76 +109,55 @@ def max_err(a, b):
 
 
 # ----------------------------------------------------------------------------- in-process members
-class Mailboxes:
-    """In-memory transports for members running in threads: FIFO queues per (src, dst, tag)."""
+class Mailboxes(_Mailbox):
+    """In-memory transports for members running in threads: the ring's mailbox, and exchanges through it too."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._queues: dict = {}
+        super().__init__()
         self.ops = Counter()  # member -> sends and receives issued (each counts one)
-
-    def _box(self, key):
-        with self._lock:
-            return self._queues.setdefault(key, queue.Queue())
 
     def exchange(self, me):
         def post(sends, recvs, tag):
             self.ops[me] += len(sends) + len(recvs)
             for dst, t in sends:
-                self._box((me, dst, tag)).put(t.clone())
-            mail = self
+                self._queue((me, dst, tag)).put(t.clone())
+            boxes = [(self._queue((src, me, tag)), buf) for src, buf in recvs]
 
             class Pending:
                 def wait(self):
-                    for src, buf in recvs:
-                        buf.copy_(mail._box((src, me, tag)).get(timeout=30))
+                    for box, buf in boxes:
+                        buf.copy_(box.get(timeout=30))
 
             return Pending()
 
         return post
 
     def ring(self, me):
-        def post(tensor, dst, src, tag):
-            self.ops[me] += 2
-            self._box((me, dst, -tag)).put(tensor.clone())
-            box, got = self._box((src, me, -tag)), []
+        post = self.transport(me)
 
-            class Pending:
-                def wait(self):
-                    if not got:
-                        got.append(box.get(timeout=30))
-                    return got[0]
+        def counted(tensor, dst, src, tag):
+            self.ops[me] += 2  # one send, one receive
+            return post(tensor, dst, src, tag)
 
-            return Pending()
-
-        return post
+        return counted
 
 
 def run_members(seq_lens, n, heads, kv_heads, mode, u=None, seed=0):
     """Every member of one item in its own thread; returns the reference, each member's results and op counts."""
     q, k, v, dout = make_inputs(seq_lens, heads, kv_heads, seed=seed)
-    mail, results, errors = Mailboxes(), {}, []
+    mail, results = Mailboxes(), {}
 
     def member(i):
-        try:
-            layout = layout_of(seq_lens, tuple(range(n)), i, mode, u)
-            idx, real = slot_index(layout)
-            qq, kk, vv = shard(q, k, v, layout, seed=i)
-            out = ulysses_attention(
-                qq, kk, vv, layout, scale=DIM**-0.5, transport=mail.exchange(i), ring_transport=mail.ring(i)
-            )
-            out.backward(dout[idx])
-            results[i] = (idx, real, out.detach(), qq.grad, kk.grad, vv.grad)
-        except Exception as err:  # re-raised in the main thread
-            errors.append(err)
+        layout = layout_of(seq_lens, tuple(range(n)), i, mode, u)
+        idx, real = slot_index(layout)
+        qq, kk, vv = shard(q, k, v, layout, seed=i)
+        out = ulysses_attention(
+            qq, kk, vv, layout, scale=DIM**-0.5, transport=mail.exchange(i), ring_transport=mail.ring(i)
+        )
+        out.backward(dout[idx])
+        results[i] = (idx, real, out.detach(), qq.grad, kk.grad, vv.grad)
 
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=60)
-    if errors:
-        raise errors[0]
+    run_threads(n, member)
     return sdpa_reference(q, k, v, dout, seq_lens), results, mail.ops
 
 
