@@ -11,7 +11,9 @@ P2P there; :meth:`Transfer.wait` makes the NCCL work complete on the communicati
 then the compute stream wait for it (events again).  Neither synchronises the host, so the
 ring loop queues the next transfer, the current block's kernels and the merges without
 stopping.  :func:`post_on_comm_stream` and :func:`hand_over` are shared with the in-process
-loopback ring, so it exercises the same stream handling.  On CPU (gloo) ``wait`` blocks the
+loopback ring, so it exercises the same stream handling, and with the Ulysses exchanges
+(:mod:`.ulysses`: several sends and receives in one ``batch_isend_irecv``), which count
+themselves here with :func:`count_exchange`.  On CPU (gloo) ``wait`` blocks the
 calling thread while gloo's own threads move the data.
 """
 
