@@ -257,11 +257,12 @@ class _DeviceGuards(TorchFunctionMode):
 
 def clear_attention_caches() -> None:
     """The caches that keep device tensors across calls (a fake tensor must not outlive its mode)."""
-    from lightning_bytescale.packed_attention import cuda_kernels, local, ring_plan
+    from lightning_bytescale.packed_attention import cuda_kernels, local, ring_plan, ulysses_plan
 
     local._segments.cache_clear()
     local._grouped.cache_clear()
     ring_plan._LAST_SETUP.clear()
+    ulysses_plan._LAST_SETUP.clear()
     cuda_kernels._placeholders.cache_clear()
 
 
@@ -330,21 +331,63 @@ class EchoTransfer:
         return self.recv
 
 
+@dataclass(frozen=True)
+class P2POperation:
+    """One send or receive a Ulysses exchange issued under :func:`fake_p2p`."""
+
+    kind: str  # "send" or "recv"
+    peer: int
+    device: torch.device
+    dtype: torch.dtype
+    nbytes: int
+    contiguous: bool
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class EchoExchange:
+    """Stands in for :func:`lightning_bytescale.packed_attention.ulysses.p2p_exchange` under :func:`fake_p2p`.
+
+    Records every operation of every exchange in :attr:`OPS` (one list per ``batch_isend_irecv``)
+    and receives nothing: fake tensors hold no data.
+    """
+
+    OPS: ClassVar[list[list[P2POperation]]] = []
+
+    @staticmethod
+    def post(sends, recvs, tag: int, group: object) -> list[_Done]:
+        EchoExchange.OPS.append(
+            [
+                P2POperation(kind, peer, t.device, t.dtype, t.numel() * t.element_size(), t.is_contiguous())
+                for kind, pairs in (("send", sends), ("recv", recvs))
+                for peer, t in pairs
+            ]
+        )
+        return [_Done()]
+
+
 @contextmanager
 def fake_p2p(rank: int, world: int) -> Iterator[list[tuple[torch.dtype, int]]]:
-    """This process as global rank ``rank`` of ``world`` for ring set-ups, with :class:`EchoTransfer` P2P.
+    """This process as global rank ``rank`` of ``world`` for ring and Ulysses set-ups, with echo P2P.
 
-    Yields the list of ``(dtype, bytes)`` of every transfer posted inside the block.
+    Ring transfers are :class:`EchoTransfer`, Ulysses exchanges :class:`EchoExchange` (each
+    exchange's operations in ``EchoExchange.OPS``).  Yields the list of ``(dtype, bytes)`` of every
+    ring transfer posted inside the block.
     """
     import torch.distributed as dist
 
-    from lightning_bytescale.packed_attention import ring
+    from lightning_bytescale.packed_attention import ring, ulysses
 
     EchoTransfer.SENT = []
+    EchoExchange.OPS = []
     with (
         mock.patch.object(dist, "is_initialized", lambda: True),
         mock.patch.object(dist, "get_rank", lambda group=None: rank),
         mock.patch.object(dist, "get_world_size", lambda group=None: world),
         mock.patch.object(ring, "Transfer", EchoTransfer),
+        mock.patch.object(ulysses, "p2p_exchange", EchoExchange.post),
     ):
         yield EchoTransfer.SENT

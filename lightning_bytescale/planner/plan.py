@@ -54,6 +54,8 @@ class MicroBatch:
     offload_ratio: float = 0.0
     est_time: float = 0.0
     exposed_time: float = 0.0  # ring transfer time not hidden behind attention (seconds, in est_time)
+    # how a ring item's members compute attention: "ring" (zigzag ring), "ulysses" (heads split over
+    # the members by an all-to-all) or "hybrid" (Ulysses inside each node x ring across nodes)
     mode: str = "ring"
 
     @property

@@ -41,18 +41,48 @@ def _local(seqs):
     return MicroBatch([Piece(j, ((0, LENGTHS[j]),)) for j in seqs])
 
 
-def _ring(seqs, ring, member, item):
+def _ring(seqs, ring, member, item, mode="ring"):
     n = len(ring)
     return MicroBatch(
         [Piece(j, tuple(zigzag.member_ranges(LENGTHS[j], n, member))) for j in seqs],
         ring=tuple(ring),
         item=item,
+        mode=mode,
     )
 
 
-def _add_ring(ranks, seqs, ring, item):
+def _add_ring(ranks, seqs, ring, item, mode="ring"):
     for m, r in enumerate(ring):
-        ranks[r].append(_ring(seqs, ring, m, item))
+        ranks[r].append(_ring(seqs, ring, m, item, mode))
+
+
+def mode_plan(w: int) -> Plan:
+    """Ring, Ulysses and (on 4 ranks, two a node) hybrid items in one step, with local work between them.
+
+    The tiny Llama's 4 query heads and 2 key/value heads: Ulysses items of 2 members split the
+    key/value heads, items of 4 replicate them; the hybrid item splits the heads over the 2 ranks
+    of each node and rings across the 2 nodes.
+    """
+    ranks = [[] for _ in range(w)]
+    ranks[0].append(_local([0, 2]))
+    if w == 2:
+        _add_ring(ranks, [3, 1], (1, 0), 0, "ulysses")  # 40 and 17 tokens: not divisible by 2N
+        _add_ring(ranks, [9, 6], (0, 1), 1)
+        ranks[1].append(_local([7, 8, 10, 11]))
+    elif w == 3:
+        _add_ring(ranks, [3, 1], (2, 0), 0, "ulysses")
+        _add_ring(ranks, [9], (0, 1, 2), 1)  # 3 members cannot split 4 heads: a ring
+        _add_ring(ranks, [6, 11], (1, 2), 2, "ulysses")
+        ranks[1].append(_local([7, 8, 10]))
+    else:
+        _add_ring(ranks, [3, 1], (0, 1, 2, 3), 0, "hybrid")
+        _add_ring(ranks, [9], (3, 1), 1, "ulysses")
+        _add_ring(ranks, [6], (2, 0), 2)
+        _add_ring(ranks, [11, 7], (0, 1, 2, 3), 3, "ulysses")
+        ranks[1].append(_local([8]))
+        ranks[3].append(_local([10]))
+    ranks[0].append(_local([4, 5]))
+    return Plan(w, 64, "hand", LENGTHS, ranks, {"ranks_per_node": 2}).validate()
 
 
 def hand_plans(w: int) -> dict[str, Plan]:
@@ -66,6 +96,7 @@ def hand_plans(w: int) -> dict[str, Plan]:
     ranks[0] += [_local([4, 5]), _local([7])]
     ranks[1].append(_local([8, 10, 11]))
     plans["unequal"] = Plan(w, 64, "hand", LENGTHS, ranks)
+    plans["modes"] = mode_plan(w)
     if w >= 3:
         ranks = [[] for _ in range(w)]
         _add_ring(ranks, [3, 1, 9], (1, 0) + tuple(range(2, w - 1)), item=5)
@@ -201,6 +232,39 @@ def _train_steps(rank: int, counters: DistCalls, steps: int = 3) -> dict:
     return {"param_diff": diffs, "all_reduces": all_reduces, "steps": steps}
 
 
+def _mode_steps(rank: int, steps: int = 2) -> dict:
+    """AdamW steps of the 4-rank mixed-mode plan (ring, Ulysses and hybrid items in one step) against
+    one process, every micro-batch offloading all its layers' activations (host copies on a CPU)."""
+    from lightning_bytescale.engine import build_step, run_step
+    from lightning_bytescale.engine.reference import reference_loss
+    from lightning_bytescale.offload import ActivationOffloader
+
+    ref, model = _model(reference=True), _model(reference=False)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    offloader = ActivationOffloader(model.blocks, keep_last=0, min_bytes=0)
+    tokens, plan = _tokens(), mode_plan(WORLD)
+    diffs, offloaded = [], []
+    for _ in range(steps):
+        opt_ref.zero_grad(set_to_none=True)
+        reference_loss(ref, tokens).backward()
+        opt_ref.step()
+        opt.zero_grad(set_to_none=True)
+        before = offloader.stats.offloaded_bytes
+        run_step(
+            model,
+            build_step(plan, rank, lambda j: tokens[j]),
+            micro_batch_context=lambda mb: offloader.context(mb.index, 1.0),
+        )
+        offloaded.append(offloader.stats.offloaded_bytes - before)
+        opt.step()
+        diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+    moved = max(
+        (p - q).abs().max().item() for p, q in zip(ref.parameters(), _model(reference=True).parameters())
+    )
+    return {"param_diff": diffs, "offloaded": offloaded, "moved": moved}
+
+
 def _worker(rank: int, port: int, outdir: str) -> None:
     from lightning_bytescale.engine import NonFiniteError, StepError
     from lightning_bytescale.engine.reference import reference_loss
@@ -232,6 +296,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
                 model, plan, rank, tokens, groups[w], counters, ref_grads, ref_loss
             )
     report["training"] = _train_steps(rank, counters)
+    report["mode_steps"] = _mode_steps(rank)
     # The same plans with the bucketed gradient sync overlapped with the last backward (small
     # buckets, so a step has several and some launch during the backward).
     from lightning_bytescale.engine.grad_sync import BucketedGradSync
@@ -320,6 +385,30 @@ def test_hand_plans_with_unequal_micro_batch_counts_match_single_process(reports
     assert seen == w * (2 if w >= 3 else 1)
     if w >= 3:
         assert 0 in reports[0]["cases"][f"idle_rank/{w}"]["counts"]
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_plans_with_ulysses_and_hybrid_items_match_single_process(reports, w):
+    """Ring, Ulysses and hybrid items in one micro-batch loop: gradients and loss equal one process."""
+    plan = mode_plan(w)
+    for rank in range(w):
+        case = reports[rank]["cases"][f"modes/{w}"]
+        assert case["grad_err"] <= TOLERANCE, f"modes/{w} rank {rank}: grad error {case['grad_err']:.3e}"
+        assert case["loss_err"] <= 1e-12, f"modes/{w} rank {rank}: loss error {case['loss_err']:.3e}"
+        modes = [mb.mode for mb in plan.ranks[rank] if mb.ring is not None]
+        assert [mb["attention_p2p"] > 0 for mb in case["p2p"]] == [
+            mb.ring is not None for mb in plan.ranks[rank]
+        ]
+        if rank == 0:
+            assert "ulysses" in modes and "ring" in modes and (w < 4 or "hybrid" in modes), modes
+
+
+def test_mixed_mode_adamw_steps_with_offload_equal_one_process(reports):
+    for rep in reports:
+        steps = rep["mode_steps"]
+        assert max(steps["param_diff"]) <= TOLERANCE, steps["param_diff"]
+        assert all(b > 0 for b in steps["offloaded"]), steps["offloaded"]  # activations went through the host
+        assert steps["moved"] > 1e-3  # the steps moved the parameters
 
 
 @pytest.mark.parametrize("planner", PLANNERS)
