@@ -178,7 +178,9 @@ def train(strategy: Any, batch: PipelineStepBatch) -> step_loop.TrainStep:
     for _, p in named:
         p.grad = None
     loop.beat(f"the pipeline step {batch.step.step} (waits on every rank)", waits_on_peers=True)
-    owners = strategy._grad_owners if strategy.zero == 2 else None  # ZeRO-2: each gradient to its owner
+    # the bucketed sync on the stage's data-parallel group (ZeRO-2's owners in it), or the flat one
+    grad_sync = loop._bucketed_sync([p for p in stage.parameters() if p.requires_grad])
+    owners = strategy._grad_owners if strategy.zero == 2 and grad_sync is None else None
     result = run_pipeline_step(
         stage,
         batch,
@@ -187,6 +189,7 @@ def train(strategy: Any, batch: PipelineStepBatch) -> step_loop.TrainStep:
         compute_context=strategy.precision_plugin.train_step_context,  # autocast under "bf16-mixed"
         check_finite=strategy.check_finite,
         grad_owners=owners,
+        grad_sync=grad_sync,
     )
     preemption = strategy._preemption
     stop, times = agree_after_step(result, pmesh, preemption is not None and preemption.requested)

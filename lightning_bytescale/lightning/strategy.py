@@ -421,7 +421,7 @@ class ByteScaleStrategy(ParallelStrategy):
             and self._grad_group is None
             and compat._distributed_is_initialized()
             and self.world_size > 1
-            and self.parallel_mesh is None  # the mesh sums gradients after the loop (docs/tensor-parallel.md)
+            and self.parallel_mesh is None  # on the mesh the buckets run on the lane's data-parallel group
         ):
             # the bucket all-reduces' own group (created once, here, on every rank): they may be
             # in flight while other ranks' ring exchanges run point-to-point on the global group

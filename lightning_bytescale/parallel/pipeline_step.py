@@ -34,7 +34,17 @@ split), one step on one rank (stage ``p`` of pipeline ``h``) is:
    :func:`~lightning_bytescale.parallel.step.run_parallel_step`), the loss and the loss-token
    count of the last stages (checked against the global batch there), the reports; the lanes of
    a TP group stop together (:func:`~lightning_bytescale.parallel.step.agree_across_lanes`).  Then the last stage broadcasts the step's loss over its pipeline, so every rank's
-   :class:`~lightning_bytescale.engine.executor.StepResult` holds it.
+   :class:`~lightning_bytescale.engine.executor.StepResult` holds it.  With a
+   :class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync` over the stage's
+   data-parallel group (``grad_sync``, the strategy's default) the stage's gradients are summed
+   in buckets launched from the hooks of its last backward, as on the mesh without pipelines:
+   1F1B and GPipe run a stage's backwards in micro-batch order, so the last one is that of the
+   last micro-batch, and a hook on that forward's output arms the sync when its gradient arrives
+   (not when that micro-batch is a ring item: the buckets then go after the schedule, the rule
+   of docs/engine.md).  A stage's buckets are issued before its last gradient send to the stage
+   before it, which issues its own (on its own data-parallel group) only after receiving it, and
+   the ranks of one data-parallel group launch the same buckets in the same order, so the issue
+   orders of the stages' groups and the pipeline's transfers agree on every rank.
 
 The result (:class:`PipelineStepResult`) also holds the stage's measured times: the wall
 time of torch's ``schedule.step`` and the stage's compute inside it (its forwards, backwards
@@ -60,11 +70,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.utils.hooks import RemovableHandle
 
 from lightning_bytescale.engine.executor import LocalResult, MicroBatchResult, StepResult, sync_step
 from lightning_bytescale.engine.finite import all_finite
+from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
 from lightning_bytescale.packed_attention.input_dtype import autocast_dtype
 from lightning_bytescale.parallel.dims import ParallelMesh
@@ -72,7 +85,7 @@ from lightning_bytescale.parallel.errors import ParallelDimsError
 from lightning_bytescale.parallel.pipeline_batch import ONE_F_ONE_B, PipelineStepBatch
 from lightning_bytescale.parallel.pipeline_stage import DecoderStage
 from lightning_bytescale.parallel.shards import LocalShards
-from lightning_bytescale.parallel.step import agree_across_lanes, start_step_check
+from lightning_bytescale.parallel.step import agree_across_lanes, check_grad_sync, start_step_check
 
 
 def _device(pmesh: ParallelMesh) -> torch.device:
@@ -358,6 +371,30 @@ class StageSchedules:
         self._entries.clear()
 
 
+def arm_for_last_backward(
+    module: DecoderStage, grad_sync: BucketedGradSync, last_slot: int
+) -> RemovableHandle:
+    """Arm ``grad_sync`` when the backward of micro-batch ``last_slot`` reaches this stage (remove the handle after the step).
+
+    The stage's forward of that micro-batch (its ``slot`` keyword) gets a hook on its output,
+    which runs when that output's gradient arrives: the start of the stage's backward of it, the
+    last one of the step under 1F1B and GPipe.
+    """
+
+    def on_forward(_module: nn.Module, _args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        slot = kwargs.get("slot")
+        out = output if isinstance(output, torch.Tensor) else None
+        if (
+            slot is not None
+            and int(slot.reshape(-1)[0]) == last_slot
+            and out is not None
+            and out.requires_grad
+        ):
+            out.register_hook(lambda _grad: grad_sync.arm())
+
+    return module.register_forward_hook(on_forward, with_kwargs=True)
+
+
 def run_pipeline_step(
     module: DecoderStage,
     batch: PipelineStepBatch,
@@ -370,6 +407,7 @@ def run_pipeline_step(
     check_tokens: bool = True,
     check_finite: bool = True,
     grad_owners: Mapping[int, int] | None = None,
+    grad_sync: BucketedGradSync | None = None,
 ) -> PipelineStepResult:
     """One step of this rank's stage ``module`` of its pipeline's ``batch`` (module docstring).
 
@@ -387,7 +425,15 @@ def run_pipeline_step(
     stage and lane that keeps its optimizer state) reduces each gradient to its owner over the
     stage's data-parallel group instead of summing it everywhere; the other ranks hold ``None``.
     Clip afterwards with ``clip_grad_norm_(..., group=pmesh.dp_group, pipeline_group=pmesh.pp_group)``.
+
+    ``grad_sync`` (a :class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync` of exactly
+    the stage's trained parameters, in ``module.named_parameters()`` order, on ``pmesh.dp_group``;
+    made once and reused): the gradients are summed in buckets from the stage's last backward
+    (module docstring); ZeRO-2's owners then belong to the sync, not ``grad_owners``.
     """
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if grad_sync is not None:
+        check_grad_sync(grad_sync, [p for _, p in named], pmesh, grad_owners)
     start_step_check(batch.step, pmesh, check_plan=check_plan).wait()
     mbs = batch.micro_batches
     device = _device(pmesh)
@@ -409,6 +455,12 @@ def run_pipeline_step(
     if on_schedule is not None:
         on_schedule(schedule)
     losses: list[torch.Tensor] = []
+    armed: RemovableHandle | None = None
+    if grad_sync is not None:
+        grad_sync.prepare()  # the gradients accumulate into the buckets
+        grad_sync.track_finite = check_finite
+        if schedule is not None and mbs[-1].layout.ring is None:  # no ring exchange in the last backward
+            armed = arm_for_last_backward(module, grad_sync, len(mbs) - 1)
     start = time.perf_counter()
     if entry is not None:
         scope = entry.scope
@@ -423,6 +475,10 @@ def run_pipeline_step(
             module.bind(())
             scope.reset()
             entry.stage.clear_runtime_states()  # the input buffers' gradients and the cached forwards, until next time
+            if armed is not None:
+                armed.remove()
+    if grad_sync is not None:
+        grad_sync.launch()  # the buckets the hooks did not launch (all of them without micro-batches)
     seconds = time.perf_counter() - start
     if clock.cuda and entry is not None:  # the host returned at the last launch: wait for the stage's work
         torch.cuda.current_stream(device).synchronize()
@@ -430,11 +486,16 @@ def run_pipeline_step(
     if one_step:  # nothing keeps this step's stage: its buffers go now, before the gradient sync
         schedules.clear()
     del entry, schedule
-    shards = LocalShards([(n, p) for n, p in module.named_parameters() if p.requires_grad])
+    shards = LocalShards(named) if grad_sync is None else None
     tokens = [int((mb.labels != IGNORE_INDEX).sum()) if module.is_last else 0 for mb in mbs]
     values = [float(x.detach()) for x in losses] if losses else [0.0] * len(mbs)
-    grads = [p.grad for _, p in shards.named if p.grad is not None]
-    finite = all_finite(grads) if check_finite and mbs else None
+    finite = None
+    if check_finite and mbs:  # with buckets: this rank's own values, read when each was launched
+        finite = (
+            grad_sync.local_grads_finite()
+            if grad_sync is not None
+            else all_finite([p.grad for _, p in shards.named if p.grad is not None])
+        )
     results = [
         MicroBatchResult(
             mb.index,
@@ -452,6 +513,11 @@ def run_pipeline_step(
     )
 
     def sync() -> StepResult:
+        if shards is None:  # the buckets: launched already, waited for here
+            return sync_step(
+                named, batch.step, local, group=pmesh.dp_group, check_tokens=check_tokens and module.is_last,
+                check_finite=check_finite, grad_sync=grad_sync,
+            )  # fmt: skip
         synced = sync_step(
             shards.named,
             batch.step,
@@ -477,6 +543,7 @@ __all__ = [
     "PipelineStepResult",
     "StageClock",
     "StageSchedules",
+    "arm_for_last_backward",
     "build_schedule",
     "logits_dtype",
     "run_pipeline_step",

@@ -141,17 +141,21 @@ def run_in_group(
     """``fn(*args, **kwargs)`` in ``world`` new processes on this host (gloo on 127.0.0.1 for the CPU,
     NCCL with one CUDA device each); rank 0's return value.
 
-    The processes are forked where that is safe (no CUDA initialised here), spawned otherwise
-    (then ``fn`` and its arguments must pickle).  The process group's timeout is ``timeout_s``,
-    and the whole run ends within about twice it: a rank's error, or no result by then, is a
-    :class:`ProfileError`, and every process still running is killed.
+    CUDA processes are spawned, CPU ones forked where the platform can
+    (:func:`~lightning_bytescale.profiler.processes.start_method`): ``fn`` and its arguments (the
+    model or its factory) must then pickle, which is checked before any process starts.  The
+    process group's timeout is ``timeout_s``, and the whole run ends within about twice it: a
+    rank's error, or no result by then, is a :class:`ProfileError`, and every process still
+    running is killed.
     """
     if device_type == "cuda" and torch.cuda.device_count() < world:
         raise ProfileError(
             f"tensor_parallel={world} needs {world} CUDA devices on this host, found {torch.cuda.device_count()}; "
             "run on a node with enough devices, or under torchrun across them"
         )
-    procs, out = start_workers(_rank_main, world, world, device_type, timeout_s, fn, args, kwargs)
+    procs, out = start_workers(
+        _rank_main, world, world, device_type, timeout_s, fn, args, kwargs, device_type=device_type
+    )
     status, result = "error", "interrupted"
     try:
         status, result = out.get(timeout=2 * timeout_s + 30)

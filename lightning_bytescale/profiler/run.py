@@ -140,8 +140,10 @@ def run_profile(
     shards (those of ``model``; with ``param_count`` given, the real model's: its blocks' shards
     times ``num_layers``, the rest as it is), and ``C`` the tokens of one HDP rank.  A process group of ``N``
     ranks that exists is used as it is (every rank returns the profile); otherwise the ``N``
-    processes are started on this host (gloo on 127.0.0.1, NCCL on CUDA; process-group timeout
-    ``timeout_s``) and the profile is returned here.  The cost model records ``tensor_parallel``.
+    processes are started on this host (gloo on 127.0.0.1, forked; NCCL on CUDA, spawned, so
+    ``model`` must pickle: pass a factory defined at the top level of a module, which each process
+    then calls, rather than a large model; process-group timeout ``timeout_s``) and the profile is
+    returned here.  The cost model records ``tensor_parallel``.
     """
     lengths = [int(s) for s in lengths]
     if len(lengths) < 3 or any(s < 2 for s in lengths) or len(set(lengths)) != len(lengths):
