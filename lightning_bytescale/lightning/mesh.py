@@ -19,6 +19,7 @@ the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ra
   (:class:`LaneZero`, :func:`gradient_owners`);
 * drives FSDP2 when ``configure_model`` applied ``fully_shard`` over ``device_mesh["data_parallel"]``
   (:func:`fsdp_driver`, :func:`gathered`);
+* materialises a model built on the meta device with only each rank's shards (:func:`materialize`);
 * writes consolidated checkpoints with the DTensor state whole and loads them back as each rank's
   shards, on any mesh (:func:`model_state`, :func:`optimizer_state`, :func:`load_model_state`,
   :func:`load_optimizer_states`); sharded checkpoints (every rank writes its own DTensor shards)
@@ -52,6 +53,7 @@ from lightning_bytescale.parallel import (
     ParallelMesh,
 )
 from lightning_bytescale.parallel import clip_grad_norm_ as mesh_clip_grad_norm_
+from lightning_bytescale.parallel.materialize import materialize_sharded
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -252,11 +254,6 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             "lane would decide on its own gradient shards whether to skip a step. Use precision='bf16-mixed' "
             "or '32-true'"
         )
-    if any(p.is_meta for p in strategy.model.parameters()):
-        raise ConfigError(
-            f"tensor_parallel_size={tp}: the model has parameters on the meta device (Trainer.init_module("
-            "empty_init=True)); build it on the device in configure_model before parallelize_module"
-        )
     from torch.distributed.tensor import DTensor
 
     if not any(isinstance(p, DTensor) for p in strategy.model.parameters()):
@@ -265,6 +262,20 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             "DTensor), so every lane of an HDP rank runs the whole model on the same micro-batches. Apply "
             'parallelize_module(..., self.device_mesh["tensor_parallel"], plan) (or parallelize_llama / '
             "parallelize_hf) in configure_model, or use tensor_parallel_size=1"
+        )
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """A model on the meta device (``Trainer.init_module(empty_init=True)``, or built there in ``configure_model``
+    and sharded there): each rank allocates its own shards on ``device`` only, with global rank 0's
+    draws of each module's ``reset_parameters`` (:func:`~lightning_bytescale.parallel.materialize.materialize_sharded`),
+    so the values are those Lightning's materialisation gives the unsharded model on one device.
+    """
+    missing = materialize_sharded(module, device)
+    if missing:
+        rank_zero_warn(
+            "Parameter initialization incomplete. The following modules have parameters or buffers with uninitialized "
+            f"memory because they don't define a `reset_parameters()` method for re-initialization: {', '.join(missing)}"
         )
 
 
@@ -544,6 +555,7 @@ __all__ = [
     "keyed_by_name",
     "load_model_state",
     "load_optimizer_states",
+    "materialize",
     "model_state",
     "optimizer_state",
     "state_sharded_over_hdp_ranks",
