@@ -139,10 +139,10 @@ def test_hf_qwen3_with_transformers_tp_plan_under_the_strategy_equals_one_proces
         # host, the others hold their shards and one whole tensor at a time (and its part while cut)
         memory = rep["memory"]
         print(f"rank {r} configure_model: {memory}")
-        assert memory["shards"] <= memory["held"] < memory["shards"] + 1024, memory  # no whole tensor left
         if r > 0:
             assert memory["peak"] <= memory["shards"] + 2 * memory["largest_whole"], memory
             assert memory["peak"] < memory["whole_model"], memory
+        assert memory["held"] < memory["shards"] + 1024, memory  # no whole tensor left
         assert rep["sharded"] > 0, "parallelize_hf sharded nothing"
         shared = [k for k in expected if k in got]
         assert len(shared) == len(expected)
