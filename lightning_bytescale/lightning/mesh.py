@@ -20,8 +20,9 @@ the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ra
 * drives FSDP2 when ``configure_model`` applied ``fully_shard`` over ``device_mesh["data_parallel"]``
   (:func:`fsdp_driver`, :func:`gathered`);
 * materialises a model built on the meta device with only each rank's shards (:func:`materialize`);
-* writes consolidated checkpoints with the DTensor state whole and loads them back as each rank's
-  shards, on any mesh (:func:`model_state`, :func:`optimizer_state`, :func:`load_model_state`,
+* writes consolidated checkpoints with the DTensor state whole, gathered one tensor at a time onto
+  global rank 0's host, and loads them back as each rank's shards, on any mesh
+  (:func:`model_state`, :func:`optimizer_state`, :func:`load_model_state`,
   :func:`load_optimizer_states`); sharded checkpoints (every rank writes its own DTensor shards)
   are :mod:`lightning_bytescale.lightning.checkpoint`'s, told here which optimizer state a rank
   keeps (:func:`keeps_state`) and when ``"auto"`` means sharded (:func:`state_sharded_over_hdp_ranks`).
@@ -464,33 +465,36 @@ def state_sharded_over_hdp_ranks(optimizers: list[Optimizer], fsdp: FSDPStepDriv
 
 # ----------------------------------------------------------------------------- consolidated checkpoints
 # With tensor parallelism (and FSDP2) the model and AdamW state are DTensors.  A consolidated
-# checkpoint holds them whole: torch.distributed.checkpoint.state_dict gathers them on every rank
-# (collectives on the mesh; rank 0 writes the file) and, on load, gives each rank its own shards of
-# the whole tensors, so a checkpoint resumes on any mesh, any data-parallel size included.
+# checkpoint holds them whole: torch.distributed.checkpoint.state_dict gathers them one tensor at a
+# time (collectives on the mesh), global rank 0 keeps each on its host and every other rank drops it
+# at once (its state dicts are empty; rank 0 writes the file), as Lightning's ModelParallelStrategy
+# saves.  On load it gives each rank its own shards of the whole tensors, so a checkpoint resumes on
+# any mesh, any data-parallel size included.
 
 
-def _full_options(strict: bool = True) -> Any:
+def _full_options(strict: bool = True, *, saving: bool = False) -> Any:
+    """Whole tensors; for a save (``saving``) on rank 0's host only, one tensor on the device at a time."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=False, strict=strict)
+    return StateDictOptions(full_state_dict=True, cpu_offload=saving, strict=strict)
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
-    """The module's state with every DTensor whole (call on every rank)."""
+    """The module's state with every DTensor whole, on global rank 0's host; empty on the other ranks (call on every rank)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(module, options=_full_options())
+    return get_model_state_dict(module, options=_full_options(saving=True))
 
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's state by parameter name, every DTensor whole (call on every rank)."""
+    """The optimizer's state by parameter name, every DTensor whole, on global rank 0's host; empty on the others (call on every rank)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     zero = _lane_zero_of(optimizer)
     if zero is None:
-        return get_optimizer_state_dict(module, optimizer, options=_full_options())
+        return get_optimizer_state_dict(module, optimizer, options=_full_options(saving=True))
     with zero.materialized():  # ZeRO-1: every rank of a lane holds the whole state while it is gathered
-        return get_optimizer_state_dict(module, optimizer, options=_full_options())
+        return get_optimizer_state_dict(module, optimizer, options=_full_options(saving=True))
 
 
 def load_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> None:
