@@ -239,7 +239,11 @@ class HFCausalLM(pl.LightningModule):
         copy.  Returns how this rank got its weights.
         """
         from lightning_bytescale.hf.tensor_parallel import parallelize_hf
-        from lightning_bytescale.parallel.materialize import fill_from_whole, named_tensors
+        from lightning_bytescale.parallel.materialize import (
+            fill_from_whole,
+            named_tensors,
+            to_empty_keeping_ties,
+        )
 
         assert self.model is not None
         every_rank = self.load_on == "every_rank" and not self.source.from_config
@@ -248,9 +252,8 @@ class HFCausalLM(pl.LightningModule):
             self._check_same_structure()  # before any tensor travels
         parallelize_hf(self.model, tp_mesh)
         trainer = compat.module_trainer(self)
-        self.model.to_empty(
-            device=trainer.strategy.root_device if trainer is not None else tp_mesh.device_type
-        )
+        device = trainer.strategy.root_device if trainer is not None else tp_mesh.device_type
+        to_empty_keeping_ties(self.model, device)
         host, weights = None, "broadcast"
         if src is None or self.global_rank == src:
             with torch.device("cpu"):  # the host: transformers reads a device context as a device_map

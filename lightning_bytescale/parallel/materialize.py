@@ -2,8 +2,9 @@
 
 Tensor parallelism exists for models one device cannot hold, so a model must never be whole on
 one device before it is sliced.  It is built on the meta device instead (no memory), sharded
-there (``parallelize_llama``, ``parallelize_hf``, ``parallelize_module``, ``fully_shard``: DTensors
-of meta shards), and ``to_empty`` gives each rank storage for its own shards only.  What remains
+there (``parallelize_llama``, ``parallelize_hf``, ``parallelize_module``: DTensors of meta
+shards), and ``to_empty`` gives each rank storage for its own shards only
+(:func:`to_empty_keeping_ties`: tied weights stay tied).  What remains
 is their values, which must be exactly the parts of the whole tensors one process would have:
 
 * :func:`fill_from_whole` copies them from whole tensors that global rank ``src`` holds (a
@@ -58,7 +59,7 @@ def _copy_part(target: torch.Tensor, whole: torch.Tensor | None, src: int | None
     if whole is None:
         full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
     else:
-        full = whole.detach().to(device=local.device, dtype=target.dtype)
+        full = whole.detach().to(device=local.device)
     if src is not None:
         dist.broadcast(full, src=src)
     if isinstance(target, DTensor):  # this rank's part, cut locally (no communication)
@@ -77,24 +78,39 @@ def fill_from_whole(
     keeps its part.  ``src=None``: every rank holds ``whole`` and copies its own parts, no
     communication.  Names are those of ``named_parameters`` and ``named_buffers`` (a tied weight
     under its first name); ``whole`` must hold each of them with the module's shape (the whole
-    shape of a DTensor).  Call on every rank of the global group, after ``to_empty``.
+    shape of a DTensor) and dtype.  Call on every rank of the global group, after ``to_empty``.
     """
     if not _distributed():
         src = None
     holds = src is None or _rank() == src
-    if holds and whole is None:
-        raise ConfigError(
-            f"fill_from_whole: rank {_rank()} is the source (src={src}) but holds no whole tensors"
-        )
-    for name, t in named_tensors(module):
-        value = whole.get(name) if holds and whole is not None else None
-        if holds and (value is None or tuple(value.shape) != tuple(t.shape)):
-            got = "nothing" if value is None else f"shape {tuple(value.shape)}"
-            raise ConfigError(
-                f"fill_from_whole: {name!r} is {tuple(t.shape)} in the sharded model but the whole weights have {got}; "
-                "build both from the same config"
-            )
-        _copy_part(t, value, src)
+    tensors = named_tensors(module)
+    problem = None
+    if holds:
+        problem = _mismatch(tensors, whole)
+    if (
+        src is not None
+    ):  # every rank learns of a mismatch before any tensor travels (no rank waits on a broadcast)
+        box = [problem]
+        dist.broadcast_object_list(box, src=src)
+        problem = box[0]
+    if problem is not None:
+        raise ConfigError(f"fill_from_whole: {problem}; build both from the same config and dtype")
+    for name, t in tensors:
+        _copy_part(t, whole[name] if holds and whole is not None else None, src)
+
+
+def _mismatch(
+    tensors: list[tuple[str, torch.Tensor]], whole: Mapping[str, torch.Tensor] | None
+) -> str | None:
+    """The first tensor ``whole`` lacks or holds with another shape or dtype, in words (``None``: all fit)."""
+    if whole is None:
+        return f"rank {_rank()} is the source but holds no whole tensors"
+    for name, t in tensors:
+        value = whole.get(name)
+        if value is None or (tuple(value.shape), value.dtype) != (tuple(t.shape), t.dtype):
+            got = "nothing" if value is None else f"{tuple(value.shape)} {value.dtype}"
+            return f"{name!r} is {tuple(t.shape)} {t.dtype} in the sharded model but the whole weights have {got}"
+    return None
 
 
 def _own(module: nn.Module, name: str) -> torch.Tensor:
@@ -121,21 +137,45 @@ def _whole_in_place(module: nn.Module, names: list[str], device: torch.device) -
                 module._buffers[n] = t
 
 
+def to_empty_keeping_ties(module: nn.Module, device: torch.device | str) -> None:
+    """``module.to_empty(device=device)``, with a tensor two modules share (a tied weight) still shared after.
+
+    ``to_empty`` gives a meta parameter a new ``Parameter`` in every module that holds it, so a tie
+    would come undone silently (the tied head would train apart from the embedding).
+    """
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, t in (*sub._parameters.items(), *sub._buffers.items()):
+            if t is not None:
+                places.setdefault(id(t), []).append((sub, name))
+    module.to_empty(device=device)
+    for (first, name), *others in places.values():
+        shared = _own(first, name)
+        for sub, other in others:
+            if other in sub._parameters:
+                sub._parameters[other] = shared  # type: ignore[assignment]
+            else:
+                sub._buffers[other] = shared
+
+
 @torch.no_grad()
 def materialize_sharded(module: nn.Module, device: torch.device, *, src: int = 0) -> list[str]:
     """A model with meta tensors (sharded or not) on ``device``, each rank holding its shards of ``src``'s draws.
 
-    ``to_empty`` first; then, per module with tensors of its own, ``src`` runs its
-    ``reset_parameters`` on whole plain tensors on ``device`` and every rank keeps its part
-    (:func:`fill_from_whole`'s transfer).  Returns the names of module types with tensors but
+    ``to_empty`` first (ties kept: :func:`to_empty_keeping_ties`); then, per module with tensors
+    of its own, ``src`` runs its ``reset_parameters`` on whole plain tensors on ``device`` and every
+    rank keeps its part (:func:`fill_from_whole`'s transfer).  A tied tensor keeps its first
+    module's draws, as when a constructor ties after drawing both (the later draws still advance
+    the generator).  Returns the names of module types with tensors but
     without ``reset_parameters`` (left uninitialised, as Lightning leaves them).  Call on every
     rank of the global group.  Nothing happens to a model without meta tensors.
     """
     if not any(t.is_meta for _, t in named_tensors(module)):
         return []
-    module.to_empty(device=device)
+    to_empty_keeping_ties(module, device)
     source = src if _distributed() else None
     missing: set[str] = set()
+    filled: set[int] = set()
     for sub in module.modules():
         names = [n for n, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None]
         if not names:
@@ -150,8 +190,11 @@ def materialize_sharded(module: nn.Module, device: torch.device, *, src: int = 0
                 reset()
                 drawn = {n: _own(sub, n) for n in names}  # reset_parameters may assign new tensors
         for n in names:
-            _copy_part(_own(sub, n), drawn.get(n), source)
+            t = _own(sub, n)
+            if id(t) not in filled:
+                filled.add(id(t))
+                _copy_part(t, drawn[n].to(t.dtype) if n in drawn else None, source)
     return sorted(missing)
 
 
-__all__ = ["fill_from_whole", "materialize_sharded", "named_tensors"]
+__all__ = ["fill_from_whole", "materialize_sharded", "named_tensors", "to_empty_keeping_ties"]
