@@ -357,36 +357,28 @@ def test_2x2_balance_with_rings_and_an_idle_hdp_rank_equals_one_process(tmp_path
     assert [rep["p2p_peers"] for rep in result["reports"]] == [[2], [3], [0], [1]]
 
 
-def test_1x2_tied_embeddings_equals_one_process(tmp_path):
-    steps = 4
-    _fit(tmp_path, 2, steps=steps, tied=True)
-    result = _check(tmp_path, 2, steps, tied=True)
-    print(f"(1, 2): max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
+def _equals_one_process(out: Path, what: str, world: int, steps: int, tied: bool, module: type[TPLM]) -> dict:
+    """Train ``module`` on ``world`` ranks and check it against one process (``_check``) to ``TOLERANCE``."""
+    _fit(out, world, steps=steps, tied=tied, module=module)
+    result = _check(out, world, steps, tied=tied)
+    print(f"{what}: max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
     assert result["param"] <= TOLERANCE, result["param"]
     assert result["loss"] <= TOLERANCE, result["loss"]
+    return result
+
+
+def test_1x2_tied_embeddings_equals_one_process(tmp_path):
+    _equals_one_process(tmp_path, "(1, 2)", 2, steps=4, tied=True, module=TPLM)
 
 
 def test_1x2_meta_device_model_equals_one_process(tmp_path):
     """A model built on the meta device is accepted with TP, materialised with each rank's shards only, exactly."""
-    steps = 3
-    _fit(tmp_path, 2, steps=steps, tied=False, module=MetaTPLM)
-    result = _check(tmp_path, 2, steps, tied=False)
-    print(
-        f"(1, 2) meta: max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}"
-    )
-    assert result["param"] <= TOLERANCE, result["param"]
-    assert result["loss"] <= TOLERANCE, result["loss"]
+    _equals_one_process(tmp_path, "(1, 2) meta", 2, steps=3, tied=False, module=MetaTPLM)
 
 
 def test_2x2_fsdp2_on_data_parallel_around_tp_equals_one_process(tmp_path):
-    steps = 3  # includes IDLE_STEP: HDP rank 1 runs no micro-batch but joins every FSDP collective
-    _fit(tmp_path, 4, steps=steps, tied=False, module=TPFSDPLM)
-    result = _check(tmp_path, 4, steps, tied=False)
-    print(
-        f"(2, 2) FSDP2: max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}"
-    )
-    assert result["param"] <= TOLERANCE, result["param"]
-    assert result["loss"] <= TOLERANCE, result["loss"]
+    # three steps include IDLE_STEP: HDP rank 1 runs no micro-batch but joins every FSDP collective
+    result = _equals_one_process(tmp_path, "(2, 2) FSDP2", 4, steps=3, tied=False, module=TPFSDPLM)
     assert result["reports"][0]["rows"][IDLE_STEP]["num_micro_batches"][1] == 0
 
 
