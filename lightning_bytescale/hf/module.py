@@ -247,7 +247,8 @@ class HFCausalLM(pl.LightningModule):
 
         assert self.model is not None
         every_rank = self.load_on == "every_rank" and not self.source.from_config
-        src = None if every_rank or not (dist.is_available() and dist.is_initialized()) else 0
+        distributed = dist.is_available() and dist.is_initialized()
+        src = None if every_rank or not distributed else 0
         if src is not None:
             self._check_same_structure()  # before any tensor travels
         parallelize_hf(self.model, tp_mesh)
@@ -255,7 +256,7 @@ class HFCausalLM(pl.LightningModule):
         device = trainer.strategy.root_device if trainer is not None else tp_mesh.device_type
         to_empty_keeping_ties(self.model, device)
         host, weights = None, "broadcast"
-        if src is None or self.global_rank == src:
+        if src is None or dist.get_rank() == src:
             with torch.device("cpu"):  # the host: transformers reads a device context as a device_map
                 if self.source.from_config:
                     host, weights = self.source.build(config, dtype), "config"
