@@ -19,8 +19,10 @@ the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ra
   (:class:`LaneZero`, :func:`gradient_owners`);
 * drives FSDP2 when ``configure_model`` applied ``fully_shard`` over ``device_mesh["data_parallel"]``
   (:func:`fsdp_driver`, :func:`gathered`);
-* writes consolidated checkpoints with the DTensor state whole and loads them back as each rank's
-  shards, on any mesh (:func:`model_state`, :func:`optimizer_state`, :func:`load_model_state`,
+* materialises a model built on the meta device with only each rank's shards (:func:`materialize`);
+* writes consolidated checkpoints with the DTensor state whole, gathered one tensor at a time onto
+  global rank 0's host, and loads them back as each rank's shards, on any mesh
+  (:func:`model_state`, :func:`optimizer_state`, :func:`load_model_state`,
   :func:`load_optimizer_states`); sharded checkpoints (every rank writes its own DTensor shards)
   are :mod:`lightning_bytescale.lightning.checkpoint`'s, told here which optimizer state a rank
   keeps (:func:`keeps_state`) and when ``"auto"`` means sharded (:func:`state_sharded_over_hdp_ranks`).
@@ -52,6 +54,7 @@ from lightning_bytescale.parallel import (
     ParallelMesh,
 )
 from lightning_bytescale.parallel import clip_grad_norm_ as mesh_clip_grad_norm_
+from lightning_bytescale.parallel.materialize import materialize_sharded
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -252,11 +255,6 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             "lane would decide on its own gradient shards whether to skip a step. Use precision='bf16-mixed' "
             "or '32-true'"
         )
-    if any(p.is_meta for p in strategy.model.parameters()):
-        raise ConfigError(
-            f"tensor_parallel_size={tp}: the model has parameters on the meta device (Trainer.init_module("
-            "empty_init=True)); build it on the device in configure_model before parallelize_module"
-        )
     from torch.distributed.tensor import DTensor
 
     if not any(isinstance(p, DTensor) for p in strategy.model.parameters()):
@@ -265,6 +263,20 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             "DTensor), so every lane of an HDP rank runs the whole model on the same micro-batches. Apply "
             'parallelize_module(..., self.device_mesh["tensor_parallel"], plan) (or parallelize_llama / '
             "parallelize_hf) in configure_model, or use tensor_parallel_size=1"
+        )
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """A model on the meta device (``Trainer.init_module(empty_init=True)``, or built there in ``configure_model``
+    and sharded there): each rank allocates its own shards on ``device`` only, with global rank 0's
+    draws of each module's ``reset_parameters`` (:func:`~lightning_bytescale.parallel.materialize.materialize_sharded`),
+    so the values are those Lightning's materialisation gives the unsharded model on one device.
+    """
+    missing = materialize_sharded(module, device)
+    if missing:
+        rank_zero_warn(
+            "Parameter initialization incomplete. The following modules have parameters or buffers with uninitialized "
+            f"memory because they don't define a `reset_parameters()` method for re-initialization: {', '.join(missing)}"
         )
 
 
@@ -453,33 +465,36 @@ def state_sharded_over_hdp_ranks(optimizers: list[Optimizer], fsdp: FSDPStepDriv
 
 # ----------------------------------------------------------------------------- consolidated checkpoints
 # With tensor parallelism (and FSDP2) the model and AdamW state are DTensors.  A consolidated
-# checkpoint holds them whole: torch.distributed.checkpoint.state_dict gathers them on every rank
-# (collectives on the mesh; rank 0 writes the file) and, on load, gives each rank its own shards of
-# the whole tensors, so a checkpoint resumes on any mesh, any data-parallel size included.
+# checkpoint holds them whole: torch.distributed.checkpoint.state_dict gathers them one tensor at a
+# time (collectives on the mesh), global rank 0 keeps each on its host and every other rank drops it
+# at once (its state dicts are empty; rank 0 writes the file), as Lightning's ModelParallelStrategy
+# saves.  On load it gives each rank its own shards of the whole tensors, so a checkpoint resumes on
+# any mesh, any data-parallel size included.
 
 
-def _full_options(strict: bool = True) -> Any:
+def _full_options(strict: bool = True, *, saving: bool = False) -> Any:
+    """Whole tensors; for a save (``saving``) on rank 0's host only, one tensor on the device at a time."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=False, strict=strict)
+    return StateDictOptions(full_state_dict=True, cpu_offload=saving, strict=strict)
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
-    """The module's state with every DTensor whole (call on every rank)."""
+    """The module's state with every DTensor whole, on global rank 0's host; empty on the other ranks (call on every rank)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(module, options=_full_options())
+    return get_model_state_dict(module, options=_full_options(saving=True))
 
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's state by parameter name, every DTensor whole (call on every rank)."""
+    """The optimizer's state by parameter name, every DTensor whole, on global rank 0's host; empty on the others (call on every rank)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     zero = _lane_zero_of(optimizer)
     if zero is None:
-        return get_optimizer_state_dict(module, optimizer, options=_full_options())
+        return get_optimizer_state_dict(module, optimizer, options=_full_options(saving=True))
     with zero.materialized():  # ZeRO-1: every rank of a lane holds the whole state while it is gathered
-        return get_optimizer_state_dict(module, optimizer, options=_full_options())
+        return get_optimizer_state_dict(module, optimizer, options=_full_options(saving=True))
 
 
 def load_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> None:
@@ -544,6 +559,7 @@ __all__ = [
     "keyed_by_name",
     "load_model_state",
     "load_optimizer_states",
+    "materialize",
     "model_state",
     "optimizer_state",
     "state_sharded_over_hdp_ranks",

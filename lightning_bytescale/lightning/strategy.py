@@ -396,8 +396,11 @@ class ByteScaleStrategy(ParallelStrategy):
         if self.pipeline_parallel_size > 1:
             pipeline_.check_setup(self, trainer)  # what pipelines cannot run with yet; the stage
         elif self.parallel_mesh is not None:
-            mesh_.check_setup(self, trainer)  # what TP cannot run with yet (a meta-device model among them)
-        compat._materialize_distributed_module(self.model, self.root_device)
+            mesh_.check_setup(self, trainer)  # what TP cannot run with yet
+        if self.parallel_mesh is not None and self.pipeline_parallel_size == 1:
+            mesh_.materialize(self.model, self.root_device)  # meta: each rank its own shards, rank 0's draws
+        else:
+            compat._materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # What DDP does when it wraps a model: every rank starts from rank 0's state.

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 pytest.importorskip("transformers")
 
@@ -107,20 +108,59 @@ def _case(pmesh, family: str, overrides: dict) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
+LOADING_SEED = 7
+
+
+def _loading(pmesh, checkpoint: str) -> dict:
+    """``HFCausalLM(tensor_parallel=True).configure_model`` every documented way: what each rank got, and whether
+    the shards gathered are exactly the checkpoint's weights (or, from a config, one process's draws from the seed)."""
+    from lightning_bytescale.hf import HFCausalLM
+    from lightning_bytescale.lightning.mesh import full_state_dict
+
+    saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).state_dict()
+    torch.manual_seed(LOADING_SEED)
+    drawn = AutoModelForCausalLM.from_config(tiny_config("qwen3"), dtype=torch.float64).state_dict()
+    ways = {
+        "rank_zero": (HFCausalLM(checkpoint, local_files_only=True, dtype=torch.float64, tensor_parallel=True), saved),
+        "every_rank": (
+            HFCausalLM(checkpoint, local_files_only=True, dtype=torch.float64, tensor_parallel=True, load_on="every_rank"),
+            saved,
+        ),
+        "from_config": (HFCausalLM(tiny_config("qwen3"), dtype=torch.float64, tensor_parallel=True), drawn),
+    }  # fmt: skip
+    out = {}
+    for way, (module, expected) in ways.items():
+        module._device_mesh = pmesh.mesh  # what the strategy sets before configure_model
+        torch.manual_seed(LOADING_SEED)
+        module.configure_model()
+        got = full_state_dict(module)
+        out[way] = {
+            "weights": module.load_report.weights,
+            "exact": got.keys() == {f"model.{k}" for k in expected}
+            and all(torch.equal(got[f"model.{k}"], v) for k, v in expected.items()),
+            "sharded": sum(isinstance(p, DTensor) for p in module.parameters()),
+        }
+    return out
+
+
+def _worker(rank: int, port: int, outdir: str, checkpoint: str) -> None:
     from lightning_bytescale.parallel import ParallelDims
 
     torch.set_num_threads(1)
     init_gloo(rank, WORLD, port)
     pmesh = ParallelDims(WORLD, tensor_parallel=TP).build("cpu")
     report = {name: _case(pmesh, family, overrides) for name, (family, overrides) in CASES.items()}
+    report["loading"] = _loading(pmesh, checkpoint)
     save_report(outdir, rank, report)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    return gather_reports(tmp_path_factory.mktemp("hf_tp"), _worker, WORLD, timeout_s=260)
+    checkpoint = tmp_path_factory.mktemp("hf_tp_checkpoint")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3"), dtype=torch.float64).save_pretrained(checkpoint)
+    return gather_reports(tmp_path_factory.mktemp("hf_tp"), _worker, WORLD, str(checkpoint), timeout_s=260)
 
 
 @pytest.mark.multiprocess
@@ -135,6 +175,22 @@ def test_hf_model_with_its_tp_plan_trains_like_one_process(reports, case):
         assert max(got["param"]) <= 1e-10, got["param"]
         assert max(got["loss"]) <= 1e-12, got["loss"]
         assert got["tied"] == (case == "llama_tied")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(280)
+def test_hfcausallm_with_tp_starts_from_exactly_its_weights_every_documented_way(reports):
+    """Rank 0 reads (or draws) the whole weights on its host and the others receive them; with
+    ``load_on="every_rank"`` every rank reads its own copy; the shards gathered are the weights."""
+    expected = {
+        "rank_zero": ["checkpoint", "broadcast", "broadcast", "broadcast"],
+        "every_rank": ["checkpoint"] * 4,
+        "from_config": ["config", "broadcast", "broadcast", "broadcast"],
+    }
+    for way, weights in expected.items():
+        got = [rep["loading"][way] for rep in reports]
+        assert [g["weights"] for g in got] == weights, (way, got)
+        assert all(g["exact"] and g["sharded"] > 0 for g in got), (way, got)
 
 
 def test_plans_with_styles_not_checked_here_and_models_without_a_plan_are_refused():
