@@ -26,17 +26,24 @@ MIXED_LENGTHS = (16, 7, 43, 31, 3, 10, 56, 21)
 
 
 def mode_cost_model(
-    *, kv_heads: int = 4, vocab: int = 64, tensor_parallel: int = 1, ranks_per_node: int = RANKS_PER_NODE
+    *,
+    kv_heads: int = 4,
+    vocab: int = 64,
+    tensor_parallel: int = 1,
+    ranks_per_node: int = RANKS_PER_NODE,
+    bandwidth_intra: float = 1e6,
 ) -> CostModel:
     """The tiny Llama's cost model (4 query heads, ``kv_heads`` key/value heads) with links slow
-    enough that Ulysses and hybrid items win where rings cannot hide their transfer.
+    enough that Ulysses and hybrid items win where rings cannot hide their transfer (the link
+    between nodes is 4x slower than ``bandwidth_intra``).
 
     ``tensor_parallel``: the heads are one lane's (``4 / tp``, ``kv_heads / tp``), as
     ``bytescale-profile --tensor-parallel`` records them.
     """
     cost = CostModel.from_model_shape(
         2, 32, 4, kv_heads, 64, vocab, flops_per_s=1e7, dtype_bytes=8,
-        bandwidth_intra=1e6, bandwidth_inter=2.5e5, ranks_per_node=ranks_per_node, name="tiny-modes",
+        bandwidth_intra=bandwidth_intra, bandwidth_inter=bandwidth_intra / 4, ranks_per_node=ranks_per_node,
+        name="tiny-modes",
     )  # fmt: skip
     if tensor_parallel == 1:
         return cost
