@@ -796,6 +796,17 @@ def trainer_section(report: Report, device: torch.device, sizes: Sizes) -> None:
 
 
 # ----------------------------------------------------------------------------- tensor parallel
+def _gpus_or_skip(section: Section, subsections: tuple[str, ...]) -> int | None:
+    """The GPUs visible, or ``None`` after recording a skip in every subsection when fewer than two are."""
+    visible = torch.cuda.device_count()
+    if visible >= 2:
+        return visible
+    reason = f"needs two or more GPUs; {visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
+    for name in subsections:
+        section.run(name, lambda sub: sub.out.update(skipped=reason, gpus_visible=visible))
+    return None
+
+
 def tensor_parallel_section(report: Report, device: torch.device, sizes: Sizes) -> None:
     """``ByteScaleStrategy(tensor_parallel_size=2)`` on 2 GPUs (4 when visible: ``(2, 2)``), NCCL.
 
@@ -812,11 +823,8 @@ def tensor_parallel_section(report: Report, device: torch.device, sizes: Sizes) 
 
     section = report.section("tensor_parallel")
     if device.type == "cuda":
-        visible = torch.cuda.device_count()
-        if visible < 2:
-            reason = f"needs two or more GPUs; {visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
-            for name in ("bf16_mixed", "float64"):
-                section.run(name, lambda sub: sub.out.update(skipped=reason, gpus_visible=visible))
+        visible = _gpus_or_skip(section, ("bf16_mixed", "float64"))
+        if visible is None:
             return
         world, accelerator, backend = (4 if visible >= 4 else 2), "gpu", "nccl"
     else:
@@ -1018,11 +1026,8 @@ def ulysses_section(report: Report, device: torch.device, sizes: Sizes) -> None:
 
     section = report.section("ulysses")
     if device.type == "cuda":
-        visible = torch.cuda.device_count()
-        if visible < 2:
-            reason = f"needs two or more GPUs; {visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
-            for name in ("errors", "throughput"):
-                section.run(name, lambda sub: sub.out.update(skipped=reason, gpus_visible=visible))
+        visible = _gpus_or_skip(section, ("errors", "throughput"))
+        if visible is None:
             return
         world = max(n for n in (2, 4, 8) if n <= visible)
     else:
