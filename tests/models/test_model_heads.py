@@ -36,6 +36,14 @@ def test_heads_of_a_lightning_style_module_holding_the_model():
 
     assert model_heads(Module()) == (4, 4)
     assert model_heads(nn.Linear(2, 2)) is None
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    holder = nn.Module()
+    holder.model = transformers.LlamaForCausalLM(config)  # as HFCausalLM holds it after configure_model
+    assert model_heads(holder) == (4, 2)
 
 
 def test_the_heads_of_one_tensor_parallel_lane():
