@@ -36,6 +36,7 @@ from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.errors import ByteScaleError
 from lightning_bytescale.packed_attention.layout import MODES, AttentionLayout
 from lightning_bytescale.planner import zigzag
+from lightning_bytescale.planner.modes import group_layout
 from lightning_bytescale.planner.plan import MicroBatch, Plan
 
 IGNORE_INDEX = -100
@@ -228,9 +229,11 @@ def build_micro_batch(
 def hybrid_ulysses_size(ring: Sequence[int], ranks_per_node: int | None, item: int | None = None) -> int:
     """The Ulysses group size of a hybrid ring item: its members on one node, consecutive in ``ring``.
 
-    ``ring`` holds plan ranks; rank ``r`` is on node ``r // ranks_per_node``.  Every node the
-    ring visits must hold one run of consecutive members, all runs of one size (USP's layout:
-    Ulysses inside a node, a ring across nodes); otherwise :class:`PackingError`.
+    ``ring`` holds plan ranks; rank ``r`` is on node ``r // ranks_per_node``.  The planner's rule
+    (:func:`lightning_bytescale.planner.modes.group_layout`, which ``Plan.validate`` and the
+    planner's cost use): the ring spans two nodes or more, each holding one run of the same number
+    (``>= 2``) of consecutive members (USP's layout: Ulysses inside a node, a ring across nodes);
+    otherwise :class:`PackingError`.  Group ``j`` is then ``modes.hybrid_groups(ring, ranks_per_node)[j]``.
     """
     if ranks_per_node is None or int(ranks_per_node) < 1:
         raise PackingError(
@@ -238,15 +241,16 @@ def hybrid_ulysses_size(ring: Sequence[int], ranks_per_node: int | None, item: i
             "does not say how many ranks a node holds; plan with ranks_per_node (the planner option, or the "
             "cost model's)"
         )
-    runs = [(node, len(list(run))) for node, run in groupby(int(r) // int(ranks_per_node) for r in ring)]
-    if len({node for node, _ in runs}) != len(runs) or len({size for _, size in runs}) != 1:
+    per_node = group_layout(tuple(int(r) for r in ring), int(ranks_per_node)).per_node
+    if per_node is None:
+        runs = [(node, len(list(run))) for node, run in groupby(int(r) // int(ranks_per_node) for r in ring)]
         raise PackingError(
             f"hybrid item {item}: its ring {tuple(ring)} holds {[size for _, size in runs]} consecutive members "
-            f"on nodes {[node for node, _ in runs]} ({ranks_per_node} ranks a node); a hybrid ring lists every "
-            "node's members together, the same number on every node. Plan it as 'ring' or 'ulysses', or order "
-            "its members node by node"
+            f"on nodes {[node for node, _ in runs]} ({ranks_per_node} ranks a node); a hybrid ring spans two "
+            "nodes or more and lists every node's members together, the same number (>= 2) on every node. Plan "
+            "it as 'ring' or 'ulysses', or order its members node by node"
         )
-    return runs[0][1]
+    return per_node
 
 
 def probe_ring_item(plan: Plan) -> int | None:

@@ -347,10 +347,13 @@ class ByteScaleStrategy(ParallelStrategy):
     def check_before_launch(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         """What can be refused before any rank starts, once: the launchers call it with the run's arguments.
 
-        Gradient accumulation over Lightning batches, a float16 ``GradScaler`` with pipelines, and
-        a data module whose own planner arguments contradict :attr:`planner_config`.
+        Gradient accumulation over Lightning batches, a float16 ``GradScaler`` with pipelines, a
+        cost model whose attention heads are not the model's (where the module already holds its
+        model; set-up checks again after ``configure_model``), and a data module whose own planner
+        arguments contradict :attr:`planner_config`.
         """
         step_loop.StepLoop.refuse_accumulation(trainer)
+        options_.check_cost_model_heads(self.planner_config, self.lightning_module, self.tensor_parallel_size)
         if self.pipeline_parallel_size > 1:
             pipeline_.check_precision(self)
         for value in (*args, *kwargs.values()):
@@ -385,6 +388,9 @@ class ByteScaleStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         step_loop.StepLoop.refuse_accumulation(trainer)
         module = trainer.lightning_module
+        options_.check_cost_model_heads(
+            self.planner_config, module, self.tensor_parallel_size
+        )  # after configure_model
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and not module.automatic_optimization:
             raise ConfigError(

@@ -44,7 +44,12 @@ from lightning_bytescale.packed_attention import (
     reset_comm_stats,
     ulysses_attention,
 )
-from lightning_bytescale.packed_attention.ulysses_plan import head_split, node_rows, sequence_rows
+from lightning_bytescale.packed_attention.ulysses_plan import (
+    head_split,
+    node_rows,
+    sequence_rows,
+    ulysses_setup,
+)
 from lightning_bytescale.planner import zigzag
 from lightning_bytescale.planner.plan import MicroBatch, Piece
 
@@ -324,6 +329,62 @@ def test_hybrid_groups_are_the_members_of_one_node():
         hybrid_ulysses_size((0, 2, 1, 3), 2)
     with pytest.raises(PackingError, match=r"holds \[2, 1\]"):
         hybrid_ulysses_size((0, 1, 2), 2)
+
+
+def test_hybrid_groups_a_plan_check_refuses_are_refused_by_the_engine_too():
+    # one node: the planner's (and Plan.validate's) Ulysses item, not a hybrid one
+    with pytest.raises(PackingError, match=r"holds \[4\] consecutive members on nodes \[0\]"):
+        hybrid_ulysses_size((0, 1, 2, 3), 4)
+    # one member a node: a plain ring across nodes, not a Ulysses group inside each
+    with pytest.raises(PackingError, match=r"holds \[1, 1\] consecutive members on nodes \[0, 1\]"):
+        hybrid_ulysses_size((0, 2), 2)
+
+
+def _member_setups(ring, u):
+    """The torch floor's set-up of every member of a hybrid item of ``ring``: (exchange peers, ring across)."""
+    out = []
+    for m in range(len(ring)):
+        setup = ulysses_setup(layout_of([23], ring, m, "hybrid", u), zigzag.slots_per_member(23, len(ring)),
+                              torch.device("cpu"), transport=lambda *a: None, ring_transport=lambda *a: None)  # fmt: skip
+        out.append((setup.exchange.peers, setup.ring.ranks))
+    return out
+
+
+def test_the_engine_runs_the_planners_hybrid_groups_and_charges_the_heads_it_holds():
+    """The planner and the torch floor agree on every ring of up to 8 ranks over nodes of 1-4: where
+    the planner allows hybrid (its layout, Plan.validate and the cost) the engine's group size is its
+    per-node count, each member exchanges with its node group (``modes.hybrid_groups``) and rings with
+    the same member of every other group; where it does not the engine refuses.  The key/value heads a
+    Ulysses member holds (``head_split``) are at most what the cost model charges it, and exactly that
+    for the member that holds the most."""
+    from itertools import permutations
+
+    from lightning_bytescale.planner import CostModel
+    from lightning_bytescale.planner.modes import group_layout, hybrid_groups
+
+    allowed = 0
+    for rpn in (1, 2, 3, 4):
+        for n in (2, 3, 4, 6):
+            for ring in permutations(range(8 if n <= 4 else 6), n):
+                per_node = group_layout(ring, rpn).per_node
+                if per_node is None:
+                    with pytest.raises(PackingError, match="a hybrid ring spans two nodes or more"):
+                        hybrid_ulysses_size(ring, rpn)
+                    continue
+                allowed += 1
+                assert hybrid_ulysses_size(ring, rpn) == per_node
+                if rpn == 2 and n == 4 or rpn == 3 and n == 6 and ring[0] == 0:
+                    groups = hybrid_groups(ring, rpn)
+                    for m, (peers, across) in enumerate(_member_setups(ring, per_node)):
+                        node, k = divmod(m, per_node)
+                        assert peers == groups[node] and across == tuple(g[k] for g in groups)
+    assert allowed > 100
+    for heads in range(1, 17):
+        for kv_heads in (d for d in range(1, heads + 1) if heads % d == 0):
+            cost = CostModel(a=1e-9, b=1e-6, attention_heads=heads, kv_heads=kv_heads)
+            for n in (d for d in range(2, heads + 1) if heads % d == 0):
+                held = [b - a for a, b in head_split(heads, kv_heads, n).kv]
+                assert max(held) == cost.ulysses_kv_heads(n), (heads, kv_heads, n, held)
 
 
 def test_micro_batches_carry_the_mode_into_the_layout():
