@@ -15,11 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from _fake_pg import fake_world
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -29,11 +28,9 @@ TP = 2
 @contextlib.contextmanager
 def fake_tp_mesh(rank: int = 0) -> Iterator[Any]:
     """This process as lane ``rank`` of a 1-D ``TP``-lane mesh on the fake process group, for the block."""
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=TP)
-    try:
+    with fake_world() as join:
+        join(rank, TP)
         yield init_device_mesh("cpu", (TP,))
-    finally:
-        dist.destroy_process_group()
 
 
 def all_reduces(mode: CommDebugMode) -> int:
