@@ -48,7 +48,8 @@ def declared_sites(folder: Path = TIER) -> dict[str, str]:
 def coverage_problems(sites: dict[str, CallSite], declared: dict[str, str], allowed: set[str]) -> list[str]:
     """What keeps the tier from covering every site: uncovered sites, and marks or allowances naming none."""
     problems = [
-        f"{s.module}:{s.line}: {key} is a collective call site that no fake-NCCL test covers; add a test in "
+        f"{key} (lightning_bytescale/{s.module}:{s.line}) is a collective call site that no fake-NCCL test "
+        "covers; add a test in "
         "tests/fake_nccl/ that runs it under fake_nccl() and mark it @pytest.mark.covers("
         f"{key!r}) (CONTRIBUTING.md, 'The fake-NCCL tier'), or, for gloo on host tensors by design, "
         "add it to ALLOWED in tests/_fake_nccl.py with the reason"
@@ -165,7 +166,11 @@ def test_an_uncovered_site_a_stale_mark_and_a_stale_allowance_fail(tmp_path):
     declared = {key: "test_x.py" for key in sites if key != "mod.py:passed_on:barrier"}
     assert not coverage_problems(sites, {**declared, "mod.py:passed_on:barrier": "test_x.py"}, set())
     problems = coverage_problems(sites, declared, set())
-    assert len(problems) == 1 and "mod.py:passed_on:barrier is a collective call site" in problems[0]
+    assert (
+        len(problems) == 1
+        and problems[0].startswith("mod.py:passed_on:barrier (")
+        and "no fake-NCCL test" in problems[0]
+    )
     assert not coverage_problems(sites, declared, {"mod.py:passed_on:barrier"})
     stale = coverage_problems(
         sites, {**declared, "mod.py:gone:all_reduce": "test_x.py"}, {"mod.py:passed_on:barrier"}
