@@ -276,15 +276,19 @@ class _StateTensor:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    host: bool  # AdamW keeps its ``step`` on the host (unless fused or capturable): so does the copy
+    dtensor: bool  # sharded like its parameter (AdamW's moments of a DTensor parameter)
+    host: bool  # a plain tensor on the host: AdamW's ``step`` (unless fused or capturable)
 
     @classmethod
     def of(cls, t: torch.Tensor) -> _StateTensor:
-        return cls(tuple(t.shape), t.dtype, t.device.type == "cpu")
+        from torch.distributed.tensor import DTensor
+
+        dtensor = isinstance(t, DTensor)
+        return cls(tuple(t.shape), t.dtype, dtensor, not dtensor and t.device.type == "cpu")
 
     def zeros_like(self, p: torch.Tensor) -> torch.Tensor:
-        """Zeros for this state of parameter ``p``: a DTensor like ``p`` when shaped like it, else a plain tensor."""
-        if self.shape == tuple(p.shape) and not self.host:
+        """Zeros for this state of parameter ``p``: a DTensor like ``p``, or a plain tensor where the owner keeps it."""
+        if self.dtensor:
             return torch.zeros_like(p, dtype=self.dtype)
         return torch.zeros(self.shape, dtype=self.dtype, device="cpu" if self.host else _local(p).device)
 

@@ -204,16 +204,43 @@ def test_zero1_on_the_mesh_gathers_adamw_state_with_its_host_step_on_the_gpu():
     assert {e.device for e in exp_avg} == {CUDA}
 
 
-def test_a_non_owner_makes_room_for_host_state_on_the_host():
+def test_a_non_owner_makes_room_for_the_state_where_the_owner_keeps_it():
+    """AdamW's moments of a DTensor parameter: DTensors like it; its ``step``: a host scalar; a plain one's: its device."""
     from lightning_bytescale.lightning.mesh import _StateTensor
 
-    with fake_nccl() as mode:
-        p = nn.Parameter(mode.cuda(torch.zeros(3, 2)))
-        step = _StateTensor.of(torch.tensor(4.0)).zeros_like(p)
-        exp_avg = _StateTensor.of(torch.zeros_like(p)).zeros_like(p)
+    with fake_nccl(world_size=2) as mode:
+        pmesh = ParallelDims(2, tensor_parallel=2).build("cuda")
+        sharded = nn.Parameter(
+            DTensor.from_local(mode.cuda(torch.zeros(3, 2)), pmesh.tp_mesh, [Shard(0)], run_check=False)
+        )
+        plain = nn.Parameter(mode.cuda(torch.zeros(4)))
+        moment = _StateTensor.of(torch.zeros_like(sharded)).zeros_like(sharded)
+        step = _StateTensor.of(torch.tensor(4.0)).zeros_like(sharded)
+        plain_moment = _StateTensor.of(torch.zeros_like(plain)).zeros_like(plain)
+        local = moment.to_local().shape
+    assert isinstance(moment, DTensor) and moment.placements == (Shard(0),) and local == (3, 2)
+    assert step.device.type == "cpu" and step.shape == () and not isinstance(step, DTensor)
     assert (
-        step.device.type == "cpu" and step.shape == () and exp_avg.device == CUDA and exp_avg.shape == (3, 2)
+        plain_moment.device == CUDA and plain_moment.shape == (4,) and not isinstance(plain_moment, DTensor)
     )
+
+
+def test_on_the_host_a_non_owner_still_makes_dtensor_moments():
+    """On gloo every tensor is on the host: a moment of a DTensor parameter is still a DTensor."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_bytescale.lightning.mesh import _StateTensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = nn.Parameter(DTensor.from_local(torch.zeros(3, 2), mesh, [Shard(0)]))
+        moment = _StateTensor.of(torch.zeros_like(sharded)).zeros_like(sharded)
+        step = _StateTensor.of(torch.tensor(1.0)).zeros_like(sharded)
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(moment, DTensor) and not isinstance(step, DTensor) and step.shape == ()
 
 
 @pytest.mark.covers(
