@@ -487,8 +487,11 @@ def allreduce_gradients(
     in ``[0, 2**50)``: token counts, flags, ids) are appended as limbs small enough that their
     sum is exact in the buffer's dtype, so they stay exact with float32 gradients too (sums
     must stay below 2**53).
-    Returns one float64 tensor: ``extra`` summed, then ``counts`` summed (``None`` when neither
-    was given).  Without an initialised process group this is the identity (single process).
+    Returns one float64 tensor on the host: ``extra`` summed, then ``counts`` summed (``None``
+    when neither was given), read back in one copy.  The buffer is made on the group's device
+    (:func:`~lightning_bytescale.engine.comm_device.comm_device`: CUDA for NCCL, the host for
+    gloo), whatever device ``extra`` lives on.  Without an initialised process group this is the
+    identity (single process).
     """
     params = [p for p in params if p.requires_grad]
     dtype = reduce_dtype or _reduce_dtype(params)
