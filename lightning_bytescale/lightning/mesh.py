@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -281,6 +282,29 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- ZeRO-1 on the mesh
+@dataclass(frozen=True)
+class _StateTensor:
+    """What a non-owner needs to make room for one tensor of an owner's optimizer state (it travels pickled)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dtensor: bool  # sharded like its parameter (AdamW's moments of a DTensor parameter)
+    host: bool  # a plain tensor on the host: AdamW's ``step`` (unless fused or capturable)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _StateTensor:
+        from torch.distributed.tensor import DTensor
+
+        dtensor = isinstance(t, DTensor)
+        return cls(tuple(t.shape), t.dtype, dtensor, not dtensor and t.device.type == "cpu")
+
+    def zeros_like(self, p: torch.Tensor) -> torch.Tensor:
+        """Zeros for this state of parameter ``p``: a DTensor like ``p``, or a plain tensor where the owner keeps it."""
+        if self.dtensor:
+            return torch.zeros_like(p, dtype=self.dtype)
+        return torch.zeros(self.shape, dtype=self.dtype, device="cpu" if self.host else _local(p).device)
+
+
 class LaneZero:
     """ZeRO-1 and ZeRO-2 on the mesh: each lane's optimizer state split over its HDP ranks.
 
@@ -368,10 +392,7 @@ class LaneZero:
             if i == self.pmesh.hdp_rank:
                 meta = [
                     [
-                        {
-                            k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else v
-                            for k, v in state[p].items()
-                        }
+                        {k: _StateTensor.of(v) if torch.is_tensor(v) else v for k, v in state[p].items()}
                         if p in state
                         else None
                         for p in owned
@@ -383,15 +404,9 @@ class LaneZero:
                 if keys is None:
                     continue
                 if i != self.pmesh.hdp_rank:
-                    entry = {}
-                    for k, v in keys.items():
-                        if not isinstance(v, tuple) or len(v) != 2 or not isinstance(v[1], torch.dtype):
-                            entry[k] = v
-                        elif tuple(v[0]) == tuple(p.shape):
-                            entry[k] = torch.zeros_like(p, dtype=v[1])  # a DTensor like the parameter
-                        else:
-                            entry[k] = torch.zeros(v[0], dtype=v[1], device=_local(p).device)
-                    state[p] = entry
+                    state[p] = {
+                        k: v.zeros_like(p) if isinstance(v, _StateTensor) else v for k, v in keys.items()
+                    }
                 tensors.extend(_local(v) for v in state[p].values() if torch.is_tensor(v))
             broadcast_tensors(tensors, src=self._src(i), group=self.pmesh.dp_group)
 

@@ -42,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.engine.executor import LocalResult
 from lightning_bytescale.engine.state_sync import broadcast_tensors
 from lightning_bytescale.errors import ConfigError
@@ -229,10 +230,9 @@ def agree_after_step(
     values[0] = float(stop_requested)
     me = dist.get_rank()
     values[1 + me], values[1 + world + me] = result.schedule_s, result.compute_s
-    device = pmesh.mesh.device_type
-    values = values.to(device)
+    values = values.to(comm_device())
     dist.all_reduce(values)
-    values = values.cpu()
+    values = values.cpu()  # one copy back
     return bool(values[0] > 0), values[1:].reshape(2, world)
 
 

@@ -56,6 +56,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bytescale.engine.batch import StepBatch
+from lightning_bytescale.engine.comm_device import barrier as comm_barrier
 from lightning_bytescale.engine.failures import is_peer_failure, peer_failure_message
 from lightning_bytescale.engine.state_sync import broadcast_module_state
 from lightning_bytescale.engine.zero import clip_grad_norm_, owner_ranks, resolve_zero_level, shard_optimizers
@@ -541,10 +542,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self._loop.refuse_collective("trainer.strategy.barrier()")
         if not compat._distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        comm_barrier()  # with the group's device named (NCCL's would guess it)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:

@@ -75,6 +75,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.utils.hooks import RemovableHandle
 
+from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.engine.executor import LocalResult, MicroBatchResult, StepResult, sync_step
 from lightning_bytescale.engine.finite import all_finite
 from lightning_bytescale.engine.grad_sync import BucketedGradSync
@@ -531,10 +532,11 @@ def run_pipeline_step(
         return synced
 
     result = agree_across_lanes(sync, pmesh, batch.step.step)
-    loss = result.loss_tensor.reshape(1).clone()
+    # sync_step returns the loss on the host: it travels on the pipeline group's device and back once
+    loss = result.loss_tensor.reshape(1).to(comm_device(pmesh.pp_group), copy=True)
     dist.broadcast(loss, group=pmesh.pp_group, group_src=pmesh.dims.pipeline - 1)
-    result.loss_tensor = loss[0]
-    result.loss = float(loss[0])
+    result.loss_tensor = loss.to(result.loss_tensor.device)[0]
+    result.loss = float(result.loss_tensor)
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return PipelineStepResult(**fields, schedule_s=seconds, compute_s=clock.compute)
 

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bytescale.engine.batch import StepBatch
+from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.engine.executor import (
     BackwardFn,
     ContextFactory,
@@ -114,11 +115,10 @@ def agree_across_lanes(run: Callable[[], T], pmesh: ParallelMesh, step: int | No
     except StepError as err:
         failure = err
     if pmesh.dims.tensor_parallel > 1:
-        device = torch.device(pmesh.mesh.device_type)
-        if device.type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
         stop = failure is None and bool(getattr(result, "stop_requested", False))
-        flag = torch.tensor([0 if failure is None else 1, int(stop)], dtype=torch.int32, device=device)
+        flag = torch.tensor(
+            [0 if failure is None else 1, int(stop)], dtype=torch.int32, device=comm_device(pmesh.tp_group)
+        )
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pmesh.tp_group)
         failed_somewhere, stop_somewhere = flag.tolist()
         if failure is None and stop_somewhere and isinstance(result, StepResult):

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.models.llama import LlamaModel
 from lightning_bytescale.parallel.tensor_parallel import parallelize_llama
 from lightning_bytescale.profiler.errors import ProfileError
@@ -87,11 +88,11 @@ def shard_model(
     return out if isinstance(out, nn.Module) else model
 
 
-def group_reduce(values: Sequence[float], op: str, device: torch.device) -> list[float]:
+def group_reduce(values: Sequence[float], op: str) -> list[float]:
     """Every rank's ``values`` reduced element-wise over the process group (``op``: ``"max"`` or ``"min"``)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
-    return [float(v) for v in t.tolist()]
+    return [float(v) for v in t.tolist()]  # one copy back
 
 
 def local_numel(module: nn.Module) -> int:

@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lightning_bytescale.engine.comm_device import barrier
 from lightning_bytescale.models.heads import config_heads, lane_heads
 from lightning_bytescale.offload.blocks import find_blocks
 from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig
@@ -250,9 +250,9 @@ def _measure(
             raise ProfileError("cannot tell the vocabulary size; pass vocab=")
     param_dtype = next(net.parameters()).dtype
     # the group's figures: its slowest rank's time, its largest lane's bytes, its slowest host link
-    most = (lambda v: group.group_reduce(v, "max", device)) if tp > 1 else list
-    least = (lambda v: group.group_reduce(v, "min", device)) if tp > 1 else list
-    together = dist.barrier if tp > 1 else None
+    most = (lambda v: group.group_reduce(v, "max")) if tp > 1 else list
+    least = (lambda v: group.group_reduce(v, "min")) if tp > 1 else list
+    together = barrier if tp > 1 else None
     runners = [prepare_length(net, blocks, s, int(vocab), device) for s in lengths]
     fwd = most(time_rounds(runners, "forward", device, warmup, repeats, together))
     t = most(time_rounds(runners, "forward_backward", device, warmup, repeats, together))
