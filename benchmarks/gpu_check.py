@@ -795,6 +795,424 @@ def trainer_section(report: Report, device: torch.device, sizes: Sizes) -> None:
     section.run("mfu", mfu)
 
 
+# ----------------------------------------------------------------------------- mesh (one GPU)
+# The layouts of the torch floor on one GPU, where the strategy builds no mesh (it builds one only
+# with TP or PP > 1): this process is a world of one rank, and ParallelDims(1)'s mesh is built on
+# it.  On CUDA the group is NCCL, which refuses a host tensor in any collective whatever the world
+# size, so a host tensor on these paths fails here exactly as it would on eight GPUs; gloo, the
+# dry run's backend, takes host tensors, so the dry run runs the same code but cannot see that.
+HOST_TENSOR_ERROR = (
+    "No backend type associated with device type cpu"  # c10d's words (NCCL, any cuda-only backend)
+)
+FLAT_FROM_STEP = 3  # the optimizer state and the cached stages exist from here on
+FLAT_PEAK_RATIO = 1.02  # a later step's peak may exceed that step's by 2% plus FLAT_PEAK_SLACK bytes
+FLAT_PEAK_SLACK = 2 * 2**20
+SAVE_PEAK_TENSORS = 3  # a save may hold this many of the largest tensor on the device at once
+
+
+def _leave_world() -> None:
+    """Destroy this process's default process group, if any (the Trainer's group of one stays after a fit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _one_rank_world(device: torch.device) -> None:
+    """This process as a whole world of one rank: NCCL on CUDA, gloo in the dry run."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    _leave_world()
+    cuda = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+        timeout=timedelta(seconds=120), **({"device_id": device} if cuda else {}),
+    )  # fmt: skip
+
+
+def _host_tensor_refused(group=None) -> dict:
+    """All-reduce a host tensor on ``group``: refused with c10d's :data:`HOST_TENSOR_ERROR` on a cuda-only group."""
+    import torch.distributed as dist
+
+    try:
+        dist.all_reduce(torch.zeros(2), group=group)
+    except RuntimeError as err:
+        text = str(err).splitlines()[0][:200]
+        return {"host_tensor_refused": HOST_TENSOR_ERROR in text, "error": text}
+    return {"host_tensor_refused": False}
+
+
+def _cuda_only_canary() -> dict:
+    """Dry run: :func:`_host_tensor_refused` on a 1-rank group of torch's fake backend registered for ``cuda`` only.
+
+    What the GPU run shows on its NCCL group, on a CPU (the dry run's checks then run on gloo).
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
+
+    name = "gpu_check_cuda_only"
+    if name not in dist.Backend.backend_list:
+        dist.Backend.register_backend(name, _create_fake_pg, extended_api=True, devices=["cuda"])
+    _leave_world()
+    dist.init_process_group(name, store=FakeStore(), rank=0, world_size=1)
+    try:
+        return {"backend": name, **_host_tensor_refused()}
+    finally:
+        dist.destroy_process_group()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Parameters and optimizer state by name as this rank holds them (DTensors as their shards), copied to the host."""
+    out = {f"param/{n}": _local(p).detach().cpu().clone() for n, p in module.named_parameters()}
+    names = {id(p): n for n, p in module.named_parameters()}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                out[f"state/{names[id(p)]}/{key}"] = _local(value).detach().cpu().clone()
+    return out
+
+
+def _state_sizes(state: dict[str, torch.Tensor]) -> dict:
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    return {"state_bytes": sum(sizes), "largest_tensor_bytes": max(sizes, default=0)}
+
+
+def _compare(saved: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> dict:
+    """Keys on one side only and the largest absolute difference of the others (0.0: bit for bit on finite values)."""
+    common = [k for k in saved if k in loaded]
+    diff = max(
+        (float((saved[k].double() - loaded[k].double()).abs().max()) for k in common if saved[k].numel()),
+        default=0.0,
+    )
+    return {
+        "only_one_side": sorted(set(saved) ^ set(loaded))[:5],
+        "max_abs_diff": diff,
+        "tensors": len(common),
+    }
+
+
+def _zero_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Overwrite the parameters and the optimizer state with zeros, so a load must bring every value back."""
+    with torch.no_grad():
+        for p in module.parameters():
+            _local(p).zero_()
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    _local(value).zero_()
+
+
+def _peak(device: torch.device, fn: Callable[[], object]) -> tuple[object, int | None]:
+    """``fn()`` and the device memory it held at its peak beyond what was allocated before (CUDA only)."""
+    if device.type != "cuda":
+        return fn(), None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    _sync(device)
+    return out, torch.cuda.max_memory_allocated(device) - base
+
+
+def mesh_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    """One GPU, the torch floor, a 1-rank NCCL group: FSDP2, a pipeline, ZeRO-1 and checkpoints on ``ParallelDims(1)``'s mesh.
+
+    * ``host_tensor_refused``: the group refuses a host tensor (``dist.all_reduce(torch.zeros(2))``
+      raises c10d's :data:`HOST_TENSOR_ERROR`), so the subsections below fail where the package
+      sends one; the dry run shows it on a 1-rank group registered for ``cuda`` only;
+    * ``fsdp2``: ``fully_shard`` on every block and the root over ``pmesh.dp_mesh``,
+      ``FSDPStepDriver`` and ``run_parallel_step(..., fsdp=...)`` for ``steps`` steps in float64
+      (SGD with momentum) against the single-process float64 loop of ``trainer`` (1e-10);
+    * ``pipeline``: the model as one pipeline stage (``LlamaStage``; the pipeline group is the
+      world of one) through ``run_pipeline_step`` with ``StageSchedules``: float64 against the
+      same loop (1e-10), then ``steps`` steps under bf16 autocast with AdamW on batches of one
+      shape: the head's logits in bfloat16, finite losses, one stage built for every step, the
+      stage bubble, and on CUDA each step's peak ``max_memory_allocated`` flat from step
+      :data:`FLAT_FROM_STEP` on (within :data:`FLAT_PEAK_RATIO` plus :data:`FLAT_PEAK_SLACK`);
+    * ``checkpoint_sharded`` / ``checkpoint_consolidated``: a float32 FSDP2 model with AdamW state
+      after two steps, saved as a sharded folder (``save_sharded``, the strategy's format) and as
+      one consolidated file (the strategy's ``model_state`` / ``optimizer_state``: whole tensors
+      on rank 0's host), each loaded back into the model and optimizer after zeroing them (bit for
+      bit what was saved); on CUDA the peak device memory of each save and load beyond what was
+      allocated before, a save's under :data:`SAVE_PEAK_TENSORS` of the largest tensor (gathering
+      everything on the device would need the whole state);
+    * ``zero1_consolidated``: ZeRO-1 on the mesh (``lane_zero``) after two steps: its consolidated
+      optimizer state (the owners broadcast their AdamW state, ``step`` included) saved and
+      loaded back, bit for bit, with the peaks (recorded, not judged: while it is gathered every
+      rank of a lane holds the lane's whole state on the device, by design).
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lightning_bytescale import ByteScaleStrategy
+    from lightning_bytescale.engine.micro_batch import build_step
+    from lightning_bytescale.lightning import checkpoint as ckpt
+    from lightning_bytescale.lightning import mesh as mesh_
+    from lightning_bytescale.models import LlamaConfig, LlamaModel
+    from lightning_bytescale.parallel import (
+        FSDPStepDriver,
+        LlamaStage,
+        ParallelDims,
+        ParallelMesh,
+        StageSchedules,
+        build_pipeline_step,
+        run_parallel_step,
+        run_pipeline_step,
+    )
+    from lightning_bytescale.planner import make_plan
+
+    section = report.section("mesh")
+    cuda = device.type == "cuda"
+    canary = None if cuda else _cuda_only_canary()  # before this section's own group exists
+    _one_rank_world(device)
+    pmesh = ParallelDims(1).build(device.type)
+
+    class OneStageMesh(ParallelMesh):
+        """``ParallelDims(1)``'s mesh as the pipeline of one stage (it has no ``"pipeline"`` dimension)."""
+
+        @property
+        def pp_group(self):
+            return dist.group.WORLD
+
+    one_stage = OneStageMesh(pmesh.dims, pmesh.mesh, pmesh.rank)
+    cfg = LlamaConfig.preset(sizes.preset, tie_embeddings=False)  # a pipeline stage refuses tied embeddings
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in LlamaModel(cfg).state_dict().items()}
+    reference: list[torch.nn.Module] = []
+    to_device = ByteScaleStrategy().batch_to_device  # what the strategy does to a step's batch
+
+    def model(dtype: torch.dtype) -> LlamaModel:
+        m = LlamaModel(cfg)
+        m.load_state_dict(init)
+        return m.to(device=device, dtype=dtype)
+
+    def sharded(dtype: torch.dtype) -> tuple[LlamaModel, FSDPStepDriver]:
+        m = model(dtype)
+        for block in m.blocks:
+            fully_shard(block, mesh=pmesh.dp_mesh, reshard_after_forward=False)
+        fully_shard(m, mesh=pmesh.dp_mesh, reshard_after_forward=False)
+        return m, FSDPStepDriver(m, pmesh.dp_group)
+
+    def plan_of(seqs: list[torch.Tensor]):
+        return make_plan([len(s) for s in seqs], world_size=1, capacity=sizes.capacity)
+
+    def step_of(k: int, seqs: list[torch.Tensor]):
+        return to_device(
+            build_step(plan_of(seqs), 0, seqs.__getitem__, step=k, ring_ranks=pmesh.ring_ranks), device
+        )
+
+    def pipeline_batch(k: int, seqs: list[torch.Tensor]):
+        return build_pipeline_step(
+            plan_of(seqs), 0, seqs.__getitem__, stages=1, step=k, ring_ranks=pmesh.ring_ranks
+        )
+
+    def fixed_shape(k: int) -> list[torch.Tensor]:
+        """Step ``k``'s sequences: the same lengths every step (every step packs alike), learnable tokens."""
+        g = torch.Generator().manual_seed(10_000 + k)
+        c = sizes.capacity
+        out = []
+        for n in (c, 3 * c // 4, c // 2, c // 2, c // 4):
+            a, b = torch.randint(0, cfg.vocab, (2,), generator=g).tolist()
+            out.append((a + (b % 7 + 1) * torch.arange(n)) % cfg.vocab)
+        return out
+
+    def against_reference(out: dict, trained: torch.nn.Module, losses: list[float]) -> bool:
+        """``trained``'s parameters after ``steps`` float64 steps against the single-process loop's (1e-10)."""
+        if not reference:
+            reference.append(_reference_fit(cfg, init, sizes, device))
+        got = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for n, p in trained.named_parameters()
+        }
+        errs = {n: _max_err(got[n], p) for n, p in reference[0].named_parameters()}
+        worst = max(errs, key=errs.get)
+        change = max(_max_err(got[n], init[n].to(got[n])) for n in errs)
+        out.update(steps=len(losses), losses=losses, max_param_diff=errs[worst], worst_param=worst,
+                   max_param_change=change, tolerance=1e-10)  # fmt: skip
+        return bool(errs[worst] <= 1e-10 and change > 1e-4 and len(losses) == sizes.steps)
+
+    def host_tensor_refused(sub: Sub) -> None:
+        sub.out["group"] = {"backend": str(dist.get_backend(pmesh.dp_group)), "world": dist.get_world_size()}
+        if cuda:
+            sub.out.update(_host_tensor_refused(pmesh.dp_group))
+        else:
+            sub.out.update(canary=canary, note="dry run: the subsections below run on gloo, which takes host "
+                           "tensors; only a GPU run (or tests/fake_nccl) sees a host tensor reach a collective")  # fmt: skip
+            sub.out["host_tensor_refused"] = canary["host_tensor_refused"]
+        sub.out["ok"] = sub.out["host_tensor_refused"]
+
+    def fsdp2(sub: Sub) -> None:
+        m, driver = sharded(torch.float64)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for k in range(sizes.steps):
+            opt.zero_grad(set_to_none=True)
+            result = run_parallel_step(
+                m, step_of(k, _sequences(k, cfg.vocab, sizes.capacity)), pmesh, fsdp=driver
+            )
+            opt.step()
+            losses.append(result.loss)
+        sub.out["dtensor_params"] = sum(isinstance(p, DTensor) for p in m.parameters())
+        sub.out["units"] = len(driver.units)
+        sub.out["ok"] = against_reference(sub.out, m, losses) and sub.out["dtensor_params"] > 0
+
+    def pipeline(sub: Sub) -> None:
+        m = model(torch.float64)
+        stage = LlamaStage(m, 0, 1)
+        schedules = StageSchedules(stage, one_stage)
+        opt = torch.optim.SGD(stage.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for k in range(sizes.steps):
+            opt.zero_grad(set_to_none=True)
+            batch = pipeline_batch(k, _sequences(k, cfg.vocab, sizes.capacity))
+            losses.append(run_pipeline_step(stage, batch, one_stage, schedules=schedules).loss)
+            opt.step()
+        float64 = sub.out.setdefault("float64", {})
+        exact = float64["ok"] = against_reference(float64, m, losses)
+        # bf16 autocast (what the strategy enters from the precision plugin), AdamW, one batch shape
+        m = model(torch.float32)
+        stage = LlamaStage(m, 0, 1)
+        head_dtypes: set[str] = set()
+        stage.part("head").register_forward_hook(lambda mod, a, out: head_dtypes.add(str(out.dtype)))
+        schedules = StageSchedules(stage, one_stage)
+        opt = torch.optim.AdamW(stage.parameters(), lr=3e-3, weight_decay=0.1)
+        rows = []
+        for k in range(sizes.steps):
+            opt.zero_grad(set_to_none=True)
+            batch = pipeline_batch(k, fixed_shape(k))
+
+            def one_step(batch=batch):
+                return run_pipeline_step(
+                    stage, batch, one_stage, schedules=schedules,
+                    compute_context=lambda: torch.autocast(device.type, dtype=torch.bfloat16),
+                )  # fmt: skip
+
+            result, peak = _peak(device, lambda: (one_step(), opt.step())[0])
+            rows.append({"loss": result.loss, "micro_batches": len(batch.micro_batches),
+                         "bubble": result.stage_bubble, "peak_bytes": peak})  # fmt: skip
+        peaks = [r["peak_bytes"] for r in rows[FLAT_FROM_STEP:]]
+        flat = None if not cuda else max(peaks) <= FLAT_PEAK_RATIO * peaks[0] + FLAT_PEAK_SLACK
+        losses = [r["loss"] for r in rows]
+        sub.out["bf16_mixed"] = {
+            "steps": len(rows), "rows": rows, "head_dtypes": sorted(head_dtypes), "stages_built": schedules.built,
+            "finite": all(math.isfinite(x) for x in losses), "peak_flat_from_step": FLAT_FROM_STEP,
+            "peak_flat": flat, "bubble_median": statistics.median(r["bubble"] for r in rows),
+        }  # fmt: skip
+        bf16 = sub.out["bf16_mixed"]
+        bf16["ok"] = bool(
+            bf16["head_dtypes"] == ["torch.bfloat16"] and bf16["finite"] and bf16["stages_built"] == 1
+            and len(rows) == sizes.steps and flat is not False
+        )  # fmt: skip
+        sub.out["ok"] = exact and bf16["ok"]
+
+    def trained_fsdp2() -> tuple[LlamaModel, torch.optim.Optimizer]:
+        m, driver = sharded(torch.float32)
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
+        for k in range(2):
+            opt.zero_grad(set_to_none=True)
+            run_parallel_step(m, step_of(k, _sequences(k, cfg.vocab, sizes.capacity)), pmesh, fsdp=driver)
+            opt.step()
+        return m, opt
+
+    def judged_peaks(
+        sub: Sub,
+        saved: dict[str, torch.Tensor],
+        save_peak: int | None,
+        load_peak: int | None,
+        judged: bool = True,
+    ) -> bool:
+        sizes_ = _state_sizes(saved)
+        sub.out.update(sizes_, save_peak_bytes=save_peak, load_peak_bytes=load_peak)
+        if save_peak is None:
+            sub.out["peaks"] = "measured on CUDA only (dry run)"
+            return True
+        if not judged:  # ZeRO-1: the lane's whole optimizer state is on every rank while it is gathered
+            sub.out["peaks"] = (
+                "recorded: LaneZero.materialized gives every rank of a lane its whole state on the device"
+            )
+            return True
+        sub.out["save_peak_limit_bytes"] = SAVE_PEAK_TENSORS * sizes_["largest_tensor_bytes"]
+        return save_peak <= sub.out["save_peak_limit_bytes"]
+
+    def checkpoint_sharded(sub: Sub) -> None:
+        m, opt = trained_fsdp2()
+        saved = _local_state(m, opt)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "sharded.ckpt")
+
+            def save() -> None:
+                state = {
+                    "state_dict": m.state_dict(),
+                    "optimizer_states": [ckpt.sharded_optimizer_state(opt, m)],
+                }
+                ckpt.save_sharded(state, path, rank=0, barrier=dist.barrier)
+
+            _, save_peak = _peak(device, save)
+            _zero_state(m, opt)
+
+            def load() -> None:
+                loaded = ckpt.load_sharded(path, m, [opt], keeps_state=mesh_.keeps_state)
+                opt.load_state_dict(loaded["optimizer_states"][0])
+
+            _, load_peak = _peak(device, load)
+        sub.out.update(_compare(saved, _local_state(m, opt)))
+        within = judged_peaks(sub, saved, save_peak, load_peak)
+        sub.out["ok"] = bool(within and sub.out["max_abs_diff"] == 0 and not sub.out["only_one_side"])
+
+    def checkpoint_consolidated(sub: Sub, zero: bool = False) -> None:
+        if zero:  # ZeRO-1 on the mesh: plain parameters, each one's AdamW state kept by its owner
+            m = model(torch.float32)
+            opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
+            mesh_.lane_zero([opt], pmesh, 1)
+            for k in range(2):
+                opt.zero_grad(set_to_none=True)
+                run_parallel_step(m, step_of(k, _sequences(k, cfg.vocab, sizes.capacity)), pmesh)
+                opt.step()
+        else:
+            m, opt = trained_fsdp2()
+        saved = _local_state(m, opt)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "consolidated.ckpt")
+
+            def save() -> None:
+                torch.save(
+                    {"state_dict": mesh_.model_state(m), "optimizer_states": [mesh_.optimizer_state(m, opt)]},
+                    path,
+                )
+
+            _, save_peak = _peak(device, save)
+            _zero_state(m, opt)
+
+            def load() -> None:
+                state = torch.load(path, weights_only=False)
+                mesh_.load_model_state(m, state["state_dict"], strict=True)
+                mesh_.load_optimizer_states(m, [opt], state["optimizer_states"])
+
+            _, load_peak = _peak(device, load)
+        sub.out.update(_compare(saved, _local_state(m, opt)))
+        within = judged_peaks(sub, saved, save_peak, load_peak, judged=not zero)
+        sub.out["ok"] = bool(within and sub.out["max_abs_diff"] == 0 and not sub.out["only_one_side"])
+
+    try:
+        section.run("host_tensor_refused", host_tensor_refused)
+        section.run("fsdp2", fsdp2)
+        section.run("pipeline", pipeline)
+        section.run("checkpoint_sharded", checkpoint_sharded)
+        section.run("checkpoint_consolidated", checkpoint_consolidated)
+        section.run("zero1_consolidated", lambda sub: checkpoint_consolidated(sub, zero=True))
+    finally:
+        _leave_world()
+
+
 # ----------------------------------------------------------------------------- tensor parallel
 def _gpus_or_skip(section: Section, subsections: tuple[str, ...]) -> int | None:
     """The GPUs visible, or ``None`` after recording a skip in every subsection when fewer than two are."""
@@ -1215,6 +1633,7 @@ SECTIONS: dict[str, Callable[[Report, torch.device, Sizes], None]] = {
     "ring": ring_section,
     "host_syncs": host_syncs_section,
     "trainer": trainer_section,
+    "mesh": mesh_section,
     "tensor_parallel": tensor_parallel_section,
     "ulysses": ulysses_section,
     "offload": offload_section,
