@@ -6,6 +6,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from _strategy_helpers import in_this_process
 from torch.utils.data import DataLoader
 
 from lightning_bytescale import ByteScaleStrategy
@@ -55,12 +56,8 @@ def _fit(tmp_path, module, **strategy):
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, default_root_dir=tmp_path,
     )  # fmt: skip
-    had_group = torch.distributed.is_initialized()
-    try:
+    with in_this_process():
         trainer.fit(module, train_dataloaders=DataLoader(Steps(), batch_size=None))
-    finally:
-        if not had_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
     return trainer
 
 
