@@ -8,8 +8,8 @@ per-layer check (:mod:`lightning_bytescale.hf.module`) and the strategy's attent
 the first steps (:mod:`lightning_bytescale.engine.attention_check`).  Both open a
 :func:`count_attention_calls` block around a forward.
 
-Outside any block, :func:`attention` pays one read of an empty thread-local list per call:
-nothing is counted once the checks are over, and nothing is read from a device.
+Outside any block, :func:`attention` pays one read of a module integer per call: nothing is
+counted once the checks are over, and nothing is read from a device.
 """
 
 from __future__ import annotations
@@ -33,23 +33,28 @@ class _Counters(threading.local):
 
 
 _COUNTERS = _Counters()
+_open = 0  # blocks open in any thread: while none is, a call reads only this integer
 
 
 @contextmanager
 def count_attention_calls() -> Iterator[AttentionCalls]:
     """Count the packed attention calls of the forward inside the block (this thread; blocks nest)."""
+    global _open
     counter = AttentionCalls()
     _COUNTERS.stack.append(counter)
+    _open += 1
     try:
         yield counter
     finally:
+        _open -= 1
         _COUNTERS.stack.remove(counter)
 
 
 def record_attention_call() -> None:
     """Add one call to every open :func:`count_attention_calls` block of this thread."""
-    for counter in _COUNTERS.stack:
-        counter.calls += 1
+    if _open:
+        for counter in _COUNTERS.stack:
+            counter.calls += 1
 
 
 __all__ = ["AttentionCalls", "count_attention_calls", "record_attention_call"]
