@@ -13,7 +13,8 @@ the members of their ring, through attention's P2P calls.  Then every rank -- al
 no micro-batch at all -- joins exactly one all-reduce (sum, :func:`sync_step`) of all
 gradients, flattened into one buffer that also carries the step's scalars: the loss sum, the
 exact loss-token count, per-rank reports (busy time, ring traffic, the first non-finite
-micro-batch), stop requests, the verdict of the loss-normalisation probe and, every few
+micro-batch), stop requests, the verdict of the loss-normalisation probe, the attention check's
+counts (:mod:`~lightning_bytescale.engine.attention_check`) and, every few
 steps, parameter fingerprints.  Because every micro-batch's loss is already divided by the
 global token count (:func:`~lightning_bytescale.engine.loss.token_loss`), that sum is the
 gradient of the global token-mean loss.  With the bucketed sync (the strategy's default,
@@ -604,7 +605,7 @@ def _group_shape(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 # The step buffer: floats [loss | world x SLOT reports | caller's extra], then exact integer
-# counts [loss tokens | stop requests | probe verdicts (3) | has-grad per parameter |
+# counts [loss tokens | stop requests | probe verdicts (3) | attention-check counts (4) | has-grad per parameter |
 # (fingerprint per parameter | model fingerprint per rank)].
 COUNT_HEAD = 9  # loss tokens, stop flag, 3 loss-probe verdicts, 4 attention-check counts
 
