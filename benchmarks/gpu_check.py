@@ -34,6 +34,11 @@ every subsection, so a run cut short keeps what it finished:
   (``benchmarks/_tp_check.py``): ``bf16-mixed`` (it ran, the lanes log the same finite losses, the
   step time) and ``64-true`` against the single-process float64 loop to 1e-10; with fewer GPUs a
   skip with the reason; the dry run trains the same code on 2 gloo CPU ranks;
+* ``ulysses``: Ulysses items of 2, 4 or 8 members on as many GPUs (NCCL P2P; a hybrid item too
+  with four or more) in bfloat16 against float64 and against local attention on the same inputs,
+  with the tolerances of :data:`ULYSSES_VS_LOCAL`; the time of a Ulysses item and of a ring of the
+  same size on one causal sequence against local flash attention on one GPU; with fewer GPUs a
+  skip with the reason; the dry run runs it on 2 gloo CPU ranks;
 * ``offload``: activation offload on CUDA through ``benchmarks/gpu_offload_overlap.py``:
   gradients bit-identical to no offload, raw copy/compute overlap, step time and peak memory
   against the ratio;
@@ -791,6 +796,17 @@ def trainer_section(report: Report, device: torch.device, sizes: Sizes) -> None:
 
 
 # ----------------------------------------------------------------------------- tensor parallel
+def _gpus_or_skip(section: Section, subsections: tuple[str, ...]) -> int | None:
+    """The GPUs visible, or ``None`` after recording a skip in every subsection when fewer than two are."""
+    visible = torch.cuda.device_count()
+    if visible >= 2:
+        return visible
+    reason = f"needs two or more GPUs; {visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
+    for name in subsections:
+        section.run(name, lambda sub: sub.out.update(skipped=reason, gpus_visible=visible))
+    return None
+
+
 def tensor_parallel_section(report: Report, device: torch.device, sizes: Sizes) -> None:
     """``ByteScaleStrategy(tensor_parallel_size=2)`` on 2 GPUs (4 when visible: ``(2, 2)``), NCCL.
 
@@ -807,11 +823,8 @@ def tensor_parallel_section(report: Report, device: torch.device, sizes: Sizes) 
 
     section = report.section("tensor_parallel")
     if device.type == "cuda":
-        visible = torch.cuda.device_count()
-        if visible < 2:
-            reason = f"needs two or more GPUs; {visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
-            for name in ("bf16_mixed", "float64"):
-                section.run(name, lambda sub: sub.out.update(skipped=reason, gpus_visible=visible))
+        visible = _gpus_or_skip(section, ("bf16_mixed", "float64"))
+        if visible is None:
             return
         world, accelerator, backend = (4 if visible >= 4 else 2), "gpu", "nccl"
     else:
@@ -877,6 +890,199 @@ def tensor_parallel_section(report: Report, device: torch.device, sizes: Sizes) 
 
     section.run("bf16_mixed", bf16_mixed)
     section.run("float64", float64)
+
+
+# ----------------------------------------------------------------------------- ulysses
+# Ulysses (and, on 4 GPUs or more, hybrid) items of N members on N GPUs against local attention in
+# bfloat16 on the same inputs.  Errors are relative to the float64 reference's largest magnitude.
+# Against float64: the ring's bounds (REFERENCE_TOLERANCE; the exchange moves values unchanged and
+# the local kernel runs on whole sequences, so Ulysses rounds no more than local attention, and at
+# most LOCAL_MARGIN x local's error + 2e-3).  Against local attention on the same bf16 inputs: out
+# and dq within 1e-2 (the same kernel on the same rows, per head), dk and dv within 2e-2 (a key/value
+# head that several members read gets its gradient summed over them in bf16, one rounding per
+# member; the hybrid's ring merges blocks in float32 as the ring does).
+ULYSSES_VS_LOCAL = {"out": 1e-2, "dq": 1e-2, "dk": 2e-2, "dv": 2e-2}
+
+
+def _ulysses_rank(rank: int, world: int, port: int, out: str, dry_run: bool) -> None:
+    """One member of the Ulysses section's items (a spawned process, NCCL on ``cuda:rank`` or gloo on the CPU)."""
+    from dataclasses import replace
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_bytescale.packed_attention import AttentionLayout, attention, attention_context
+    from lightning_bytescale.packed_attention.local import local_kernel
+    from lightning_bytescale.packed_attention.loopback import ring_layouts, zigzag_shard
+
+    sizes = DRY if dry_run else GPU
+    device = torch.device("cpu") if dry_run else torch.device("cuda", rank)
+    if not dry_run:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo" if dry_run else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=300), **({} if dry_run else {"device_id": device}),
+    )  # fmt: skip
+    names = ("out", "dq", "dk", "dv")
+
+    def inputs(lens: list[int], heads: tuple[int, int, int], seed: int) -> list[torch.Tensor]:
+        """q, k, v and the output's gradient of packed whole sequences: the same on every rank."""
+        h, kv, dim = heads
+        t = sum(lens)
+        shapes = [(t, h, dim), (t, kv, dim), (t, kv, dim), (t, h, dim)]
+        return [x.to(device) for x in _random(shapes, torch.device("cpu"), torch.bfloat16, seed)]
+
+    def run(layout: AttentionLayout, q, k, v, dout) -> list[torch.Tensor]:
+        """Attention under ``layout``, forward and backward: the output and q, k, v's gradients."""
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        with attention_context(layout):
+            o = attention(*leaves)
+        o.backward(dout)
+        return [o.detach(), *(x.grad for x in leaves)]
+
+    def errors(mode: str, u: int | None) -> dict:
+        lens = list(sizes.error_lens)
+        full = inputs(lens, sizes.error_heads, 39)
+        ref_in = [x.double().requires_grad_() for x in full[:3]]
+        ref_out = dense_attention(*ref_in, lens)
+        ref = [ref_out.detach(), *torch.autograd.grad(ref_out, ref_in, full[3].double())]
+        local = run(AttentionLayout((0, *torch.tensor(lens).cumsum(0).tolist()), tuple(lens)), *full)
+        layouts = ring_layouts(lens, world)
+        mine = run(
+            replace(layouts[rank], mode=mode, ulysses_size=u), *(zigzag_shard(x, layouts)[rank] for x in full)
+        )
+        # this member's rows of the references (zero on padding slots, as its output and gradients are)
+        scale = [float(r.abs().max()) for r in ref]
+        vs = lambda other: {  # noqa: E731
+            n: _max_err(a, zigzag_shard(b, layouts)[rank]) / s
+            for n, a, b, s in zip(names, mine, other, scale)
+        }
+        return {
+            "mode": mode,
+            "ulysses_size": u,
+            "rel_err_vs_float64": vs(ref),
+            "rel_diff_vs_local": vs(local),
+            "local_rel_err_vs_float64": {n: _rel_err(a, b) for n, a, b in zip(names, local, ref)},
+        }
+
+    def timing() -> dict:
+        total = world * sizes.tokens_per_member
+        full = inputs([total], sizes.speed_heads, 7)
+        layouts = ring_layouts([total], world)
+        parts = [zigzag_shard(x, layouts)[rank] for x in full]
+
+        def best(fn: Callable[[], object]) -> float:
+            """Best wall time over the iterations, every member done (an item ends with its slowest member)."""
+            fn()
+            _sync(device)
+            dist.barrier()
+            times = []
+            for _ in range(max(sizes.iters, 2)):
+                start = time.perf_counter()
+                fn()
+                _sync(device)
+                dist.barrier()
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+        seconds = {
+            m: best(lambda m=m: run(replace(layouts[rank], mode=m), *parts)) for m in ("ulysses", "ring")
+        }
+        whole = AttentionLayout((0, total), (total,))
+        seconds["local"] = best(
+            lambda: run(whole, *full) if rank == 0 else None
+        )  # one GPU, the whole sequence
+        return {
+            "seconds": seconds,
+            "local_kernel": local_kernel(full[0]),
+            "tokens": total,
+            "heads": list(sizes.speed_heads),
+        }
+
+    cases = [("ulysses", None)] + ([("hybrid", 2)] if world >= 4 else [])
+    report = {"device": str(device), "errors": [errors(m, u) for m, u in cases], "timing": timing()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(report, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ulysses_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    """Ulysses items of ``N`` members on ``N`` GPUs (2, 4 or 8, as many as are visible), NCCL P2P.
+
+    ``errors``: a Ulysses item (and with 4 GPUs or more a hybrid item of 2 a "node") of
+    ``error_lens`` in bfloat16, output and q/k/v gradients against float64 and against local
+    attention on the same inputs (:data:`ULYSSES_VS_LOCAL`).  ``throughput``: forward and backward
+    of one causal sequence of ``N x tokens_per_member`` tokens: a Ulysses item and a zigzag ring
+    of ``N`` members, against local attention on one GPU (``fraction_of_local`` is local's time
+    over ``N`` times the item's: 1.0 keeps all of one GPU's throughput); timings are recorded,
+    never judged.  With fewer than two GPUs both record a skip; the dry run runs the same code on
+    2 gloo CPU ranks (CPU timings predict nothing).
+    """
+    import socket
+
+    import torch.multiprocessing as mp
+
+    section = report.section("ulysses")
+    if device.type == "cuda":
+        visible = _gpus_or_skip(section, ("errors", "throughput"))
+        if visible is None:
+            return
+        world = max(n for n in (2, 4, 8) if n <= visible)
+    else:
+        world = 2
+    ranks: list[dict] = []
+
+    def start() -> list[dict]:
+        if not ranks:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            with tempfile.TemporaryDirectory() as tmp:
+                mp.start_processes(
+                    _ulysses_rank,
+                    args=(world, port, tmp, device.type != "cuda"),
+                    nprocs=world,
+                    start_method="spawn",
+                )
+                ranks.extend(json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world))
+        return ranks
+
+    def errors(sub: Sub) -> None:
+        results = start()
+        sub.out.update(members=world, dtype="bfloat16", tolerance_vs_float64=REFERENCE_TOLERANCE,
+                       local_margin=LOCAL_MARGIN, tolerance_vs_local=ULYSSES_VS_LOCAL)  # fmt: skip
+        for i, case in enumerate(results[0]["errors"]):
+            worst = {key: {n: max(r["errors"][i][key][n] for r in results) for n in ULYSSES_VS_LOCAL}
+                     for key in ("rel_err_vs_float64", "rel_diff_vs_local")}  # fmt: skip
+            local = case["local_rel_err_vs_float64"]
+            ok = all(
+                worst["rel_err_vs_float64"][n] <= min(REFERENCE_TOLERANCE[n], LOCAL_MARGIN * local[n] + 2e-3)
+                and worst["rel_diff_vs_local"][n] <= ULYSSES_VS_LOCAL[n]
+                for n in ULYSSES_VS_LOCAL
+            )
+            row = {"mode": case["mode"], "ulysses_size": case["ulysses_size"], **worst,
+                   "local_rel_err_vs_float64": local, "ok": ok}  # fmt: skip
+            sub.append("items", row)
+        sub.out["ok"] = all(r["ok"] for r in sub.out["items"])
+
+    def throughput(sub: Sub) -> None:
+        timing = start()[0]["timing"]
+        t = timing["seconds"]
+        sub.out.update(
+            members=world, tokens=timing["tokens"], heads=timing["heads"], dtype="bfloat16",
+            local_kernel=timing["local_kernel"], local_s=t["local"], ulysses_s=t["ulysses"], ring_s=t["ring"],
+            ulysses_fraction_of_local=t["local"] / (world * t["ulysses"]),
+            ring_fraction_of_local=t["local"] / (world * t["ring"]),
+            ulysses_speedup_over_ring=t["ring"] / t["ulysses"],
+        )  # fmt: skip
+        if device.type != "cuda":
+            sub.out["note"] = "CPU dry run: gloo timings say nothing about NVLink"
+        sub.out["ok"] = all(math.isfinite(v) and v > 0 for v in t.values())
+
+    section.run("errors", errors)
+    section.run("throughput", throughput)
 
 
 # ----------------------------------------------------------------------------- offload
@@ -1010,6 +1216,7 @@ SECTIONS: dict[str, Callable[[Report, torch.device, Sizes], None]] = {
     "host_syncs": host_syncs_section,
     "trainer": trainer_section,
     "tensor_parallel": tensor_parallel_section,
+    "ulysses": ulysses_section,
     "offload": offload_section,
     "flash_attn": flash_attn_section,
 }

@@ -1,6 +1,7 @@
 """How much of the gradient sync the cross-communicator rule keeps hidden behind the last backward.
 
-Run: ``python benchmarks/grad_sync_overlap.py`` (about 10 minutes on 2 shared cores); writes
+Run: ``python benchmarks/grad_sync_overlap.py`` (about 20 minutes on 2 shared cores; ``--mesh-only``
+about 10); writes
 ``benchmarks/results/grad_sync_overlap.json``.
 
 The rule (docs/engine.md): gradient buckets launch from the hooks of a rank's last backward only
@@ -25,6 +26,18 @@ The planner puts a local micro-batch last where that costs no estimated step tim
   end of backward to the last rank's end of the bucket all-reduces (the scalars are not in it);
   ``hidden`` is ``1 - exposed / exposed(no_overlap)`` on medians over steps.
 
+* ``mesh``: the same Llama sharded by ``parallelize_llama`` on a ``(data_parallel=2,
+  tensor_parallel=2)`` mesh of 4 gloo ranks, ``run_parallel_step`` on the balance planner's plans
+  for 2 HDP ranks (4 capacities each, long-tailed data with rings of 2, and all-short data), in
+  three ways interleaved step by step: ``flat`` (every lane's gradient shards in one all-reduce
+  after the loop: the mesh before its sync was bucketed), ``bucketed`` (the buckets of local
+  shards from the last backward's hooks, on the lane's data-parallel group: what the strategy
+  runs now) and ``no_overlap`` (the same buckets, all launched after the last backward).  Per
+  step the exposed sync is the time from the last rank's end of backward to the last rank's
+  return from ``run_parallel_step`` (gradients summed, scalars agreed, the lanes agreed);
+  ``hidden`` as above, against ``no_overlap``, and ``hidden_vs_flat`` against ``flat``.
+  ``--mesh-only`` measures this part alone and merges it into the result file.
+
 CPU numbers are about scheduling, not speed: the ranks share 2 cores, so a gloo all-reduce
 competes with the backward it hides behind.  On a GPU the all-reduce runs on its own stream and
 the share kept hidden is what matters.
@@ -48,6 +61,8 @@ CAPACITY = 256
 TOKENS_PER_STEP = WORLD * CAPACITY * 4
 BUCKET_BYTES = 25 * 2**20
 MODES = ("old", "rule", "rule_ordered", "no_overlap")
+MESH_WORLD, MESH_TP = 4, 2
+MESH_MODES = ("flat", "bucketed", "no_overlap")
 DATA = ("long_tail", "all_short")
 PLANNERS = {"long_tail": ("balance", "naive", "static"), "all_short": ("balance",)}
 
@@ -205,6 +220,120 @@ def _worker(rank: int, port: int, parts: str, steps: int, warmup: int) -> None:
     dist.destroy_process_group()
 
 
+def _mesh_worker(rank: int, port: int, parts: str, steps: int, warmup: int) -> None:
+    from lightning_bytescale.engine import build_step
+    from lightning_bytescale.engine.grad_sync import BucketedGradSync
+    from lightning_bytescale.models import LlamaConfig, LlamaModel
+    from lightning_bytescale.parallel import ParallelDims, parallelize_llama, run_parallel_step
+
+    torch.set_num_threads(1)
+    common.init_gloo(rank, MESH_WORLD, port, timeout_s=300)
+    pmesh = ParallelDims(MESH_WORLD, tensor_parallel=MESH_TP).build("cpu")
+    hdp = pmesh.dims.data_parallel
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab=4096, dim=256, layers=4, heads=8, kv_heads=4, ffn_dim=688, tie_embeddings=False
+    )
+    model = LlamaModel(config)
+    parallelize_llama(model, pmesh.tp_mesh)
+
+    class TimedSync(BucketedGradSync):
+        """The strategy's sync on the lane's data-parallel group; ``overlap=False`` never arms it."""
+
+        overlap = True
+
+        def arm(self) -> None:
+            if self.overlap:
+                super().arm()
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    sync = TimedSync(params, group=pmesh.dp_group, bucket_bytes=BUCKET_BYTES)
+    tokens_per_step = hdp * CAPACITY * 4
+    rows = []
+    for step in range(steps):
+        for data in DATA:
+            lengths, _, plan = plans_for(data, "balance", step, hdp, CAPACITY, tokens_per_step)
+            g = torch.Generator().manual_seed(step)
+            tokens = [torch.randint(0, config.vocab, (s,), generator=g) for s in lengths]
+            batch = build_step(
+                plan,
+                pmesh.hdp_rank,
+                lambda j, tokens=tokens: tokens[j],
+                step=step,
+                ring_ranks=pmesh.ring_ranks,
+            )
+            mbs = batch.micro_batches
+            order = MESH_MODES[step % len(MESH_MODES) :] + MESH_MODES[: step % len(MESH_MODES)]
+            for mode in order:
+                ended: dict = {}
+
+                def backward(loss, ended=ended) -> None:
+                    loss.backward()
+                    ended["at"] = time.perf_counter()
+
+                sync.overlap = mode == "bucketed"
+                model.zero_grad(set_to_none=True)
+                dist.barrier()
+                run_parallel_step(
+                    model, batch, pmesh, backward=backward, grad_sync=None if mode == "flat" else sync
+                )
+                rows.append(
+                    {
+                        "step": step,
+                        "data": data,
+                        "mode": mode,
+                        "last": "none" if not mbs else ("local" if mbs[-1].layout.ring is None else "ring"),
+                        "backward_end": ended.get("at"),
+                        "sync_done": time.perf_counter(),
+                        "launched_in_backward": sync.launched_in_backward if mode != "flat" else 0,
+                        "buckets": len(sync.buckets),
+                    }
+                )
+    common.write_rank(parts, "mesh", rank, {"rows": rows, "warmup": warmup})
+    dist.destroy_process_group()
+
+
+def summarise_mesh(ranks: list[dict], warmup: int) -> dict:
+    """Per data: each mode's exposed sync (median over steps), hidden against no_overlap and against flat."""
+    steps: dict[tuple, list[dict]] = {}
+    for rank, rep in enumerate(ranks):
+        for row in rep["rows"]:
+            if row["step"] >= warmup:
+                steps.setdefault((row["data"], row["mode"], row["step"]), []).append(row | {"rank": rank})
+    out: dict = {}
+    for (data, mode, _step), rows in sorted(steps.items()):
+        ends = [r["backward_end"] for r in rows if r["backward_end"] is not None]
+        slowest = max((r for r in rows if r["backward_end"] is not None), key=lambda r: r["backward_end"])
+        cell = out.setdefault(data, {}).setdefault(
+            mode, {"exposed_ms": [], "slowest_last_ring": 0, "slowest_launched_in_backward": []}
+        )
+        cell["exposed_ms"].append((max(r["sync_done"] for r in rows) - max(ends)) * 1e3)
+        cell["slowest_last_ring"] += int(slowest["last"] == "ring")
+        cell["slowest_launched_in_backward"].append(slowest["launched_in_backward"])
+    for modes in out.values():
+        base = statistics.median(modes["no_overlap"]["exposed_ms"])
+        flat = statistics.median(modes["flat"]["exposed_ms"])
+        for cell in modes.values():
+            cell["exposed_ms_median"] = statistics.median(cell["exposed_ms"])
+            cell["hidden"] = 1.0 - cell["exposed_ms_median"] / base if base > 0 else 0.0
+            cell["hidden_vs_flat"] = 1.0 - cell["exposed_ms_median"] / flat if flat > 0 else 0.0
+            cell["steps"] = len(cell["exposed_ms"])
+    return out
+
+
+def measure_mesh(steps: int, warmup: int, out: str) -> dict:
+    parts = common.parts_folder(out)
+    ranks = common.run_ranks(
+        _mesh_worker, (common.free_port(), str(parts), steps, warmup), MESH_WORLD, parts, "mesh"
+    )
+    common.remove_parts(parts)
+    return {
+        "setup": {"mesh": [MESH_WORLD // MESH_TP, MESH_TP], "capacity": CAPACITY, "planner": "balance"},
+        "buckets": ranks[0]["rows"][0]["buckets"],
+        "measured": summarise_mesh(ranks, warmup),
+    }
+
+
 def summarise(ranks: list[dict], warmup: int) -> dict:
     steps: dict[tuple, list[dict]] = {}
     for rank, rep in enumerate(ranks):
@@ -247,7 +376,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batches", type=int, default=20, help="global batches per planning setting")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "grad_sync_overlap.json"))
+    parser.add_argument(
+        "--mesh-only", action="store_true", help="measure the mesh part alone, merged into --out"
+    )
     args = parser.parse_args()
+    if args.mesh_only:
+        t0 = time.perf_counter()
+        result = json.loads(Path(args.out).read_text())
+        result["mesh"] = measure_mesh(args.steps, args.warmup, args.out)
+        result["mesh"] |= {"machine": common.machine(), "wall_s": time.perf_counter() - t0}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        for key, modes in result["mesh"]["measured"].items():
+            print(
+                "mesh",
+                key,
+                {m: (round(c["exposed_ms_median"], 1), round(c["hidden"], 2)) for m, c in modes.items()},
+            )
+        return
     setup = {k: v for k, v in vars(args).items() if k != "out"} | {"world": WORLD, "capacity": CAPACITY}
     result: dict = {"machine": common.machine(), "setup": setup | {"tokens_per_step": TOKENS_PER_STEP}}
     t0 = time.perf_counter()
@@ -258,6 +403,7 @@ def main() -> None:
     )
     common.remove_parts(parts)
     result["measured"] = summarise(ranks, args.warmup)
+    result["mesh"] = measure_mesh(args.steps, args.warmup, args.out)
     result["wall_s"] = time.perf_counter() - t0
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for key, modes in result["measured"].items():

@@ -76,7 +76,7 @@ def lower_bound(case: Case) -> dict:
 def grid(worlds: list[int], steps: int) -> list[dict]:
     rows = []
     for cost in PRESETS:
-        for dist in distributions.names():
+        for dist in distributions.SYNTHETIC:
             for world in worlds:
                 case = Case(dist, world, cost, steps=steps)
                 t0 = time.perf_counter()

@@ -54,6 +54,11 @@ class CostModelTensorParallelError(ConfigError):
     ``bytescale-profile --tensor-parallel``) than the strategy's ``tensor_parallel_size``."""
 
 
+class CostModelHeadsError(ConfigError):
+    """The cost model names other attention heads (one tensor-parallel lane's) than the model being
+    trained: its plans could run Ulysses items the model's heads cannot split."""
+
+
 class CheckpointError(ByteScaleError, ValueError):
     """A checkpoint that cannot be written or read here, or that does not match the model or optimizer."""
 
@@ -97,6 +102,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveInMicroBatchError",
     "ConfigError",
+    "CostModelHeadsError",
     "CostModelTensorParallelError",
     "DivergentPlanError",
     "GradientAccumulationError",

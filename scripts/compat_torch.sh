@@ -4,7 +4,7 @@
 # pyproject.toml says torch>=2.11; this is where 2.11 is tested.  torch==2.11.0 from PyPI is
 # the GPU machines' build (2.11.0+cu130, with its nvidia-* wheels, about 3 GB); it imports and
 # runs on a CPU machine, so the CPU paths run on it for real and the CUDA paths on fake CUDA
-# (tests/fake_cuda).  The subset and its cost are in CONTRIBUTING.md ("The lowest torch").
+# (tests/fake_cuda) and the collectives on fake NCCL (tests/fake_nccl).  The subset and its cost are in CONTRIBUTING.md ("The lowest torch").
 #
 #   bash scripts/compat_torch.sh                  # builds .venv-torch-compat once, then runs the subset
 #   bash scripts/compat_torch.sh --install-only   # only the venv (scripts/test.sh builds it while the suite runs)
@@ -34,10 +34,11 @@ export OMP_NUM_THREADS=1 WANDB_MODE=offline WANDB_SILENT=true
 # of the suite runs once, on the pinned torch (CONTRIBUTING.md, "The lowest torch").  Two pytest
 # processes side by side, as in scripts/test.sh.
 exec bash scripts/pytest_split.sh "$VENV/bin/python" -q -p no:cacheprovider --durations=10 \
-    tests/fake_cuda tests/packed_attention tests/models tests/offload tests/parallel \
+    tests/fake_cuda tests/fake_nccl tests/packed_attention tests/models tests/offload tests/parallel \
     --ignore=tests/packed_attention/test_attention_gpu_check.py \
     tests/engine/test_engine_distributed.py tests/engine/test_grad_sync.py \
     tests/hf/test_hf_attention.py tests/hf/test_hf_equivalence.py tests/hf/test_hf_tensor_parallel.py \
     tests/hf/test_hf_pipeline_step.py \
+    tests/lightning/test_pipeline_precision.py \
     tests/lightning/test_strategy.py \
     "$@"

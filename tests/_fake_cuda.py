@@ -23,6 +23,10 @@ One fake kernel is replaced: torch's for ``aten._efficient_attention_backward`` 
 the op's schema (it lacks ``out``; torch 2.13), so the mode answers that op with gradients of
 the inputs' shapes itself.
 
+A tensor subclass with its own dispatch (a DTensor of fake CUDA tensors) dispatches first, so
+its inner ops on fake tensors come back to the mode.  ``torch.tensor(data, device="cuda")`` is
+built on the host and copied (counted), as on CUDA.
+
 Limits, checked on torch 2.13 CPU: autograd cannot run on fake CUDA tensors (a CPU build aborts
 the process; never give them ``requires_grad``), so the tier runs forwards and calls backward
 functions directly; stream and event handling is not covered.
@@ -49,7 +53,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 CUDA = torch.device("cuda", 0)
 META = torch.device("meta")
@@ -76,6 +80,22 @@ def _where() -> str:
 
 def _is_cuda(x: object) -> bool:
     return isinstance(x, FakeTensor) and x.device.type == "cuda"
+
+
+def _wrapper(x: object) -> bool:
+    """A tensor subclass with its own dispatch (a DTensor, funcol's async tensor) around other tensors."""
+    return (
+        isinstance(x, torch.Tensor)
+        and not isinstance(x, FakeTensor)
+        and type(x).__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
+    )
+
+
+def _no_index(x: object) -> bool:
+    """``"cuda"`` or ``torch.device("cuda")``: the current CUDA device, which a CPU build cannot name."""
+    return (x == "cuda" if isinstance(x, str) else False) or (
+        isinstance(x, torch.device) and x.type == "cuda" and x.index is None
+    )
 
 
 class FakeCuda(TorchDispatchMode):
@@ -131,6 +151,8 @@ class FakeCuda(TorchDispatchMode):
         if func is aten.is_pinned.default:
             return id(args[0]) in self._pinned
         leaves = tree_leaves((args, kwargs))
+        if any(_wrapper(x) for x in leaves):
+            return NotImplemented  # a DTensor (or another wrapper) first: its inner ops come back here
         device = kwargs.get("device")
         creates_cuda = device is not None and torch.device(device).type == "cuda"
         if not creates_cuda and not any(isinstance(x, FakeTensor) for x in leaves):
@@ -169,6 +191,9 @@ class FakeCuda(TorchDispatchMode):
         except DynamicOutputShapeException:
             self._record("an output shape that depends on device values", func)
             raise
+
+    def twinned(self, t: torch.Tensor, twin: torch.Tensor) -> None:
+        """``twin`` stands for ``t`` on another device (a device guard's way around, :class:`_DeviceGuards`)."""
 
     def calls(self, *names: str) -> int:
         """How many times ops of these names (``aten::_flash_attention_forward``, ...) ran on fake tensors."""
@@ -233,15 +258,29 @@ class _DeviceGuards(TorchFunctionMode):
         if func is torch.Tensor.__setitem__ and _is_cuda(args[0]):
             target, index, value = args
             value = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=target.dtype)
-            _index(target, index).copy_(value)
+            aten.copy_.default(_index(target, index), value)
             return None
-        if func is torch.Tensor.copy_ and _is_cuda(args[0]):
+        if func is torch.Tensor.copy_ and args[0].device.type == "cuda":  # fake CUDA, or a DTensor of it
             non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
             return aten.copy_.default(args[0], args[1], non_blocking)
+        device = kwargs.get("device")
+        if (
+            func in (torch.tensor, torch.as_tensor)
+            and device is not None
+            and torch.device(device).type == "cuda"
+        ):
+            # built on the host, then copied, as CUDA does (the copy is counted)
+            return func(*args, **{**kwargs, "device": "cpu"}).to(CUDA)
         try:
             return func(*args, **kwargs)
         except RuntimeError as err:
-            if not _is_guard_error(err) or not any(_is_cuda(x) for x in tree_leaves((args, kwargs))):
+            if not _is_guard_error(err):
+                raise
+            if any(_no_index(x) for x in tree_leaves((args, kwargs))):
+                # ``.to("cuda")`` asks for the current device (torch's object collectives do this)
+                args, kwargs = tree_map(lambda x: CUDA if _no_index(x) else x, (args, kwargs))
+                return func(*args, **kwargs)
+            if not any(_is_cuda(x) for x in tree_leaves((args, kwargs))):
                 raise
         args, kwargs = tree_map_only(
             FakeTensor, lambda t: self._twin(t, META) if _is_cuda(t) else t, (args, kwargs)
@@ -252,25 +291,28 @@ class _DeviceGuards(TorchFunctionMode):
     def _twin(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A fake tensor of ``t``'s shape, strides and dtype on ``device``."""
         meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        return FakeTensor(self.mode.fake, meta, device)
+        twin = FakeTensor(self.mode.fake, meta, device)
+        self.mode.twinned(t, twin)
+        return twin
 
 
 def clear_attention_caches() -> None:
     """The caches that keep device tensors across calls (a fake tensor must not outlive its mode)."""
-    from lightning_bytescale.packed_attention import cuda_kernels, local, ring_plan
+    from lightning_bytescale.packed_attention import cuda_kernels, local, ring_plan, ulysses_plan
 
     local._segments.cache_clear()
     local._grouped.cache_clear()
     ring_plan._LAST_SETUP.clear()
+    ulysses_plan._LAST_SETUP.clear()
     cuda_kernels._placeholders.cache_clear()
 
 
 @contextmanager
-def fake_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[FakeCuda]:
-    """:class:`FakeCuda`, with this process answering as a machine with one GPU of ``capability``."""
+def fake_cuda(capability: tuple[int, int] = (9, 0), *, mode: FakeCuda | None = None) -> Iterator[FakeCuda]:
+    """:class:`FakeCuda` (or ``mode``), with this process answering as a machine with one GPU of ``capability``."""
     from lightning_bytescale.packed_attention import comm, cuda_kernels
 
-    mode = FakeCuda()
+    mode = mode if mode is not None else FakeCuda()
     clear_attention_caches()
     with ExitStack() as stack:
         patches = [
@@ -280,6 +322,8 @@ def fake_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[FakeCuda]:
             mock.patch.object(torch.cuda, "current_device", lambda: 0),
             mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: capability),
             mock.patch.object(torch.cuda, "is_bf16_supported", lambda *a, **k: True),
+            # an optimizer's step asks (a CUDA build without a GPU would ask the driver)
+            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False),
             mock.patch("torch.cuda.amp.common.amp_definitely_not_available", lambda: False),
             mock.patch.object(
                 torch.cuda,
@@ -330,21 +374,63 @@ class EchoTransfer:
         return self.recv
 
 
+@dataclass(frozen=True)
+class P2POperation:
+    """One send or receive a Ulysses exchange issued under :func:`fake_p2p`."""
+
+    kind: str  # "send" or "recv"
+    peer: int
+    device: torch.device
+    dtype: torch.dtype
+    nbytes: int
+    contiguous: bool
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class EchoExchange:
+    """Stands in for :func:`lightning_bytescale.packed_attention.ulysses.p2p_exchange` under :func:`fake_p2p`.
+
+    Records every operation of every exchange in :attr:`OPS` (one list per ``batch_isend_irecv``)
+    and receives nothing: fake tensors hold no data.
+    """
+
+    OPS: ClassVar[list[list[P2POperation]]] = []
+
+    @staticmethod
+    def post(sends, recvs, tag: int, group: object) -> list[_Done]:
+        EchoExchange.OPS.append(
+            [
+                P2POperation(kind, peer, t.device, t.dtype, t.numel() * t.element_size(), t.is_contiguous())
+                for kind, pairs in (("send", sends), ("recv", recvs))
+                for peer, t in pairs
+            ]
+        )
+        return [_Done()]
+
+
 @contextmanager
 def fake_p2p(rank: int, world: int) -> Iterator[list[tuple[torch.dtype, int]]]:
-    """This process as global rank ``rank`` of ``world`` for ring set-ups, with :class:`EchoTransfer` P2P.
+    """This process as global rank ``rank`` of ``world`` for ring and Ulysses set-ups, with echo P2P.
 
-    Yields the list of ``(dtype, bytes)`` of every transfer posted inside the block.
+    Ring transfers are :class:`EchoTransfer`, Ulysses exchanges :class:`EchoExchange` (each
+    exchange's operations in ``EchoExchange.OPS``).  Yields the list of ``(dtype, bytes)`` of every
+    ring transfer posted inside the block.
     """
     import torch.distributed as dist
 
-    from lightning_bytescale.packed_attention import ring
+    from lightning_bytescale.packed_attention import ring, ulysses
 
     EchoTransfer.SENT = []
+    EchoExchange.OPS = []
     with (
         mock.patch.object(dist, "is_initialized", lambda: True),
         mock.patch.object(dist, "get_rank", lambda group=None: rank),
         mock.patch.object(dist, "get_world_size", lambda group=None: world),
         mock.patch.object(ring, "Transfer", EchoTransfer),
+        mock.patch.object(ulysses, "p2p_exchange", EchoExchange.post),
     ):
         yield EchoTransfer.SENT

@@ -195,8 +195,9 @@ def train_against_reference(
         out["norm_diff"].append(abs(norm - norm_ref))
         out["norms"].append(norm_ref)
         out["counts"].append([len(r) for r in p.ranks])
+        rings = [mb.layout for mb in step.micro_batches if mb.layout.ring is not None]
         out["steps"].append(
-            {"rings": sum(mb.layout.ring is not None for mb in step.micro_batches), "events": events}
+            {"rings": len(rings), "modes": sorted({lay.mode for lay in rings}), "events": events}
         )
     return out
 
@@ -266,4 +267,7 @@ def pipeline_step_against(
     out["schedules"].append(schedule)
     out["padding"].append(batch.padding)
     out["rings"].append(sum(mb.layout.ring is not None for mb in batch.micro_batches))
+    out.setdefault("modes", []).append(
+        sorted({mb.layout.mode for mb in batch.micro_batches if mb.layout.ring})
+    )
     return result

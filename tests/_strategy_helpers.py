@@ -314,6 +314,30 @@ def fit(
     return trainer
 
 
+def datamodule_batches(
+    strategy: ByteScaleStrategy, data, world: int, steps: int
+) -> tuple[list, list[str], list]:
+    """The first ``steps`` global batches of a run's ``ByteScaleDataModule`` as its HDP rank 0 (lane 0)
+    plans them under ``strategy`` on ``world`` ranks: the sequences, their data identities, the plans."""
+    from types import SimpleNamespace
+
+    from lightning_bytescale.parallel import ParallelDims
+
+    if strategy.tensor_parallel_size > 1:
+        dims = ParallelDims(world, tensor_parallel=strategy.tensor_parallel_size)
+        strategy.parallel_mesh = SimpleNamespace(dims=dims, hdp_rank=0, lane=0, ring_ranks=dims.lane_ranks(0))
+    data.trainer = SimpleNamespace(global_rank=0, world_size=world, strategy=strategy, overfit_batches=0)
+    data.setup("fit")
+    dataset = data.train_dataloader().dataset
+    batches, identities, plans = [], [], []
+    for k in range(steps):
+        ids = dataset.sample_ids(0, k)
+        batches.append([torch.as_tensor(dataset.tokens(int(i)), dtype=torch.long) for i in ids])
+        identities.append(dataset.data_identity(ids))
+        plans.append(dataset.plan(0, k))
+    return batches, identities, plans
+
+
 def read_rows(out: Path, rank: int = 0) -> list[dict]:
     return json.loads((out / f"rows_{rank}.json").read_text())
 

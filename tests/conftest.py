@@ -11,11 +11,16 @@ them, and they are killed.  The pytest process adopts orphans (a child subreaper
 grandchild whose parent died, the case a leaked rank is, still counts.
 
 Tests marked ``gpu`` are skipped where CUDA is not available.
+
+A test that joins torch's fake process group takes the ``fake_process_group`` fixture
+(``tests/_fake_pg.py``): it leaves no process group, and no DTensor mesh cached on one, to the
+tests after it (ranks forked from this process would inherit them).
 """
 
 import os
 
 import pytest
+from _fake_pg import fake_world
 from _proc import become_subreaper, command_line, is_descendant, wait_gone
 
 from lightning_bytescale import proc as process_tree
@@ -45,6 +50,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fake_process_group():
+    """``join(rank, world)``: this process as rank ``rank`` of a fake world, left clean after the test."""
+    with fake_world() as join:
+        yield join
 
 
 @pytest.fixture(autouse=True)

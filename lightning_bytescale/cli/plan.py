@@ -6,6 +6,8 @@ per line; ``#`` starts a comment) or from a synthetic distribution (``--distribu
 (docs/planner.md); two runs with the same arguments write byte-identical files.  The options
 become one :class:`~lightning_bytescale.planner.config.PlannerConfig`; ``--option KEY=VALUE``
 passes a planner's own options and ``--import MODULE`` loads planners registered elsewhere.
+``--attention-heads H --kv-heads K`` give the cost model the heads of one lane, so that
+``balance`` may run items as Ulysses or hybrid (``--modes`` restricts the choice).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import numpy as np
 
 from lightning_bytescale.planner import distributions
 from lightning_bytescale.planner.config import PlannerConfig
+from lightning_bytescale.planner.cost_model import CostModel
 from lightning_bytescale.planner.errors import PlanError
 from lightning_bytescale.planner.planners import make_plan
+from lightning_bytescale.planner.registry import planner_own_options
 
 
 def load_lengths(path: str) -> list[int]:
@@ -71,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lengths", metavar="FILE", help="JSON list, .npy, or text file with one length per line"
     )
     src.add_argument(
-        "--distribution", metavar="NAME", help="synthetic distribution: github, byted, short or mixed"
+        "--distribution",
+        metavar="NAME",
+        help=f"length distribution: {', '.join(distributions.names())}",
     )
     ap.add_argument("--tokens", type=int, help="global batch tokens (with --distribution)")
     ap.add_argument(
@@ -99,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--ranks-per-node", type=int, default=None)
     ap.add_argument("--pipeline-degree", type=int, default=1)
+    ap.add_argument(
+        "--max-micro-batches",
+        type=int,
+        default=None,
+        help="with --pipeline-degree > 1: the most micro-batches one pipeline runs in a step (receive buffers)",
+    )
     ap.add_argument("--slack", type=float, default=0.05)
     ap.add_argument("--num-buckets", type=int, default=8)
     off = ap.add_mutually_exclusive_group()
@@ -107,6 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     off.add_argument("--no-offload", dest="offload", action="store_false", help="force offload off")
     ap.add_argument("--compute-only", action="store_true", help="balance on the paper's compute-only model")
+    ap.add_argument(
+        "--attention-heads",
+        type=int,
+        default=None,
+        help="query heads of one lane, given to the cost model (with --kv-heads): balance may then run "
+        "sequences as Ulysses or hybrid where the heads allow",
+    )
+    ap.add_argument(
+        "--kv-heads", type=int, default=None, help="key/value heads of one lane (with --attention-heads)"
+    )
+    ap.add_argument(
+        "--modes",
+        default=None,
+        metavar="LIST",
+        help="balance: the attention modes it may choose, comma-separated from ring,ulysses,hybrid "
+        "(default: every mode the cost model's heads allow)",
+    )
     ap.add_argument(
         "--offload-policy",
         choices=("paper_min_ranks", "pays"),
@@ -163,6 +192,9 @@ def _summary(stats: dict, plan_ms: float) -> str:
         f"{k:>22}: {stats[k]:.6g}" if isinstance(stats[k], float) else f"{k:>22}: {stats[k]}" for k in keys
     ]
     lines.append(f"{'cp_degree_histogram':>22}: {stats['cp_degree_histogram']}")
+    lines.append(f"{'mode_counts':>22}: {stats['mode_counts']}")
+    sent = {mode: f"{b:.4g}" for mode, b in stats["comm_bytes_by_mode"].items()}
+    lines.append(f"{'comm_bytes_by_mode':>22}: {sent}")
     lines.append(f"{'plan_ms':>22}: {plan_ms:.1f}")
     return "\n".join(lines)
 
@@ -189,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         options = dict(_option(text) for text in args.option)
         if args.offload_policy is not None:
             options["offload_policy"] = args.offload_policy
+        if args.modes is not None:
+            if "modes" not in planner_own_options(args.planner):
+                raise PlanError(
+                    f"--modes: planner {args.planner!r} runs every sequence as a ring; balance chooses attention modes"
+                )
+            options["modes"] = args.modes
         config = PlannerConfig.from_options(
             planner=args.planner,
             capacity=args.capacity,
@@ -199,10 +237,16 @@ def main(argv: list[str] | None = None) -> int:
             slack=args.slack,
             num_buckets=args.num_buckets,
             pipeline_degree=args.pipeline_degree,
+            max_micro_batches=args.max_micro_batches,
             ranks_per_node=args.ranks_per_node,
             comm_aware=not args.compute_only,
             **options,
         )
+        if args.attention_heads is not None or args.kv_heads is not None:
+            cost = config.cost_model if config.cost_model is not None else CostModel.paper_preset()
+            config = config.replace(
+                cost_model=cost.with_(attention_heads=args.attention_heads, kv_heads=args.kv_heads)
+            )
         t0 = time.perf_counter()
         plan = make_plan(lengths, world_size=args.world_size, config=config)
         plan_ms = (time.perf_counter() - t0) * 1e3

@@ -1,23 +1,25 @@
 """``bytescale-profile``: fit the planner's cost model to a model on this device and write its file.
 
 The command line over :mod:`lightning_bytescale.profiler` (which does the measuring and the
-fit; see :func:`~lightning_bytescale.profiler.run_profile`): it builds the model from a Llama
-preset or a ``package.module:factory``, parses byte sizes (``80GiB``) and lengths, prints the
+fit; see :func:`~lightning_bytescale.profiler.run_profile`): it hands the profiler a factory of
+the model (a Llama preset or a ``package.module:factory``), parses byte sizes (``80GiB``) and lengths, prints the
 fit with its residuals and writes the cost-model file the planner, the strategy and the
 simulator load (:func:`~lightning_bytescale.planner.cost_model.load_cost_model`).  With
 ``--tensor-parallel N`` it profiles one HDP rank of ``N`` devices: under torchrun it joins the
-process group of ``N`` ranks, otherwise the profiler starts the ``N`` processes itself.
+process group of ``N`` ranks, otherwise the profiler starts the ``N`` processes itself (spawned
+on CUDA: the factory is what they get pickled).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from torch import nn
 
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 from lightning_bytescale.profiler.errors import ProfileError
-from lightning_bytescale.profiler.run import model_from, run_profile
+from lightning_bytescale.profiler.run import run_profile
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -48,15 +50,24 @@ def _parse_lengths(text: str) -> list[int]:
         ) from None
 
 
-def _build_model(spec: str, profile_layers: int | None) -> tuple[nn.Module, int | None, int | None]:
-    """``spec`` is a Llama preset name or ``package.module:factory``; returns (model, real layers, real params)."""
+def _build_model(
+    spec: str, profile_layers: int | None
+) -> tuple[Callable[[], nn.Module], int | None, int | None]:
+    """``spec`` is a Llama preset name or ``package.module:factory``; returns (model factory, real layers, real params).
+
+    A factory, not a model: the profiler builds it where it measures, and with
+    ``--tensor-parallel`` on CUDA it is pickled to spawned processes, which a factory imported by
+    name or a ``functools.partial`` of the model class does without copying any weights.
+    """
     if ":" in spec:
         module, _, attr = spec.partition(":")
         factory = getattr(importlib.import_module(module), attr)
-        return model_from(factory), None, None
+        if not callable(factory):
+            raise ProfileError(f"{spec} is not a model factory (a callable returning an nn.Module)")
+        return factory, None, None
     full = LlamaConfig.preset(spec)
     cfg = LlamaConfig.preset(spec, layers=profile_layers) if profile_layers else full
-    return LlamaModel(cfg), full.layers, full.num_params()
+    return functools.partial(LlamaModel, cfg), full.layers, full.num_params()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ Examples::
     bytescale-sim --list
     bytescale-sim --scenario paper-7b-github-2m
     bytescale-sim --scenario paper-7b-byted-1m --planners static,balance --steps 2 --json
+    bytescale-sim --scenario paper-7b-github-2m --planners balance,balance_modes   # ring-only vs modes
     bytescale-sim --measured benchmarks/results/pipeline_balance.json   # measured vs simulated bubble
 """
 
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.planner.modes import MODES
 from lightning_bytescale.sim.pipeline_bubble import compare_measured
 from lightning_bytescale.sim.run import SUMMARY_KEYS, VARIANTS, run_scenario
 from lightning_bytescale.sim.scenario import SCENARIOS, get_scenario
@@ -99,8 +101,28 @@ def _measured(path: str, as_json: bool) -> int:
     return 0
 
 
+def _by_mode(counts: dict, exposed: dict) -> str:
+    """``ring 41 (12.3s), hybrid 3 (0.4s)``: ring items and exposed seconds (all ranks) per mode."""
+    parts = [
+        f"{mode} {counts.get(mode, 0):.3g} ({exposed.get(mode, 0.0):.1f}s)"
+        for mode in MODES
+        if counts.get(mode, 0) or exposed.get(mode, 0.0)
+    ]
+    return ", ".join(parts) or "-"
+
+
 def _table(result: dict) -> str:
-    head = ["planner", "step_s", "tokens/s", "max/mean", "bubble", "ring_GB", "plan_ms", "speedup"]
+    head = [
+        "planner",
+        "step_s",
+        "tokens/s",
+        "max/mean",
+        "bubble",
+        "ring_GB",
+        "plan_ms",
+        "speedup",
+        "items (exposed)",
+    ]
     rows = [head]
     for name, r in result["planners"].items():
         sp = r["speedup_vs_static"]
@@ -114,6 +136,7 @@ def _table(result: dict) -> str:
                 f"{r['ring_bytes'] / 1e9:.1f}",
                 f"{r['plan_ms']:.1f}",
                 "-" if sp is None else f"{sp:.2f}x",
+                _by_mode(r["mode_counts"], r["exposed_comm_by_mode"]),
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -122,7 +145,8 @@ def _table(result: dict) -> str:
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return f"scenario {result['scenario']}\n" + "\n".join(lines)
+    note = "items (exposed): ring items per attention mode, and their exposed communication summed over ranks"
+    return f"scenario {result['scenario']}\n" + "\n".join(lines) + f"\n{note}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,6 +45,7 @@ from torch import nn
 
 from lightning_bytescale.engine import fingerprint as fp
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
+from lightning_bytescale.engine.comm_device import HOST, comm_device
 from lightning_bytescale.engine.finite import all_finite
 from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
@@ -486,16 +487,24 @@ def allreduce_gradients(
     in ``[0, 2**50)``: token counts, flags, ids) are appended as limbs small enough that their
     sum is exact in the buffer's dtype, so they stay exact with float32 gradients too (sums
     must stay below 2**53).
-    Returns one float64 tensor: ``extra`` summed, then ``counts`` summed (``None`` when neither
-    was given).  Without an initialised process group this is the identity (single process).
+    Returns one float64 tensor on the host: ``extra`` summed, then ``counts`` summed (``None``
+    when neither was given), read back in one copy.  The buffer is made on the group's device
+    (:func:`~lightning_bytescale.engine.comm_device.comm_device`: CUDA for NCCL, the host for
+    gloo), whatever device ``extra`` lives on.  Without an initialised process group this is the
+    identity (single process).
     """
     params = [p for p in params if p.requires_grad]
     dtype = reduce_dtype or _reduce_dtype(params)
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if initialised else 1
-    device = params[0].device if params else (extra.device if extra is not None else torch.device("cpu"))
+    # the group's device (CUDA for NCCL, the host for gloo); alone, where the gradients are
+    device = comm_device(group) if initialised else (params[0].device if params else HOST)
     parts = [
-        (p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=device))
+        (
+            p.grad.reshape(-1).to(device)
+            if p.grad is not None
+            else torch.zeros(p.numel(), dtype=dtype, device=device)
+        )
         for p in params
     ]
     n_extra = 0 if extra is None else extra.numel()
@@ -515,15 +524,16 @@ def allreduce_gradients(
         n = p.numel()
         view = flat[offset : offset + n].view_as(p)
         if p.grad is None:
-            p.grad = view.to(p.dtype, copy=True)
+            p.grad = view.to(p.device, p.dtype, copy=True)
         else:
             p.grad.copy_(view)
         offset += n
     if extra is None and counts is None:
         return None
-    out = [flat[offset : offset + n_extra].to("cpu", torch.float64)]
+    scalars = flat[offset:].to(HOST, torch.float64)  # one copy back: [extra | count limbs]
+    out = [scalars[:n_extra]]
     if counts is not None:
-        out.append(_decode_counts(flat[offset + n_extra :], n_counts, bits))
+        out.append(_decode_counts(scalars[n_extra:], n_counts, bits))
     return torch.cat(out)
 
 
@@ -541,17 +551,24 @@ class _PendingScalars:
         if self.work is not None:
             self.work.wait()  # type: ignore[attr-defined]
             self.work = None  # a finished work still holds the group's native state
-        floats = self.flat[: self.n_floats].to("cpu", torch.float64)
-        return torch.cat([floats, _decode_counts(self.flat[self.n_floats :], self.n_counts, self.bits)])
+        host = self.flat.to(HOST)  # one copy back
+        floats = host[: self.n_floats]
+        return torch.cat([floats, _decode_counts(host[self.n_floats :], self.n_counts, self.bits)])
 
 
 def _start_scalars(
-    floats: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device
+    floats: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup | None
 ) -> _PendingScalars:
-    """Start the step's small all-reduce (sum) of ``floats`` and exact integer ``counts`` in float64."""
+    """Start the step's small all-reduce (sum) of ``floats`` and exact integer ``counts`` in float64.
+
+    The buffer is made on the group's device (:func:`~lightning_bytescale.engine.comm_device.comm_device`).
+    """
     world, _ = _group_shape(group)
     bits = _limb_bits(torch.float64, world)
-    flat = torch.cat([floats.detach().reshape(-1).to(torch.float64), _encode_counts(counts, bits)]).to(device)
+    device = comm_device(group)
+    flat = torch.cat(
+        [floats.detach().reshape(-1).to(device, torch.float64), _encode_counts(counts, bits).to(device)]
+    )
     work = None
     if dist.is_available() and dist.is_initialized():
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -670,9 +687,10 @@ def sync_step(
     world, me = _group_shape(group)
     reports = torch.zeros(world, SLOT, dtype=torch.float64)
     reports[me] = torch.tensor(local.report().encode(), dtype=torch.float64)
-    floats = [local.loss.detach().to("cpu", torch.float64).reshape(1), reports.reshape(-1)]
+    device = comm_device(group)  # where the step's scalars travel (the loss stays on its device until then)
+    floats = [local.loss.detach().to(device, torch.float64).reshape(1), reports.reshape(-1).to(device)]
     if extra is not None:
-        floats.append(extra.detach().to("cpu", torch.float64).reshape(-1))
+        floats.append(extra.detach().to(device, torch.float64).reshape(-1))
     head = torch.zeros(COUNT_HEAD, dtype=torch.int64)
     head[0] = local.loss_tokens
     head[1] = int(bool(stop_request))
@@ -694,15 +712,13 @@ def sync_step(
     if grad_sync is None and owners is None:
         reduced = allreduce_gradients(plist, group=group, extra=torch.cat(floats), counts=torch.cat(counts))
     elif grad_sync is None:
-        device = plist[0].device if plist else torch.device("cpu")
         reduce_gradients_to_owners(plist, owners, group=group)  # ZeRO-2: the gradients, then the scalars
-        reduced = _start_scalars(torch.cat(floats), torch.cat(counts), group, device).wait()
+        reduced = _start_scalars(torch.cat(floats), torch.cat(counts), group).wait()
     else:
-        device = plist[0].device if plist else torch.device("cpu")
         # One order on every rank and every backend: the buckets not launched yet (all of them
         # on a rank without micro-batches), their completion, then the scalars.
         grad_sync.finish()
-        reduced = _start_scalars(torch.cat(floats), torch.cat(counts), group, device).wait()
+        reduced = _start_scalars(torch.cat(floats), torch.cat(counts), group).wait()
     allreduce_s = time.perf_counter() - t0
     assert reduced is not None
     n_float = 1 + world * SLOT + (0 if extra is None else extra.numel())

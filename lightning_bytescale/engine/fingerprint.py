@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 FINGERPRINT_BITS = 32
 _MASK = (1 << FINGERPRINT_BITS) - 1
@@ -25,7 +26,13 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def tensor_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 tensor on the tensor's device: its bit patterns summed modulo ``2**32``."""
+    """A 0-d int64 tensor on the tensor's device: its bit patterns summed modulo ``2**32``.
+
+    A DTensor's is its local shard's: what the ranks of a data-parallel group compare is the same
+    shard on each of them.
+    """
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)

@@ -49,6 +49,20 @@ the other ranks drop those gradients and free the bucket's buffer (it is allocat
 at the next :meth:`BucketedGradSync.prepare`).  So from the end of the sync to the next step's
 backward each rank holds only the gradients of its own shard.  Parameters without an owner
 (not in a sharded optimizer) are all-reduced as before.
+
+DTensor parameters (tensor parallelism on a ``(data_parallel, tensor_parallel)`` mesh, a
+pipeline stage sharded the same way): the sync sums each parameter's *local shard* over
+``group`` (the lane's data-parallel group: the same shard of every HDP rank), which is the sum
+of the DTensor gradient.  A bucket holds local shards; each DTensor gradient is a DTensor of its
+parameter's placements whose local tensor is the bucket view, so autograd's in-place
+accumulation (a gradient arriving in another placement, such as the vocabulary-sharded
+embedding's replicated one, is brought to the parameter's by DTensor's in-place add, a slice)
+writes into the bucket.  Bucket boundaries are decided from each DTensor's global size divided
+by its shards, not from the local shard's size, so every TP lane of an HDP rank builds the same
+buckets even when a dimension does not divide evenly: the lanes run the same backward, so each
+launches bucket ``k`` at the same point among its TP collectives, and every rank's issue order
+of TP and bucket collectives is a subsequence of one global order (all TP collectives before
+bucket 0, bucket 0 in every lane, the TP collectives up to bucket 1, ...).
 """
 
 from __future__ import annotations
@@ -60,6 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_bytescale.engine.finite import all_finite
 from lightning_bytescale.errors import ConfigError
@@ -83,9 +98,9 @@ class _Bucket:
         self.params = params
         self.solo = solo
         self.owner = owner
-        self.numel = sum(p.numel() for p in params)  # the gradients' elements (the buffer)
+        self.numel = sum(_local(p).numel() for p in params)  # the gradients' elements (the buffer)
         self.buffer: torch.Tensor | None = None
-        self.views: list[torch.Tensor | None] = [None] * len(params)
+        self.views: list[torch.Tensor | None] = [None] * len(params)  # local-shard shapes
         if not solo:
             self.allocate()
         self.widen = params[0].dtype in (torch.bfloat16, torch.float16)  # sum in float32
@@ -98,13 +113,14 @@ class _Bucket:
         )
 
     def allocate(self) -> None:
-        """A zeroed flat buffer and the parameters' views into it."""
-        first = self.params[0]
+        """A zeroed flat buffer and the parameters' (local shards') views into it."""
+        first = _local(self.params[0])
         self.buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
         offset = 0
         for j, p in enumerate(self.params):
-            self.views[j] = self.buffer[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+            local = _local(p)
+            self.views[j] = self.buffer[offset : offset + local.numel()].view_as(local)
+            offset += local.numel()
 
     def release(self) -> None:
         """Drop the gradients and the buffer (a non-owner after the reduce: ZeRO-2)."""
@@ -127,7 +143,9 @@ class BucketedGradSync:
     that keeps its optimizer state), only on the owner, and the other ranks hold ``None``.
     :meth:`produced` tells which parameters got a gradient on this rank (a prepared gradient
     is a zero buffer even if nothing reached it).  :meth:`close` removes the hooks.  Without
-    an initialised process group nothing is communicated.
+    an initialised process group nothing is communicated.  DTensor parameters are summed as
+    their local shards over ``group`` (the lane's data-parallel group on the mesh), their
+    gradients DTensors over the bucket views (module docstring).
     """
 
     def __init__(
@@ -200,7 +218,7 @@ class BucketedGradSync:
             if self.owners is None:  # one open bucket at a time
                 for other in [k for k in open_ if k != key]:
                     close(other)
-            nbytes = p.numel() * p.element_size()
+            nbytes = _sizing_numel(p) * p.element_size()  # the same on every TP lane
             if nbytes >= self.bucket_bytes:  # a bucket of its own, reduced in place
                 if key in open_:
                     close(key)
@@ -229,7 +247,8 @@ class BucketedGradSync:
             if b.buffer is not None:
                 total += b.buffer.numel() * b.buffer.element_size()
             elif b.solo and b.params[0].grad is not None:
-                total += b.params[0].grad.numel() * b.params[0].grad.element_size()
+                grad = _local(b.params[0].grad)
+                total += grad.numel() * grad.element_size()
         return total
 
     # ---------------------------------------------------------------- the step
@@ -245,15 +264,17 @@ class BucketedGradSync:
             if all(p.grad is None for p in bucket.params):  # the usual case: one pass over the buffer
                 bucket.buffer.zero_()
                 for p, view in zip(bucket.params, bucket.views):
-                    p.grad = view
+                    assert view is not None
+                    p.grad = _as_grad(view, p)
                 continue
             for p, view in zip(bucket.params, bucket.views):
                 assert view is not None
-                if p.grad is None:
+                grad = _local_grad(p)
+                if grad is None:
                     view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                p.grad = _as_grad(view, p)
         self._produced = set()
         self._ready = [set() for _ in self.buckets]
         self._next = 0
@@ -335,13 +356,15 @@ class BucketedGradSync:
         if bucket.solo:
             p = bucket.params[0]
             if p.grad is None:  # no gradient on this rank: it contributes zeros
-                p.grad = torch.zeros_like(p)
-            target = p.grad
+                p.grad = _as_grad(torch.zeros_like(_local(p)), p)
+            target = _local_grad(p)
+            assert target is not None
         else:
             for p, view in zip(bucket.params, bucket.views):  # autograd may have replaced a gradient
-                if p.grad is not None and view is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                    p.grad = view
+                grad = _local_grad(p)
+                if grad is not None and view is not None and grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    p.grad = _as_grad(view, p)
             assert bucket.buffer is not None
             target = bucket.buffer
         if self.track_finite:
@@ -374,12 +397,14 @@ class BucketedGradSync:
         elif bucket.solo:
             p = bucket.params[0]
             if bucket.wide is not None and p.grad is not None:
-                p.grad.copy_(bucket.wide.view_as(p.grad))
+                grad = _local(p.grad)
+                grad.copy_(bucket.wide.view_as(grad))
         else:
             if bucket.wide is not None and bucket.buffer is not None:
                 bucket.buffer.copy_(bucket.wide)
             for p, view in zip(bucket.params, bucket.views):
-                p.grad = view
+                assert view is not None
+                p.grad = _as_grad(view, p)
         if bucket.staging is not None:  # the sum is written back: the staging buffer is free again
             self._free_staging.setdefault(bucket.staging.device, []).append(bucket.staging)
             if bucket in self._staged:
@@ -427,14 +452,56 @@ class BucketedGradSync:
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_STAGING_COPIES", "BucketedGradSync"]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sizing_numel(p: torch.Tensor) -> int:
+    """The elements ``p`` counts for when buckets are cut: the same on every rank that holds a shard of it.
+
+    A DTensor's global size divided by its shards (rounded up), so TP lanes whose shards differ by
+    a row (a dimension that does not divide evenly) still cut the same buckets.
+    """
+    if not isinstance(p, DTensor):
+        return p.numel()
+    shards = 1
+    for dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            shards *= p.device_mesh.size(dim)
+    return -(-p.numel() // shards)
+
+
+def _as_grad(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``p``'s gradient: itself for a plain parameter, a DTensor of ``p``'s placements for a DTensor."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """``p.grad``'s local tensor, in ``p``'s placements (a DTensor gradient in another one is redistributed first)."""
+    grad = p.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    if isinstance(p, DTensor) and tuple(grad.placements) != tuple(p.placements):
+        grad = grad.redistribute(
+            p.device_mesh, p.placements
+        )  # the same on every lane: a slice or a TP reduction
+        p.grad = grad
+    return grad.to_local()
+
+
 def _local_values(bucket: _Bucket) -> torch.Tensor | None:
     """The gradient values a bucket not launched yet holds on this rank (``None``: none)."""
     if bucket.solo:
-        return bucket.params[0].grad
+        return _local_grad(bucket.params[0])
     if bucket.buffer is None:
         return None
     # autograd may have replaced a view by its own tensor: read what the parameters point at
-    grads = [p.grad for p in bucket.params if p.grad is not None]
+    grads = [g for g in (_local_grad(p) for p in bucket.params) if g is not None]
     if all(g.data_ptr() == v.data_ptr() for g, v in zip(grads, bucket.views) if v is not None) and len(
         grads
     ) == len(bucket.params):

@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from itertools import groupby
 
 import numpy as np
 import torch
 
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.errors import ByteScaleError
-from lightning_bytescale.packed_attention.layout import AttentionLayout
+from lightning_bytescale.packed_attention.layout import MODES, AttentionLayout
 from lightning_bytescale.planner import zigzag
+from lightning_bytescale.planner.modes import group_layout
 from lightning_bytescale.planner.plan import MicroBatch, Plan
 
 IGNORE_INDEX = -100
@@ -132,6 +134,7 @@ def build_micro_batch(
     loss_mask: MaskSource | None = None,
     probe_ring: bool = False,
     ring_ranks: Sequence[int] | None = None,
+    ranks_per_node: int | None = None,
 ) -> PackedMicroBatch:
     """Pack one micro-batch of ``rank``.
 
@@ -143,6 +146,10 @@ def build_micro_batch(
     transfers go to (default: ``r`` itself); with tensor parallelism a plan's ranks are HDP ranks
     and each TP lane passes the global ranks of its own lane
     (:attr:`lightning_bytescale.parallel.ParallelMesh.ring_ranks`).
+
+    A ring item's ``mode`` goes into the layout; a ``"hybrid"`` item's Ulysses groups are its
+    members on one node, from ``ranks_per_node`` (plan ranks per node, the plan option of that
+    name): :func:`hybrid_ulysses_size`.
     """
     if not mb.pieces:
         raise PackingError(f"rank {rank} micro-batch {index} has no pieces; a plan must not list empty work")
@@ -188,14 +195,23 @@ def build_micro_batch(
         seq_lens.append(s)
         seq_ids.append(piece.seq)
 
-    ring = None
+    ring, mode, ulysses_size = None, "ring", None
     if mb.ring is not None:
         ring = tuple(mb.ring) if ring_ranks is None else tuple(int(ring_ranks[r]) for r in mb.ring)
+        mode = getattr(mb, "mode", "ring")
+        if mode not in MODES:
+            raise PackingError(
+                f"item {mb.item} has attention mode {mode!r}; a ring item's mode is one of {MODES}"
+            )
+        if mode == "hybrid":
+            ulysses_size = hybrid_ulysses_size(tuple(mb.ring), ranks_per_node, mb.item)
     layout = AttentionLayout(
         cu_seqlens=(0, *np.cumsum(slots).tolist()),
         seq_lens=tuple(seq_lens),
         ring=ring,
         member=member,
+        mode=mode,
+        ulysses_size=ulysses_size,
     )
     return PackedMicroBatch(
         input_ids=torch.from_numpy(np.concatenate(ids)),
@@ -208,6 +224,33 @@ def build_micro_batch(
         index=index,
         probe_ring=probe_ring and mb.ring is not None,
     )
+
+
+def hybrid_ulysses_size(ring: Sequence[int], ranks_per_node: int | None, item: int | None = None) -> int:
+    """The Ulysses group size of a hybrid ring item: its members on one node, consecutive in ``ring``.
+
+    ``ring`` holds plan ranks; rank ``r`` is on node ``r // ranks_per_node``.  The planner's rule
+    (:func:`lightning_bytescale.planner.modes.group_layout`, which ``Plan.validate`` and the
+    planner's cost use): the ring spans two nodes or more, each holding one run of the same number
+    (``>= 2``) of consecutive members (USP's layout: Ulysses inside a node, a ring across nodes);
+    otherwise :class:`PackingError`.  Group ``j`` is then ``modes.hybrid_groups(ring, ranks_per_node)[j]``.
+    """
+    if ranks_per_node is None or int(ranks_per_node) < 1:
+        raise PackingError(
+            f"item {item} runs hybrid attention (Ulysses inside each node, a ring across nodes) but the plan "
+            "does not say how many ranks a node holds; plan with ranks_per_node (the planner option, or the "
+            "cost model's)"
+        )
+    per_node = group_layout(tuple(int(r) for r in ring), int(ranks_per_node)).per_node
+    if per_node is None:
+        runs = [(node, len(list(run))) for node, run in groupby(int(r) // int(ranks_per_node) for r in ring)]
+        raise PackingError(
+            f"hybrid item {item}: its ring {tuple(ring)} holds {[size for _, size in runs]} consecutive members "
+            f"on nodes {[node for node, _ in runs]} ({ranks_per_node} ranks a node); a hybrid ring spans two "
+            "nodes or more and lists every node's members together, the same number (>= 2) on every node. Plan "
+            "it as 'ring' or 'ulysses', or order its members node by node"
+        )
+    return per_node
 
 
 def probe_ring_item(plan: Plan) -> int | None:
@@ -347,6 +390,7 @@ def build_step(
             loss_mask=mask_of,
             probe_ring=probed is not None and mb.item == probed,
             ring_ranks=ring_ranks,
+            ranks_per_node=(getattr(plan, "options", None) or {}).get("ranks_per_node"),
         )
         for i, mb in enumerate(plan.ranks[rank])
     ]

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_bytescale.engine.comm_device import comm_device
+
 BUCKET_BYTES = 256 * 1024 * 1024
 
 
@@ -57,13 +59,16 @@ def broadcast_tensors(
 ) -> int:
     """Overwrite ``tensors`` on every rank with ``src``'s values; returns the number of broadcasts.
 
-    Without an initialised process group (a single process) nothing happens.
+    Each bucket travels on the group's device (:func:`~lightning_bytescale.engine.comm_device.comm_device`),
+    whatever device its tensors live on: a host tensor (AdamW's ``step``) goes over NCCL through
+    the GPU and back.  Without an initialised process group (a single process) nothing happens.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return 0
+    device = comm_device(group)
     calls = 0
     for bucket in _buckets([t for t in tensors if t.numel() > 0], bucket_bytes):
-        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in bucket])
         dist.broadcast(flat, src=src, group=group)
         calls += 1
         offset = 0

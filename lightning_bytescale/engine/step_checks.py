@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.errors import PlanDivergenceError, PlanWorldSizeError
 
 # Per-rank slot of the step buffer.
@@ -65,7 +66,7 @@ class PlanAgreement:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        rows = [[int(x) for x in t.tolist()] for t in self.gathered]
+        rows = torch.stack(self.gathered).tolist()  # one copy back
         try:
             _judge(rows, self.step, self.world_size, self.group, self.data_identity)
         except Exception as err:
@@ -90,9 +91,7 @@ def start_plan_agreement(
     gradient collective of the step: see :func:`check_plan_agreement` for what it raises.
     ``async_op=False`` gathers before returning (the check itself still waits for ``wait``).
     """
-    # NCCL gathers device tensors only; gloo (and the CPU path) gathers host tensors
-    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = comm_device(group)  # NCCL gathers device tensors only, gloo host tensors
     data_key = digest_key(data_identity) if data_identity else 0
     mine = torch.tensor(
         [digest_key(digest), int(step), int(plan_world or 0), data_key], dtype=torch.long, device=device

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_bytescale.engine.comm_device import HOST, comm_device
 from lightning_bytescale.errors import ConfigError
 
 ZERO_LEVELS = (0, 1, 2)
@@ -153,7 +154,7 @@ def reduce_gradients_to_owners(
     for owner in sorted(by_owner):  # -1 (no owner: all-reduced) first, then by rank
         members = by_owner[owner]
         dtype = functools.reduce(torch.promote_types, [p.dtype for p in members], torch.float32)
-        device = members[0].device
+        device = comm_device(group) if initialised else members[0].device
         flat = torch.cat(
             [
                 (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, dtype)
@@ -171,7 +172,7 @@ def reduce_gradients_to_owners(
             if not keep:
                 p.grad = None
             elif p.grad is None:
-                p.grad = flat[offset : offset + n].view_as(p).to(p.dtype, copy=True)
+                p.grad = flat[offset : offset + n].view_as(p).to(p.device, p.dtype, copy=True)
             else:
                 p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
@@ -203,12 +204,13 @@ def clip_grad_norm_(
     """
     params = list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
+    initialised = dist.is_available() and dist.is_initialized()
+    # the group's device: a rank without gradients still sends its zero norm there
+    device = comm_device(group) if initialised else (grads[0].device if grads else HOST)
     norm_type = float(norm_type)
     local = _local_norm(grads, norm_type) if grads else torch.zeros((), device=device)
     dtype = local.dtype if grads else torch.float32
     wide = local.to(device=device, dtype=torch.promote_types(local.dtype, torch.float32))
-    initialised = dist.is_available() and dist.is_initialized()
     if math.isinf(norm_type):
         if initialised:
             dist.all_reduce(wide, op=dist.ReduceOp.MAX, group=group)

@@ -11,7 +11,9 @@ checkpoint files; the other ranks build the same model from its config with unin
 weights, and the strategy's broadcast of rank 0's parameters and buffers (right after
 ``configure_model``) fills them.  Before that broadcast the ranks compare the structure of
 their models (names, shapes, dtypes, tied weights) in one small collective, so a mismatch is a
-clear error rather than a broadcast of misaligned buffers.
+clear error rather than a broadcast of misaligned buffers.  With ``tensor_parallel=True`` no rank
+builds the whole model on its device: the model is sharded on the meta device and the whole
+weights stay on a host (:meth:`HFCausalLM._load_shards`).
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ class HFCausalLM(pl.LightningModule):
     ``ByteScaleStrategy`` (the others receive rank 0's weights); ``"every_rank"`` loads it on
     every rank.  ``tensor_parallel=True`` shards the model over ``device_mesh["tensor_parallel"]``
     with its own plan (:func:`~lightning_bytescale.hf.tensor_parallel.parallelize_hf`) in
-    ``configure_model``, after every rank received rank 0's whole weights; it needs
+    ``configure_model`` while it is on the meta device, so each rank allocates only its shards;
+    the whole weights are read (or initialised) on global rank 0's host (``load_on="every_rank"``:
+    on every rank's host) and each rank keeps its parts, one tensor at a time; it needs
     ``ByteScaleStrategy(tensor_parallel_size > 1)``.  Under ``ByteScaleStrategy(pipeline_parallel_size=P)``
     ``configure_model`` replaces the model by this rank's
     :class:`~lightning_bytescale.hf.pipeline.HFDecoderStage` (every rank builds or loads the whole
@@ -182,28 +186,32 @@ class HFCausalLM(pl.LightningModule):
         dtype = self.weights_dtype or torch.get_default_dtype()
         rank = self.global_rank
         started = time.perf_counter()
-        if self._broadcast_fills_weights() and rank != 0:
+        tp_mesh = self._tensor_parallel_mesh() if self.tensor_parallel else None
+        if tp_mesh is not None:  # the structure only: each rank gets its shards below
+            with torch.device("meta"):
+                model, weights = self.source.build_empty(config, dtype), "broadcast"
+        elif self._broadcast_fills_weights() and rank != 0:
             model, weights = self.source.build_empty(config, dtype), "broadcast"
         elif self.source.from_config:
             model, weights = self.source.build(config, dtype), "config"
         else:
             device = self.trainer.strategy.root_device if compat.module_trainer(self) is not None else None
             model, weights = self.source.load(config, dtype, device), "checkpoint"
-        self.load_report = LoadReport(weights, time.perf_counter() - started, rank)
         check_model(model, training=True)
         model.register_forward_pre_hook(_refuse_labels, with_kwargs=True)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._attention_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
         self.model = model
-        if self._broadcast_fills_weights():
+        if tp_mesh is not None:
+            weights = self._load_shards(config, dtype, tp_mesh)
+        elif self._broadcast_fills_weights():
             self._check_same_structure()
-        if self.tensor_parallel:
-            self._shard_over_lanes()
+        self.load_report = LoadReport(weights, time.perf_counter() - started, rank)
         pipeline = self._pipeline()
         if pipeline is not None:  # docs/pipelines.md: the model is replaced by this rank's stage
             from lightning_bytescale.hf.pipeline import HFDecoderStage
 
-            self.model = HFDecoderStage(model, pipeline.get_local_rank(), pipeline.size())
+            self.model = HFDecoderStage(self.model, pipeline.get_local_rank(), pipeline.size())
 
     def _pipeline(self) -> Any:
         """The ``"pipeline"`` dimension of the device mesh under ``ByteScaleStrategy(pipeline_parallel_size > 1)``."""
@@ -212,20 +220,50 @@ class HFCausalLM(pl.LightningModule):
             return None
         return mesh["pipeline"]
 
-    def _shard_over_lanes(self) -> None:
-        """``tensor_parallel=True``: rank 0's whole weights on every rank, then each keeps its TP slice."""
-        from lightning_bytescale.engine.state_sync import broadcast_module_state
-        from lightning_bytescale.hf.tensor_parallel import parallelize_hf
-
+    def _tensor_parallel_mesh(self) -> Any:
+        """``tensor_parallel=True``: the ``"tensor_parallel"`` dimension of the device mesh (a ``ConfigError`` without one)."""
         mesh = self.device_mesh
         if mesh is None:
             raise ConfigError(
                 "HFCausalLM(tensor_parallel=True) needs a device mesh with a 'tensor_parallel' dimension: train "
                 "it with ByteScaleStrategy(tensor_parallel_size=N), N > 1"
             )
+        return mesh["tensor_parallel"]
+
+    def _load_shards(self, config: Any, dtype: torch.dtype, tp_mesh: Any) -> str:
+        """``tensor_parallel=True``: shard the meta-device model, give each rank storage for its shards only, fill them.
+
+        The whole weights are read (or, ``from_config``, initialised) on the host, never on a device:
+        by global rank 0, whose tensors then travel one at a time and each rank keeps its part, or,
+        with ``load_on="every_rank"`` and a checkpoint, by every rank, which keeps its parts of its own
+        copy.  Returns how this rank got its weights.
+        """
+        from lightning_bytescale.hf.tensor_parallel import parallelize_hf
+        from lightning_bytescale.parallel.materialize import (
+            fill_from_whole,
+            named_tensors,
+            to_empty_keeping_ties,
+        )
+
         assert self.model is not None
-        broadcast_module_state(self.model)  # parallelize_hf slices each rank's own whole tensor
-        parallelize_hf(self.model, mesh["tensor_parallel"])
+        every_rank = self.load_on == "every_rank" and not self.source.from_config
+        distributed = dist.is_available() and dist.is_initialized()
+        src = None if every_rank or not distributed else 0
+        if src is not None:
+            self._check_same_structure()  # before any tensor travels
+        parallelize_hf(self.model, tp_mesh)
+        trainer = compat.module_trainer(self)
+        device = trainer.strategy.root_device if trainer is not None else tp_mesh.device_type
+        to_empty_keeping_ties(self.model, device)
+        host, weights = None, "broadcast"
+        if src is None or dist.get_rank() == src:
+            with torch.device("cpu"):  # the host: transformers reads a device context as a device_map
+                if self.source.from_config:
+                    host, weights = self.source.build(config, dtype), "config"
+                else:
+                    host, weights = self.source.load(config, dtype), "checkpoint"
+        fill_from_whole(self.model, dict(named_tensors(host)) if host is not None else None, src=src)
+        return weights
 
     def _check_same_structure(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from torch import Tensor
 
+from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.lightning import compat as compat
 
@@ -47,20 +48,33 @@ def exact_reduce(tensor: Tensor, group: Any = None, reduce_op: Any = "mean") -> 
     ``torch.distributed.ReduceOp``.  A floating tensor is reduced in place and returned, as
     Lightning's DDP does; an integer tensor's mean is returned as a new float64 tensor (DDP's
     would truncate it: Lightning's epoch mean divides by the summed batch sizes, an integer).
+    A tensor that lives elsewhere than the group's device (a host value on NCCL) travels through
+    a copy there and back.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
     name = reduce_op.lower() if isinstance(reduce_op, str) else None
     if name in ("mean", "avg") or reduce_op == dist.ReduceOp.AVG:
         out = tensor if torch.is_floating_point(tensor) else tensor.to(torch.float64)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        _all_reduce(out, dist.ReduceOp.SUM, group)
         return out.div_(dist.get_world_size(group))
     if reduce_op is None:
         op = dist.ReduceOp.SUM  # Lightning's _sync_ddp: None means a sum
     else:
         op = getattr(dist.ReduceOp, name.upper()) if name is not None else reduce_op
-    dist.all_reduce(tensor, op=op, group=group)
+    _all_reduce(tensor, op, group)
     return tensor
+
+
+def _all_reduce(tensor: Tensor, op: Any, group: Any) -> None:
+    """``tensor`` all-reduced in place, on the group's device (through a copy when it lives elsewhere)."""
+    device = comm_device(group)
+    if tensor.device == device:
+        dist.all_reduce(tensor, op=op, group=group)
+        return
+    moved = tensor.to(device)
+    dist.all_reduce(moved, op=op, group=group)
+    tensor.copy_(moved)
 
 
 def agree_on_epoch_metrics(

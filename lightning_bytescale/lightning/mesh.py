@@ -19,8 +19,10 @@ the global group.  With ``N > 1`` an HDP rank is a group of ``N`` consecutive ra
   (:class:`LaneZero`, :func:`gradient_owners`);
 * drives FSDP2 when ``configure_model`` applied ``fully_shard`` over ``device_mesh["data_parallel"]``
   (:func:`fsdp_driver`, :func:`gathered`);
-* writes consolidated checkpoints with the DTensor state whole and loads them back as each rank's
-  shards, on any mesh (:func:`model_state`, :func:`optimizer_state`, :func:`load_model_state`,
+* materialises a model built on the meta device with only each rank's shards (:func:`materialize`);
+* writes consolidated checkpoints with the DTensor state whole, gathered one tensor at a time onto
+  global rank 0's host, and loads them back as each rank's shards, on any mesh
+  (:func:`model_state`, :func:`optimizer_state`, :func:`load_model_state`,
   :func:`load_optimizer_states`); sharded checkpoints (every rank writes its own DTensor shards)
   are :mod:`lightning_bytescale.lightning.checkpoint`'s, told here which optimizer state a rank
   keeps (:func:`keeps_state`) and when ``"auto"`` means sharded (:func:`state_sharded_over_hdp_ranks`).
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +55,7 @@ from lightning_bytescale.parallel import (
     ParallelMesh,
 )
 from lightning_bytescale.parallel import clip_grad_norm_ as mesh_clip_grad_norm_
+from lightning_bytescale.parallel.materialize import materialize_sharded
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -252,11 +256,6 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
             "lane would decide on its own gradient shards whether to skip a step. Use precision='bf16-mixed' "
             "or '32-true'"
         )
-    if any(p.is_meta for p in strategy.model.parameters()):
-        raise ConfigError(
-            f"tensor_parallel_size={tp}: the model has parameters on the meta device (Trainer.init_module("
-            "empty_init=True)); build it on the device in configure_model before parallelize_module"
-        )
     from torch.distributed.tensor import DTensor
 
     if not any(isinstance(p, DTensor) for p in strategy.model.parameters()):
@@ -268,7 +267,44 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
         )
 
 
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """A model on the meta device (``Trainer.init_module(empty_init=True)``, or built there in ``configure_model``
+    and sharded there): each rank allocates its own shards on ``device`` only, with global rank 0's
+    draws of each module's ``reset_parameters`` (:func:`~lightning_bytescale.parallel.materialize.materialize_sharded`),
+    so the values are those Lightning's materialisation gives the unsharded model on one device.
+    """
+    missing = materialize_sharded(module, device)
+    if missing:
+        rank_zero_warn(
+            "Parameter initialization incomplete. The following modules have parameters or buffers with uninitialized "
+            f"memory because they don't define a `reset_parameters()` method for re-initialization: {', '.join(missing)}"
+        )
+
+
 # ----------------------------------------------------------------------------- ZeRO-1 on the mesh
+@dataclass(frozen=True)
+class _StateTensor:
+    """What a non-owner needs to make room for one tensor of an owner's optimizer state (it travels pickled)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dtensor: bool  # sharded like its parameter (AdamW's moments of a DTensor parameter)
+    host: bool  # a plain tensor on the host: AdamW's ``step`` (unless fused or capturable)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _StateTensor:
+        from torch.distributed.tensor import DTensor
+
+        dtensor = isinstance(t, DTensor)
+        return cls(tuple(t.shape), t.dtype, dtensor, not dtensor and t.device.type == "cpu")
+
+    def zeros_like(self, p: torch.Tensor) -> torch.Tensor:
+        """Zeros for this state of parameter ``p``: a DTensor like ``p``, or a plain tensor where the owner keeps it."""
+        if self.dtensor:
+            return torch.zeros_like(p, dtype=self.dtype)
+        return torch.zeros(self.shape, dtype=self.dtype, device="cpu" if self.host else _local(p).device)
+
+
 class LaneZero:
     """ZeRO-1 and ZeRO-2 on the mesh: each lane's optimizer state split over its HDP ranks.
 
@@ -356,10 +392,7 @@ class LaneZero:
             if i == self.pmesh.hdp_rank:
                 meta = [
                     [
-                        {
-                            k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else v
-                            for k, v in state[p].items()
-                        }
+                        {k: _StateTensor.of(v) if torch.is_tensor(v) else v for k, v in state[p].items()}
                         if p in state
                         else None
                         for p in owned
@@ -371,15 +404,9 @@ class LaneZero:
                 if keys is None:
                     continue
                 if i != self.pmesh.hdp_rank:
-                    entry = {}
-                    for k, v in keys.items():
-                        if not isinstance(v, tuple) or len(v) != 2 or not isinstance(v[1], torch.dtype):
-                            entry[k] = v
-                        elif tuple(v[0]) == tuple(p.shape):
-                            entry[k] = torch.zeros_like(p, dtype=v[1])  # a DTensor like the parameter
-                        else:
-                            entry[k] = torch.zeros(v[0], dtype=v[1], device=_local(p).device)
-                    state[p] = entry
+                    state[p] = {
+                        k: v.zeros_like(p) if isinstance(v, _StateTensor) else v for k, v in keys.items()
+                    }
                 tensors.extend(_local(v) for v in state[p].values() if torch.is_tensor(v))
             broadcast_tensors(tensors, src=self._src(i), group=self.pmesh.dp_group)
 
@@ -453,33 +480,36 @@ def state_sharded_over_hdp_ranks(optimizers: list[Optimizer], fsdp: FSDPStepDriv
 
 # ----------------------------------------------------------------------------- consolidated checkpoints
 # With tensor parallelism (and FSDP2) the model and AdamW state are DTensors.  A consolidated
-# checkpoint holds them whole: torch.distributed.checkpoint.state_dict gathers them on every rank
-# (collectives on the mesh; rank 0 writes the file) and, on load, gives each rank its own shards of
-# the whole tensors, so a checkpoint resumes on any mesh, any data-parallel size included.
+# checkpoint holds them whole: torch.distributed.checkpoint.state_dict gathers them one tensor at a
+# time (collectives on the mesh), global rank 0 keeps each on its host and every other rank drops it
+# at once (its state dicts are empty; rank 0 writes the file), as Lightning's ModelParallelStrategy
+# saves.  On load it gives each rank its own shards of the whole tensors, so a checkpoint resumes on
+# any mesh, any data-parallel size included.
 
 
-def _full_options(strict: bool = True) -> Any:
+def _full_options(strict: bool = True, *, saving: bool = False) -> Any:
+    """Whole tensors; for a save (``saving``) on rank 0's host only, one tensor on the device at a time."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=False, strict=strict)
+    return StateDictOptions(full_state_dict=True, cpu_offload=saving, strict=strict)
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
-    """The module's state with every DTensor whole (call on every rank)."""
+    """The module's state with every DTensor whole, on global rank 0's host; empty on the other ranks (call on every rank)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(module, options=_full_options())
+    return get_model_state_dict(module, options=_full_options(saving=True))
 
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's state by parameter name, every DTensor whole (call on every rank)."""
+    """The optimizer's state by parameter name, every DTensor whole, on global rank 0's host; empty on the others (call on every rank)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     zero = _lane_zero_of(optimizer)
     if zero is None:
-        return get_optimizer_state_dict(module, optimizer, options=_full_options())
+        return get_optimizer_state_dict(module, optimizer, options=_full_options(saving=True))
     with zero.materialized():  # ZeRO-1: every rank of a lane holds the whole state while it is gathered
-        return get_optimizer_state_dict(module, optimizer, options=_full_options())
+        return get_optimizer_state_dict(module, optimizer, options=_full_options(saving=True))
 
 
 def load_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> None:
@@ -544,6 +574,7 @@ __all__ = [
     "keyed_by_name",
     "load_model_state",
     "load_optimizer_states",
+    "materialize",
     "model_state",
     "optimizer_state",
     "state_sharded_over_hdp_ranks",

@@ -14,7 +14,10 @@ under a Lightning ``Trainer`` (docs/pipelines.md, "Pipelines under the Trainer")
 * every rank starts from the parameters of HDP rank 0 *of its own stage* (:func:`broadcast_state`);
 * the step: :func:`train` runs the whole step (torch's schedule, the loss at the last stage, the
   gradient sum per stage) where the strategy's ``training_step`` runs its micro-batch loop, so
-  the ``LightningModule.training_step`` is not called under pipelines;
+  the ``LightningModule.training_step`` is not called under pipelines; every forward and loss
+  of the stage runs under the precision plugin's ``train_step_context`` (autocast under
+  ``"bf16-mixed"``), as ``training_step`` would, and the stage and schedule are kept between
+  steps with the same micro-batch count (:func:`stage_schedules`);
 * ZeRO-1/2 per stage: :class:`~lightning_bytescale.lightning.mesh.LaneZero` over the stage's
   data-parallel group (the strategy sets it up; ZeRO-2's owners go into the step's sync);
 * after the step one all-reduce over the world agrees on the stop flag (preemption) and
@@ -39,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.engine.executor import LocalResult
 from lightning_bytescale.engine.state_sync import broadcast_tensors
 from lightning_bytescale.errors import ConfigError
@@ -51,6 +55,7 @@ from lightning_bytescale.parallel import (
     PipelineModelError,
     PipelineStepBatch,
     PipelineStepResult,
+    StageSchedules,
     run_pipeline_step,
     stage_bubble,
 )
@@ -77,8 +82,8 @@ def check_options(pipeline_parallel_size: Any, *, checkpoint_format: str) -> int
 
 _NOT_WITH_PIPELINES = {
     "precision='16-mixed'": "a float16 GradScaler (precision='16-mixed') is not supported: the loss is computed "
-    "inside torch's pipeline schedule, which the scaler does not see. Use precision='bf16-mixed', '32-true' or "
-    "'64-true'",
+    "inside torch's pipeline schedule, which the scaler does not see, and each stage's optimizer would decide on "
+    "its own gradients whether to skip a step. Use precision='bf16-mixed' (no scaler), '32-true' or '64-true'",
     "empty_init=True": "the model has parameters on the meta device (Trainer.init_module(empty_init=True)); build "
     "it on the device in configure_model and replace it by its LlamaStage",
     "fully_shard": "configure_model applied fully_shard, which is not supported with pipelines yet: FSDP2's "
@@ -87,16 +92,23 @@ _NOT_WITH_PIPELINES = {
 }
 
 
+def check_precision(strategy: Any) -> None:
+    """A float16 ``GradScaler`` (``precision="16-mixed"``) is refused: before the launch, and again at set-up."""
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        why = _NOT_WITH_PIPELINES["precision='16-mixed'"]
+        raise ConfigError(f"pipeline_parallel_size={strategy.pipeline_parallel_size}: {why}")
+
+
 def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
     """What cannot run with pipelines yet, refused at set-up by the setting's name; the stage is checked."""
     pp = strategy.pipeline_parallel_size
+    check_precision(strategy)
     if trainer.state.fn != TrainerFn.FITTING:
         raise ConfigError(
             f"trainer.{trainer.state.fn.value}() is not supported with pipeline_parallel_size={pp} yet: only "
             "training runs through the pipeline schedule. Evaluate with pipeline_parallel_size=1"
         )
     refusals = {
-        "precision='16-mixed'": getattr(strategy.precision_plugin, "scaler", None) is not None,
         "empty_init=True": any(p.is_meta for p in strategy.model.parameters()),
         "fully_shard": any(isinstance(m, FSDPModule) for m in strategy.model.modules()),
     }
@@ -168,8 +180,19 @@ def train(strategy: Any, batch: PipelineStepBatch) -> step_loop.TrainStep:
     for _, p in named:
         p.grad = None
     loop.beat(f"the pipeline step {batch.step.step} (waits on every rank)", waits_on_peers=True)
-    owners = strategy._grad_owners if strategy.zero == 2 else None  # ZeRO-2: each gradient to its owner
-    result = run_pipeline_step(stage, batch, pmesh, check_finite=strategy.check_finite, grad_owners=owners)
+    # the bucketed sync on the stage's data-parallel group (ZeRO-2's owners in it), or the flat one
+    grad_sync = loop._bucketed_sync([p for p in stage.parameters() if p.requires_grad])
+    owners = strategy._grad_owners if strategy.zero == 2 and grad_sync is None else None
+    result = run_pipeline_step(
+        stage,
+        batch,
+        pmesh,
+        schedules=stage_schedules(strategy, stage),
+        compute_context=strategy.precision_plugin.train_step_context,  # autocast under "bf16-mixed"
+        check_finite=strategy.check_finite,
+        grad_owners=owners,
+        grad_sync=grad_sync,
+    )
     preemption = strategy._preemption
     stop, times = agree_after_step(result, pmesh, preemption is not None and preemption.requested)
     if preemption is not None:
@@ -185,6 +208,16 @@ def train(strategy: Any, batch: PipelineStepBatch) -> step_loop.TrainStep:
     return step
 
 
+def stage_schedules(strategy: Any, stage: DecoderStage) -> StageSchedules:
+    """The strategy's :class:`StageSchedules` of ``stage``: kept between steps, bounded by the planner's ``max_micro_batches``."""
+    schedules = strategy._stage_schedules
+    if schedules is None or schedules.module is not stage or schedules.pmesh is not strategy.parallel_mesh:
+        schedules = strategy._stage_schedules = StageSchedules(
+            stage, strategy.parallel_mesh, max_micro_batches=strategy.planner_config.max_micro_batches
+        )
+    return schedules
+
+
 def agree_after_step(
     result: PipelineStepResult, pmesh: ParallelMesh, stop_requested: bool
 ) -> tuple[bool, torch.Tensor]:
@@ -198,10 +231,9 @@ def agree_after_step(
     values[0] = float(stop_requested)
     me = dist.get_rank()
     values[1 + me], values[1 + world + me] = result.schedule_s, result.compute_s
-    device = pmesh.mesh.device_type
-    values = values.to(device)
+    values = values.to(comm_device())
     dist.all_reduce(values)
-    values = values.cpu()
+    values = values.cpu()  # one copy back
     return bool(values[0] > 0), values[1:].reshape(2, world)
 
 
@@ -267,10 +299,12 @@ __all__ = [
     "agree_after_step",
     "broadcast_state",
     "check_options",
+    "check_precision",
     "check_setup",
     "optimizer_state",
     "pipeline_stats",
     "refuse_evaluation",
     "stage_of",
+    "stage_schedules",
     "train",
 ]

@@ -229,18 +229,29 @@ class StepLoop:
         return self.offloader
 
     def _bucketed_sync(self, params: list[Tensor]) -> BucketedGradSync | None:
-        """The bucketed gradient sync for ``params`` (rebuilt if the trained parameters changed)."""
+        """The bucketed gradient sync for ``params`` (rebuilt if the trained parameters changed).
+
+        Its group: the strategy's gradient group without a mesh; on the mesh the lane's (and
+        stage's) data-parallel group, where the same shard of every HDP rank is summed.
+        """
         strategy = self.strategy
-        if strategy.gradient_sync != "bucketed":
+        if strategy.gradient_sync != "bucketed" or not params:  # none: FSDP2 reduces every gradient itself
             return None
         sync = self.grad_sync
         owners = strategy._grad_owners if strategy.zero == 2 else None
-        if sync is None or [id(p) for p in sync.params] != [id(p) for p in params] or sync.owners != owners:
+        pmesh = strategy.parallel_mesh
+        group = strategy._grad_group if pmesh is None else pmesh.dp_group
+        if (
+            sync is None
+            or [id(p) for p in sync.params] != [id(p) for p in params]
+            or sync.owners != owners
+            or sync.group is not group
+        ):
             if sync is not None:
                 sync.close()
             sync = BucketedGradSync(
                 params,
-                group=strategy._grad_group,
+                group=group,
                 bucket_bytes=int(strategy.bucket_cap_mb * 2**20),
                 owners=owners,
             )
@@ -277,9 +288,11 @@ class StepLoop:
                     return self._training_forward(module, mb, rest, kwargs, None, dtypes)
             return self._training_forward(module, mb, rest, kwargs, extras, dtypes)
 
-        grad_sync = self._bucketed_sync(params) if strategy.parallel_mesh is None else None
-        if strategy.fsdp is not None:
-            strategy.fsdp.begin_step()  # FSDP2: one all-gather per unit, before any ring exchange
+        fsdp = strategy.fsdp
+        # on the mesh: the buckets sum local shards over the lane's HDP ranks; FSDP2 reduces its own
+        grad_sync = self._bucketed_sync(params if fsdp is None else [p for _, p in fsdp.unmanaged(named)])
+        if fsdp is not None:
+            fsdp.begin_step()  # FSDP2: one all-gather per unit, before any ring exchange
         with self.micro_batches("training_step"):
             local = run_micro_batches(
                 module,
@@ -297,8 +310,10 @@ class StepLoop:
                 plan_check=plan_check,
                 locate_non_finite=strategy.locate_non_finite,
             )
-        if strategy.fsdp is not None:
-            strategy.fsdp.finish_step()  # FSDP2: one reduce-scatter per unit, after the last ring exchange
+        if grad_sync is not None and strategy.parallel_mesh is not None:
+            grad_sync.launch()  # every rank's buckets before FSDP's reduce-scatters (all of them without micro-batches)
+        if fsdp is not None:
+            fsdp.finish_step()  # FSDP2: one reduce-scatter per unit, after the last ring exchange
         step = TrainStep(batch, named, local, grad_sync, probing, started, dtypes[0], extras=extras)
         step.put_aside()
         return step
@@ -348,10 +363,9 @@ class StepLoop:
         n = strategy.check_parameters_every_n_steps
         pmesh = strategy.parallel_mesh
         fsdp = strategy.fsdp
-        # on the mesh: DTensors as their local shards, without the ones FSDP2 reduced already
-        shards = (
-            None if pmesh is None else LocalShards(step.named if fsdp is None else fsdp.unmanaged(step.named))
-        )
+        named = step.named if fsdp is None else fsdp.unmanaged(step.named)  # FSDP2 reduced its own already
+        # the flat sync on the mesh: DTensors as their local shards (the buckets hold local shards themselves)
+        shards = None if pmesh is None or step.grad_sync is not None else LocalShards(named)
 
         owners = strategy._grad_owners
         if shards is not None and owners is not None:  # ZeRO-2 on the mesh: each gradient to its owner
@@ -359,7 +373,7 @@ class StepLoop:
 
         def sync() -> StepResult:
             result = sync_step(
-                step.named if shards is None else shards.named,
+                named if shards is None else shards.named,
                 batch,
                 step.local,
                 group=None if pmesh is None else pmesh.dp_group,  # the mesh: this lane's HDP ranks

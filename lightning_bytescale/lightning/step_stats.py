@@ -25,6 +25,9 @@ PLAN_FACTS: dict[str, str] = {
     # under pipelines (``build_pipeline_step``): micro-batches and simulated bubble per pipeline
     "pipeline_micro_batches": "pipeline_micro_batches",
     "pipeline_bubble_sim": "pipeline_bubble_sim",
+    # ring items and the bytes their attention sends, per attention mode (``Plan.mode_stats()``)
+    "mode_counts": "mode_counts",
+    "comm_bytes_by_mode": "comm_bytes_by_mode",
 }
 
 

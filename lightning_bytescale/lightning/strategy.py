@@ -56,6 +56,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bytescale.engine.batch import StepBatch
+from lightning_bytescale.engine.comm_device import barrier as comm_barrier
 from lightning_bytescale.engine.failures import is_peer_failure, peer_failure_message
 from lightning_bytescale.engine.state_sync import broadcast_module_state
 from lightning_bytescale.engine.zero import clip_grad_norm_, owner_ranks, resolve_zero_level, shard_optimizers
@@ -106,7 +107,7 @@ class ByteScaleStrategy(ParallelStrategy):
 
     Args:
         planner, capacity, cp_size, offload, slack, seed, cost_model, comm_aware, ranks_per_node,
-            num_buckets, pipeline_degree, options: the fields of
+            num_buckets, pipeline_degree, max_micro_batches, options: the fields of
             :class:`~lightning_bytescale.planner.config.PlannerConfig` (docs/planner.md), kept as
             ``strategy.planner_config``, which the data module plans with; ``planner`` may be a
             whole ``PlannerConfig`` (then leave the others at their defaults).  Here
@@ -177,6 +178,7 @@ class ByteScaleStrategy(ParallelStrategy):
         ranks_per_node: int | None = None,
         num_buckets: int = 8,
         pipeline_degree: int = 1,
+        max_micro_batches: int | None = None,
         options: dict[str, Any] | None = None,
         zero: int = 0,
         zero1: bool | None = None,
@@ -212,7 +214,8 @@ class ByteScaleStrategy(ParallelStrategy):
             planner, {k: p.default for k, p in signature.items()}, pipelines=pipeline_parallel_size,
             capacity=capacity, cp_size=cp_size, offload=offload, slack=slack, seed=seed,
             cost_model=cost_model, comm_aware=comm_aware, ranks_per_node=ranks_per_node,
-            num_buckets=num_buckets, pipeline_degree=pipeline_degree, options=options,
+            num_buckets=num_buckets, pipeline_degree=pipeline_degree, max_micro_batches=max_micro_batches,
+            options=options,
         )  # fmt: skip
         options_.check_step_options(
             check_parameters_every_n_steps=check_parameters_every_n_steps, start_method=start_method,
@@ -241,6 +244,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.pipeline_parallel_size: int = pipeline_parallel_size
         self.parallel_mesh: Any = None  # the ParallelMesh (tensor or pipeline parallelism), built at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
+        self._stage_schedules: Any = None  # pipelines: the StageSchedules kept between steps
         self.check_finite = bool(check_finite)
         self.locate_non_finite = bool(locate_non_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
@@ -345,11 +349,16 @@ class ByteScaleStrategy(ParallelStrategy):
     def check_before_launch(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         """What can be refused before any rank starts, once: the launchers call it with the run's arguments.
 
-        Gradient accumulation over Lightning batches, and a data module whose own planner
+        Gradient accumulation over Lightning batches, a float16 ``GradScaler`` with pipelines, a
+        cost model whose attention heads are not the model's (where the module already holds its
+        model; set-up checks again after ``configure_model``), and a data module whose own planner
         arguments contradict :attr:`planner_config` or whose options the HDP ranks cannot run
         (``ByteScaleDataModule.validate``: a ``context_length`` longer than the planner can place).
         """
         step_loop.StepLoop.refuse_accumulation(trainer)
+        options_.check_cost_model_heads(self.planner_config, self.lightning_module, self.tensor_parallel_size)
+        if self.pipeline_parallel_size > 1:
+            pipeline_.check_precision(self)
         progress.prefer_step_bar(trainer)  # Lightning's default bar reads "Epoch 0/-2" on step-bounded runs
         hdp_ranks = max(
             1,
@@ -390,6 +399,9 @@ class ByteScaleStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         step_loop.StepLoop.refuse_accumulation(trainer)
         module = trainer.lightning_module
+        options_.check_cost_model_heads(
+            self.planner_config, module, self.tensor_parallel_size
+        )  # after configure_model
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and not module.automatic_optimization:
             raise ConfigError(
@@ -401,8 +413,11 @@ class ByteScaleStrategy(ParallelStrategy):
         if self.pipeline_parallel_size > 1:
             pipeline_.check_setup(self, trainer)  # what pipelines cannot run with yet; the stage
         elif self.parallel_mesh is not None:
-            mesh_.check_setup(self, trainer)  # what TP cannot run with yet (a meta-device model among them)
-        compat._materialize_distributed_module(self.model, self.root_device)
+            mesh_.check_setup(self, trainer)  # what TP cannot run with yet
+        if self.parallel_mesh is not None and self.pipeline_parallel_size == 1:
+            mesh_.materialize(self.model, self.root_device)  # meta: each rank its own shards, rank 0's draws
+        else:
+            compat._materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # What DDP does when it wraps a model: every rank starts from rank 0's state.
@@ -426,7 +441,7 @@ class ByteScaleStrategy(ParallelStrategy):
             and self._grad_group is None
             and compat._distributed_is_initialized()
             and self.world_size > 1
-            and self.parallel_mesh is None  # the mesh sums gradients after the loop (docs/tensor-parallel.md)
+            and self.parallel_mesh is None  # on the mesh the buckets run on the lane's data-parallel group
         ):
             # the bucket all-reduces' own group (created once, here, on every rank): they may be
             # in flight while other ranks' ring exchanges run point-to-point on the global group
@@ -472,6 +487,7 @@ class ByteScaleStrategy(ParallelStrategy):
             # longer holds it: once the user destroys the process groups nothing keeps it alive
             self._step = None
             self._grad_group = None
+            self._stage_schedules = None  # the pipeline stages and their receive buffers
         super().teardown()
 
     @override
@@ -536,10 +552,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self._loop.refuse_collective("trainer.strategy.barrier()")
         if not compat._distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        comm_barrier()  # with the group's device named (NCCL's would guess it)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:

@@ -13,8 +13,12 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from lightning_bytescale.errors import ConfigError, CostModelTensorParallelError
+from torch import nn
+
+from lightning_bytescale.errors import ConfigError, CostModelHeadsError, CostModelTensorParallelError
+from lightning_bytescale.models.heads import lane_heads, model_heads
 from lightning_bytescale.planner.config import PlannerConfig
+from lightning_bytescale.planner.modes import RING_ONLY, parse_modes
 
 #: DistributedDataParallel's own options: refused by name (the model is not wrapped in DDP).
 DDP_ONLY = frozenset(
@@ -73,6 +77,10 @@ def strategy_planner_config(
         elif given["offload"] is None:
             given["offload"] = False
         given["options"] = given["options"] or {}
+        if (
+            given["pipeline_degree"] == 1
+        ):  # set here, so that the options that need pipelines are checked with it
+            given["pipeline_degree"] = pipelines
         config = PlannerConfig.from_options(planner=planner, **given)
     if config.pipeline_degree not in (1, pipelines):
         raise ConfigError(
@@ -161,11 +169,48 @@ def check_cost_model_devices(config: PlannerConfig, tensor_parallel_size: int) -
     )
 
 
+def check_cost_model_heads(
+    config: PlannerConfig, module: nn.Module | None, tensor_parallel_size: int
+) -> None:
+    """Refuse a cost model whose heads are not the model's, where the model's config names them.
+
+    A cost model with heads (``CostModel.attention_heads`` / ``kv_heads``: one tensor-parallel
+    lane's, as ``bytescale-profile`` records them) lets ``balance`` run items as Ulysses or hybrid
+    groups whose sizes divide those heads; heads of another model would plan groups this model
+    cannot split, refused only at the first attention call (``UlyssesHeadsError``).  Nothing is
+    checked when the cost model names no heads, the ``modes`` option is ring-only, or the model's
+    heads cannot be read (:func:`~lightning_bytescale.models.heads.model_heads`: the reference
+    Llama's or a Hugging Face config; ``HFCausalLM`` builds its model in ``configure_model``, so
+    the strategy checks again at set-up).
+    """
+    cost = config.cost_model
+    if cost is None or cost.attention_heads is None or module is None:
+        return
+    if parse_modes(config.options.get("modes")) == RING_ONLY:
+        return
+    found = model_heads(module)
+    if found is None:
+        return
+    tp = tensor_parallel_size
+    want = lane_heads(*found, tp)
+    if (cost.attention_heads, cost.kv_heads) == want:
+        return
+    lane = f" (one lane of tensor_parallel_size={tp} holds {want[0]} and {want[1]})" if tp > 1 else ""
+    raise CostModelHeadsError(
+        f"the cost model {cost.name!r} names attention_heads={cost.attention_heads}, kv_heads={cost.kv_heads}, but the "
+        f"model has {found[0]} query and {found[1]} key/value heads{lane}: the planner would run Ulysses items of "
+        f"sizes its heads do not split. Profile this model (bytescale-profile records its heads), give the cost "
+        f"model attention_heads={want[0]}, kv_heads={want[1]}, or plan rings only "
+        "(ByteScaleStrategy(options={'modes': ('ring',)}))"
+    )
+
+
 __all__ = [
     "DDP_ONLY",
     "START_METHODS",
     "as_timedelta",
     "check_cost_model_devices",
+    "check_cost_model_heads",
     "check_step_options",
     "planner_view",
     "refuse_unknown_options",

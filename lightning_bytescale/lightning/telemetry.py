@@ -5,7 +5,9 @@ after every optimizer step.
 `TelemetryCallback` logs it through Lightning's logging, so every logger (W&B, CSV, TensorBoard)
 gets the scalars every step: loss, tokens/s, estimated MFU, planned and measured per-rank busy
 time, max/mean imbalance, bubble fraction, ring bytes, measured (blocked) and planned exposed ring
-time, plan time and micro-batches per rank.  Under pipelines (``pipeline_parallel_size`` > 1)
+time, plan time and micro-batches per rank, and per attention mode of the plan's ring items
+(``ring``, ``ulysses``, ``hybrid``) their count and planned bytes (``comm/mode_counts/<mode>``,
+``comm/mode_bytes_planned/<mode>``, from ``Plan.mode_stats()``).  Under pipelines (``pipeline_parallel_size`` > 1)
 also per pipeline (HDP rank) ``h``: its micro-batch count, its measured pipeline bubble and the
 simulator's bubble for the same executed order (``pipeline/bubble/<h>`` next to
 ``pipeline/bubble_sim/<h>``, :func:`pipeline_metrics`).
@@ -32,6 +34,7 @@ from lightning_bytescale.lightning.step_stats import plan_facts
 __all__ = [
     "TelemetryCallback",
     "merge_plan_stats",
+    "mode_metrics",
     "step_metrics",
     "pipeline_metrics",
     "plan_rows",
@@ -134,6 +137,7 @@ def step_metrics(
         if len(values) <= per_rank_limit:
             for rank, value in enumerate(values):
                 out[f"ranks/{name}/{rank}"] = value
+    out.update(mode_metrics(stats))
     out.update(pipeline_metrics(stats, per_rank_limit=per_rank_limit))
     waits = _floats(stats.get("ring_wait_s"))
     if waits:  # summed over ranks, like the plan's exposed_ring_time
@@ -151,6 +155,22 @@ def step_metrics(
         out["comm/cp_degree_mean"] = statistics.fmean(degrees)
         out["comm/sharded_sequences"] = float(sum(1 for d in degrees if d > 1))
     return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def mode_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """Per attention mode ``m`` of the step's plan: ``comm/mode_counts/<m>`` (its ring items) and
+    ``comm/mode_bytes_planned/<m>`` (the bytes their attention sends in the step, summed over members and
+    layers, by the plan's cost model), every mode a key (0 where none ran).  The plan's facts
+    (``Plan.mode_stats()``), so every rank logs the same values."""
+    out: dict[str, float] = {}
+    for key, prefix in (
+        ("mode_counts", "comm/mode_counts"),
+        ("comm_bytes_by_mode", "comm/mode_bytes_planned"),
+    ):
+        values = stats.get(key)
+        if isinstance(values, dict):
+            out.update({f"{prefix}/{mode}": float(v) for mode, v in values.items()})
+    return out
 
 
 #: ``step_stats`` key -> metric prefix of the per-pipeline figures (one key per HDP rank ``h``).

@@ -1,8 +1,9 @@
-"""Packed causal attention: local variable-length attention and zigzag ring attention.
+"""Packed causal attention: local variable-length attention, zigzag ring attention and Ulysses attention.
 
 A model calls :func:`attention`; the engine sets the micro-batch's layout with
 :func:`attention_context`.  Local micro-batches run varlen attention with no communication;
-sharded ones run zigzag ring attention over P2P on the global process group.
+sharded ones run zigzag ring attention, or Ulysses attention (heads split over the ring's
+members by an all-to-all; the layout's ``mode``), over P2P on the global process group.
 :func:`loopback_ring_attention` runs all members of a ring in one process (tests, one-GPU checks).
 
 ``lightning_bytescale.attention`` is this package's :func:`attention` (the same function
@@ -14,16 +15,19 @@ from lightning_bytescale.packed_attention.comm import comm_stats, reset_comm_sta
 from lightning_bytescale.packed_attention.context import attention_context, current_layout
 from lightning_bytescale.packed_attention.input_dtype import AttentionDtypeError
 from lightning_bytescale.packed_attention.kernels import select_kernel
-from lightning_bytescale.packed_attention.layout import AttentionLayout
+from lightning_bytescale.packed_attention.layout import AttentionLayout, AttentionModeError
 from lightning_bytescale.packed_attention.loopback import LoopbackError, loopback_ring_attention
 from lightning_bytescale.packed_attention.ring import RingLayoutError, ring_attention, set_overlap
+from lightning_bytescale.packed_attention.ulysses import UlyssesHeadsError, ulysses_attention
 
 __all__ = [
     "AttentionDtypeError",
     "AttentionLayout",
+    "AttentionModeError",
     "AttentionShapeError",
     "LoopbackError",
     "RingLayoutError",
+    "UlyssesHeadsError",
     "attention",
     "attention_context",
     "comm_stats",
@@ -33,4 +37,5 @@ __all__ = [
     "ring_attention",
     "select_kernel",
     "set_overlap",
+    "ulysses_attention",
 ]

@@ -1,4 +1,4 @@
-"""The one attention function a model calls: local varlen or zigzag ring, chosen by the layout."""
+"""The one attention function a model calls: local varlen, zigzag ring or Ulysses, chosen by the layout."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from lightning_bytescale.packed_attention.context import current_scope
 from lightning_bytescale.packed_attention.input_dtype import kernel_inputs
 from lightning_bytescale.packed_attention.local import varlen_attention
 from lightning_bytescale.packed_attention.ring import ring_attention
+from lightning_bytescale.packed_attention.ulysses import ulysses_attention
 
 
 class AttentionShapeError(ByteScaleError, ValueError):
@@ -40,7 +41,8 @@ def attention(
 
     Inside :func:`attention_context`, attention is causal within each sequence of the
     current layout; a sharded layout runs zigzag ring attention with the ring's other
-    members.  Outside any context, the ``T`` tokens are one causal sequence.  ``scale``
+    members, or Ulysses attention (heads split over them by an all-to-all) when its ``mode``
+    says so (:mod:`.ulysses`).  Outside any context, the ``T`` tokens are one causal sequence.  ``scale``
     defaults to ``D ** -0.5``.  Under ``torch.autocast`` q, k and v are cast to the autocast
     dtype first, as ``scaled_dot_product_attention`` does (:mod:`.input_dtype`); outside it they
     must share one dtype (:class:`~.input_dtype.AttentionDtypeError`).
@@ -60,4 +62,6 @@ def attention(
                 f"{q.shape[0]}; build the layout from the same micro-batch as the tensors"
             )
         return varlen_attention(q, k, v, layout.seq_lens, scale=scale)
-    return ring_attention(q, k, v, layout, scale=scale, group=scope.group)
+    if layout.mode == "ring":
+        return ring_attention(q, k, v, layout, scale=scale, group=scope.group)
+    return ulysses_attention(q, k, v, layout, scale=scale, group=scope.group)

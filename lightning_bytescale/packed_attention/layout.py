@@ -16,6 +16,12 @@ slots ``cu_seqlens[j]:cu_seqlens[j+1]``.
   Slot positions come from :func:`lightning_bytescale.planner.zigzag.member_positions`;
   positions ``>= s_j`` are padding.
 
+A ring micro-batch's ``mode`` says how its members compute attention: ``"ring"`` (zigzag ring
+attention, :mod:`.ring`), ``"ulysses"`` (an all-to-all over the members gives each one every
+token of ``H / N`` heads, :mod:`.ulysses`) or ``"hybrid"`` (Ulysses inside each group of
+``ulysses_size`` consecutive members, the members one node holds, and a ring across the
+groups).  The slots are the zigzag slots above in every mode.
+
 Every field is a Python value (``cu_seqlens`` is a tuple of ints, whatever it was built from),
 so moving a batch to a device -- Lightning's ``batch_to_device`` goes into dataclasses and moves
 every tensor it finds -- leaves the layout where it is: on the host, readable without a
@@ -30,7 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_bytescale.errors import ByteScaleError
 from lightning_bytescale.planner import zigzag
+
+MODES = ("ring", "ulysses", "hybrid")
+
+
+class AttentionModeError(ByteScaleError, ValueError):
+    """A layout names an unknown attention mode, or a hybrid layout's Ulysses groups do not tile its ring."""
 
 
 def _ints(values: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
@@ -50,12 +63,32 @@ class AttentionLayout:
     seq_lens: tuple[int, ...]  # real (full) length of each sequence
     ring: tuple[int, ...] | None = None  # ordered global ranks of the ring, None for local work
     member: int = 0  # this rank's index in ``ring``
+    mode: str = "ring"  # "ring", "ulysses" or "hybrid": how a ring item's members compute attention
+    # hybrid only: members per Ulysses group (consecutive in ``ring``: the item's members on one node)
+    ulysses_size: int | None = None
 
     def __post_init__(self) -> None:
         self.cu_seqlens = _ints(self.cu_seqlens)
         self.seq_lens = _ints(self.seq_lens)
         self.ring = None if self.ring is None else _ints(self.ring)
         self.member = int(self.member)
+        if self.mode not in MODES:
+            raise AttentionModeError(
+                f"attention mode {self.mode!r} is not one of {MODES}; set the plan's micro-batch mode to one of them"
+            )
+        if self.mode == "hybrid":
+            u = self.ulysses_size
+            n = self.ring_size
+            if u is None or int(u) < 1 or n % int(u):
+                raise AttentionModeError(
+                    f"a hybrid layout needs ulysses_size, the members of each node, dividing its ring of {n} "
+                    f"members; got {u!r}. Build it with build_micro_batch(..., ranks_per_node=...)"
+                )
+            self.ulysses_size = int(u)
+        elif self.ulysses_size is not None:
+            raise AttentionModeError(
+                f"ulysses_size={self.ulysses_size} is for hybrid layouts; a {self.mode!r} layout takes none"
+            )
 
     @property
     def ring_size(self) -> int:

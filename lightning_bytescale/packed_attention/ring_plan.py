@@ -110,18 +110,7 @@ def ring_setup(
         return dataclasses.replace(
             _build_setup(layout, num_slots, device, group, check_rank=False), transport=transport
         )
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
-    # host ints only (the layout holds no tensor): the key costs no host-device synchronisation
-    key = (
-        layout.cu_seqlens,
-        layout.seq_lens,
-        layout.ring,
-        layout.member,
-        num_slots,
-        str(device),
-        id(group),
-        rank,
-    )
+    key = setup_key(layout, num_slots, device, group)
     cached = _LAST_SETUP.get(key)
     if cached is not None:
         return cached
@@ -129,6 +118,26 @@ def ring_setup(
     _LAST_SETUP.clear()
     _LAST_SETUP[key] = setup
     return setup
+
+
+def setup_key(layout: AttentionLayout, num_slots: int, device: torch.device, group: Any) -> tuple:
+    """The content a member's set-up depends on: the layout, the tensors' slots and device, the group and rank.
+
+    Host ints only (the layout holds no tensor), so the key costs no host-device synchronisation.
+    """
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+    return (
+        layout.cu_seqlens,
+        layout.seq_lens,
+        layout.ring,
+        layout.member,
+        layout.mode,
+        layout.ulysses_size,
+        num_slots,
+        str(device),
+        id(group),
+        rank,
+    )
 
 
 def _check_rank(ranks: tuple[int, ...], member: int) -> None:
@@ -146,9 +155,14 @@ def _check_rank(ranks: tuple[int, ...], member: int) -> None:
         raise RingLayoutError(f"ring {ranks} names a rank outside the world of {dist.get_world_size()}")
 
 
-def _build_setup(
-    layout: AttentionLayout, num_slots: int, device: torch.device, group: Any, check_rank: bool = True
-) -> RingSetup:
+def check_layout(
+    layout: AttentionLayout, num_slots: int, check_rank: bool = True
+) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """Check a sharded layout against the tensors' ``num_slots`` and this process's global rank.
+
+    Returns the ring's global ranks and ``(first slot, chunk size c)`` of every sequence.
+    Shared by every mode of a ring item (:mod:`.ulysses` holds the same zigzag slots).
+    """
     if layout.ring is None:
         raise RingLayoutError("ring attention needs a layout with a ring; local layouts use varlen attention")
     ranks = tuple(int(r) for r in layout.ring)
@@ -175,8 +189,17 @@ def _build_setup(
                 f"needs 2 * chunk_size = {2 * c} (zigzag chunks {layout.member} and {2 * n - 1 - layout.member})"
             )
         seqs.append((cu[j], c))
+    return ranks, seqs
+
+
+def _build_setup(
+    layout: AttentionLayout, num_slots: int, device: torch.device, group: Any, check_rank: bool = True
+) -> RingSetup:
+    ranks, seqs = check_layout(layout, num_slots, check_rank)
+    n = len(ranks)
     valid = to_device(layout.valid(), device)
-    blocks = _block_plans(layout.seq_lens, cu[:-1], n, layout.member, num_slots)
+    f, g = chunk_tokens(layout.seq_lens, n)
+    blocks = block_plans(f, g, [a for a, _ in seqs], layout.member, num_slots)
     return RingSetup(ranks, layout.member, tuple(seqs), valid, group, None, blocks)
 
 
@@ -196,11 +219,33 @@ def chunk_tokens(seq_lens: Sequence[int], n: int) -> tuple[np.ndarray, np.ndarra
     return count(first), count(second)
 
 
-def _block_plans(
-    seq_lens: Sequence[int], starts: Sequence[int], n: int, i: int, num_slots: int
+def chunk_starts(seq_lens: Sequence[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """First position of every member's first and second chunk: two int64 ``[len(seq_lens), n]`` arrays.
+
+    :func:`lightning_bytescale.planner.zigzag.chunk_bounds`' starts, for all sequences and members at once.
+    """
+    q, r = np.divmod(np.asarray(seq_lens, dtype=np.int64)[:, None], 2 * n)
+    first = np.arange(n, dtype=np.int64)[None, :]
+    second = 2 * n - 1 - first
+
+    def start(k: np.ndarray) -> np.ndarray:  # extras before chunk k: min(k, r), or max(0, k - (2n - r))
+        return k * q + np.where(r <= n, np.minimum(k, r), np.maximum(0, k - (2 * n - r)))
+
+    return start(first), start(second)
+
+
+def block_plans(
+    f: np.ndarray, g: np.ndarray, starts: Sequence[int], i: int, num_slots: int
 ) -> tuple[BlockPlan | None, ...]:
-    """Member ``i``'s block plan against every source member (see the module docstring)."""
-    f, g = chunk_tokens(seq_lens, n)
+    """Member ``i``'s block plan against every source member (see the module docstring).
+
+    ``f[j, r]`` and ``g[j, r]`` are the real tokens of member ``r``'s first and second range of
+    sequence ``j`` (``[len(starts), N]``); ``starts[j]`` is the sequence's first slot.  Any
+    layout in which member ``r``'s two ranges are contiguous positions, its first ranges in
+    member order and its second ranges in reverse member order after them, has these blocks:
+    the zigzag chunks of :func:`chunk_tokens`, and the node ranges of a hybrid item (:mod:`.ulysses`).
+    """
+    n = f.shape[1]
     a = np.asarray(starts, dtype=np.int64)
     c2 = np.diff(np.append(a, num_slots))  # 2 c_j slots per sequence
     shared: dict[bytes, Any] = {}  # equal row sets and plans are one object (one device index)

@@ -2,11 +2,13 @@
 
 An HDP rank is a tensor-parallel group, or a pipeline of them (:mod:`.dims`); rings run lane by
 lane on the global group; :func:`parallelize_llama` shards the reference Llama with DTensor's
-parallel styles; :class:`FSDPStepDriver` keeps FSDP2's collectives to one per unit per step
+parallel styles (an untied embedding with :class:`VocabParallelEmbedding`, whose weight gradient
+stays a lane's rows); :class:`FSDPStepDriver` keeps FSDP2's collectives to one per unit per step
 whatever a rank's micro-batch count; :func:`run_parallel_step` is the HDP step on the mesh and
 :func:`clip_grad_norm_` clips by the global norm over DTensor shards.  With pipelines,
 :class:`DecoderStage` is one stage of a decoder (:class:`LlamaStage` of the reference Llama), :func:`build_pipeline_step` a
-pipeline's padded micro-batches in the pipeline order and :func:`run_pipeline_step` the step.
+pipeline's padded micro-batches in the pipeline order, :func:`run_pipeline_step` the step and
+:class:`StageSchedules` the stages and schedules it keeps from step to step.
 """
 
 from lightning_bytescale.parallel.clip import clip_grad_norm_, global_grad_norm
@@ -21,6 +23,7 @@ from lightning_bytescale.parallel.dims import (
     check_heads,
 )
 from lightning_bytescale.parallel.errors import (
+    EmbeddingShardError,
     FSDPSettingError,
     LaneDivergenceError,
     ParallelDimsError,
@@ -43,6 +46,7 @@ from lightning_bytescale.parallel.pipeline_stage import (
 from lightning_bytescale.parallel.pipeline_step import (
     PipelineStepResult,
     StageClock,
+    StageSchedules,
     build_schedule,
     run_pipeline_step,
     stage_bubble,
@@ -50,9 +54,15 @@ from lightning_bytescale.parallel.pipeline_step import (
 from lightning_bytescale.parallel.shards import LocalShards
 from lightning_bytescale.parallel.step import agree_across_lanes, run_parallel_step, start_step_check
 from lightning_bytescale.parallel.tensor_parallel import llama_tp_plan, parallelize_llama
+from lightning_bytescale.parallel.vocab_embedding import (
+    VocabParallelEmbedding,
+    shard_embedding_lookup,
+    vocab_parallel_lookup,
+)
 
 __all__ = [
     "DATA_PARALLEL",
+    "EmbeddingShardError",
     "FSDPSettingError",
     "FSDPStepDriver",
     "LaneDivergenceError",
@@ -69,8 +79,10 @@ __all__ = [
     "PipelineStepBatch",
     "PipelineStepResult",
     "StageClock",
+    "StageSchedules",
     "TENSOR_PARALLEL",
     "TensorParallelHeadsError",
+    "VocabParallelEmbedding",
     "agree_across_lanes",
     "build_pipeline_step",
     "build_schedule",
@@ -85,7 +97,9 @@ __all__ = [
     "parallelize_llama",
     "run_parallel_step",
     "run_pipeline_step",
+    "shard_embedding_lookup",
     "stage_bubble",
     "stage_layers",
     "start_step_check",
+    "vocab_parallel_lookup",
 ]

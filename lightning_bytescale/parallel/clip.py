@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_bytescale.engine.comm_device import HOST, comm_device
+
 
 def _kind(grad: torch.Tensor) -> tuple:
     """Gradients whose norms torch computes together: DTensors by mesh, plain tensors by device."""
@@ -92,15 +94,15 @@ def global_grad_norm(
         return _held_norm(grads, norm_type) if grads else torch.zeros(())
     norm_type = float(norm_type)
     locals_ = [_local(t) for t in (grads or params[:1])]
-    device = locals_[0].device if locals_ else torch.device("cpu")
+    device = locals_[0].device if locals_ else HOST  # where the norm is returned (the gradients' device)
     dtype = locals_[0].dtype if grads else torch.float32
     # float64 on every rank: ranks may hold gradients of other dtypes, or none at all
     held = _held_norm(grads, norm_type) if grads else torch.zeros(())
-    total = held.to(device, torch.float64)
+    total = held.to(torch.float64)
     for over in (group, pipeline_group):
         if over is not None:
-            total = _combined(total, norm_type, over)
-    return total.to(dtype)
+            total = _combined(total.to(comm_device(over)), norm_type, over)
+    return total.to(device, dtype)
 
 
 @torch.no_grad()

@@ -13,6 +13,10 @@ class TensorParallelHeadsError(ParallelDimsError):
     """A model whose query or key/value heads cannot be split evenly over the tensor-parallel ranks."""
 
 
+class EmbeddingShardError(ConfigError):
+    """An embedding the vocabulary-sharded lookup cannot serve (max_norm, sparse gradients, a weight not Shard(0) on the TP mesh)."""
+
+
 class FSDPSettingError(ConfigError):
     """An FSDP2 setting that cannot train exactly when ranks run different numbers of micro-batches."""
 
@@ -26,6 +30,7 @@ class LaneDivergenceError(StepError):
 
 
 __all__ = [
+    "EmbeddingShardError",
     "FSDPSettingError",
     "LaneDivergenceError",
     "ParallelDimsError",

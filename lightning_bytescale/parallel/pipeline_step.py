@@ -13,7 +13,11 @@ split), one step on one rank (stage ``p`` of pipeline ``h``) is:
    micro-batch is padded to the capacity C), and a schedule built *for this pipeline's own
    micro-batch count* (``n_microbatches`` is fixed when a schedule is built):
    ``Schedule1F1B``, or ``ScheduleGPipe`` for a pipeline with fewer micro-batches than stages
-   (1F1B refuses those), none for a pipeline without any.  ``scale_grads=False``: every
+   (1F1B refuses those), none for a pipeline without any; kept for the next step with the same
+   count (:class:`StageSchedules`: torch allocates a stage's receive buffers for every
+   micro-batch once per stage).  The stage's forwards and the loss run under the caller's
+   compute context (the precision plugin's autocast under the Trainer), the last stage's
+   logits declared in the autocast dtype.  ``scale_grads=False``: every
    micro-batch's loss is already divided by the global token count
    (:meth:`~lightning_bytescale.engine.batch.PackedMicroBatch.loss`), so the sum of the
    micro-batches' gradients is the gradient.  Only the last stage computes the loss.
@@ -30,7 +34,17 @@ split), one step on one rank (stage ``p`` of pipeline ``h``) is:
    :func:`~lightning_bytescale.parallel.step.run_parallel_step`), the loss and the loss-token
    count of the last stages (checked against the global batch there), the reports; the lanes of
    a TP group stop together (:func:`~lightning_bytescale.parallel.step.agree_across_lanes`).  Then the last stage broadcasts the step's loss over its pipeline, so every rank's
-   :class:`~lightning_bytescale.engine.executor.StepResult` holds it.
+   :class:`~lightning_bytescale.engine.executor.StepResult` holds it.  With a
+   :class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync` over the stage's
+   data-parallel group (``grad_sync``, the strategy's default) the stage's gradients are summed
+   in buckets launched from the hooks of its last backward, as on the mesh without pipelines:
+   1F1B and GPipe run a stage's backwards in micro-batch order, so the last one is that of the
+   last micro-batch, and a hook on that forward's output arms the sync when its gradient arrives
+   (not when that micro-batch is a ring item: the buckets then go after the schedule, the rule
+   of docs/engine.md).  A stage's buckets are issued before its last gradient send to the stage
+   before it, which issues its own (on its own data-parallel group) only after receiving it, and
+   the ranks of one data-parallel group launch the same buckets in the same order, so the issue
+   orders of the stages' groups and the pipeline's transfers agree on every rank.
 
 The result (:class:`PipelineStepResult`) also holds the stage's measured times: the wall
 time of torch's ``schedule.step`` and the stage's compute inside it (its forwards, backwards
@@ -45,26 +59,34 @@ global norm over stages is not done here (docs/pipelines.md).  No process group 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.utils.hooks import RemovableHandle
 
+from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.engine.executor import LocalResult, MicroBatchResult, StepResult, sync_step
 from lightning_bytescale.engine.finite import all_finite
+from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
+from lightning_bytescale.packed_attention.input_dtype import autocast_dtype
 from lightning_bytescale.parallel.dims import ParallelMesh
 from lightning_bytescale.parallel.errors import ParallelDimsError
 from lightning_bytescale.parallel.pipeline_batch import ONE_F_ONE_B, PipelineStepBatch
 from lightning_bytescale.parallel.pipeline_stage import DecoderStage
 from lightning_bytescale.parallel.shards import LocalShards
-from lightning_bytescale.parallel.step import agree_across_lanes, start_step_check
+from lightning_bytescale.parallel.step import agree_across_lanes, check_grad_sync, start_step_check
 
 
 def _device(pmesh: ParallelMesh) -> torch.device:
@@ -97,11 +119,14 @@ def stage_bubble(compute_s: float, schedule_s: float) -> float:
 
 
 class StageClock:
-    """The schedule's wall time and the stage's compute in it, timed around torch's calls on this instance.
+    """The schedule's wall time and the stage's compute in it, timed around torch's calls.
 
     On the host with ``perf_counter`` for a CPU stage; on CUDA with events recorded on the
     current stream around every forward, backward and loss, read after the schedule (no
-    synchronisation inside it: the first read waits once for the step's last event).
+    synchronisation inside it: the first read waits once for the step's last event).  The
+    stage's :class:`TimedStage` and its :class:`TokenLoss` time themselves with the clock of the
+    step they run in (:meth:`timing`); nothing of torch's is patched, so the clock holds no
+    reference to a stage and a stage none to the clock after its step.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -110,34 +135,23 @@ class StageClock:
         self._host_compute = 0.0
         self._events: list[tuple[Any, Any]] = []
 
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self.cuda:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    end.record()
-                    self._events.append((begin, end))
-            t0 = time.perf_counter()
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """Count the time of the code inside as stage compute."""
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
             try:
-                return fn(*args, **kwargs)
+                yield
             finally:
-                self._host_compute += time.perf_counter() - t0
-
-        return timed
-
-    def attach(self, schedule: PipelineScheduleSingle) -> None:
-        """Time this schedule's stage compute (its ``forward_one_chunk``, ``backward_one_chunk``, loss)."""
-        stage = schedule._stage
-        for owner, name in (
-            (stage, "forward_one_chunk"),
-            (stage, "backward_one_chunk"),
-            (schedule, "_compute_loss"),
-        ):
-            if callable(getattr(owner, name, None)):  # torch's names: a release without one times the rest
-                setattr(owner, name, self._timed(getattr(owner, name)))
+                end.record()
+                self._events.append((begin, end))
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._host_compute += time.perf_counter() - t0
 
     @property
     def compute(self) -> float:
@@ -148,34 +162,129 @@ class StageClock:
         return sum(begin.elapsed_time(end) for begin, end in self._events) / 1000.0
 
 
-def build_schedule(
-    module: DecoderStage, batch: PipelineStepBatch, pmesh: ParallelMesh, *, dtype: torch.dtype | None = None
-) -> PipelineScheduleSingle | None:
-    """This step's ``PipelineStage`` of ``module`` and its schedule for ``len(batch.micro_batches)``, or ``None``.
+ComputeContext = Callable[[], AbstractContextManager[Any]]
 
-    Shapes are static (``[1, C]`` ids, ``[1, C, dim]`` activations in ``dtype``, default the
-    stage's parameters' dtype, ``[1, C, vocab]`` logits), so torch infers nothing at run time.
+
+@dataclass
+class StepScope:
+    """What one step lends a cached stage and its loss: the clock, the compute context, the global token count.
+
+    ``context`` is entered around every forward and every loss of the stage, never around a
+    backward: Lightning enters its precision plugin's ``train_step_context`` (autocast under
+    ``"bf16-mixed"``) around ``training_step`` and runs the backward outside it.
+    :func:`run_pipeline_step` sets the fields before the schedule and resets them after it.
     """
+
+    clock: StageClock | None = None
+    context: ComputeContext = contextlib.nullcontext
+    num_global_tokens: int = 1
+
+    @contextlib.contextmanager
+    def compute(self, *, forward: bool) -> Iterator[None]:
+        """The stage's compute: timed by the step's clock, a forward (or the loss) under the step's context."""
+        with contextlib.ExitStack() as stack:
+            if forward:
+                stack.enter_context(self.context())
+            if self.clock is not None:
+                stack.enter_context(self.clock.timing())
+            yield
+
+    def reset(self) -> None:
+        self.clock, self.context = None, contextlib.nullcontext
+
+
+class TimedStage(PipelineStage):
+    """torch's ``PipelineStage`` whose forwards and backwards run in its :class:`StepScope` (timed, forwards under the context).
+
+    A subclass rather than wrappers stored on the instance: a wrapper of a bound method kept on
+    its own object is a reference cycle, which kept every step's stage and its receive buffers
+    alive until a full garbage collection.
+    """
+
+    def __init__(self, *args: Any, scope: StepScope, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scope = scope
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.scope.compute(forward=True):
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.scope.compute(forward=False):
+            return super().backward_one_chunk(*args, **kwargs)
+
+
+class TokenLoss:
+    """The last stage's loss: a micro-batch's token cross-entropy sum over the step's global token count.
+
+    The count comes from the :class:`StepScope` (it changes every step while the schedule is
+    reused); the loss runs under the step's compute context, as Lightning computes the loss
+    inside ``training_step``.
+    """
+
+    def __init__(self, scope: StepScope) -> None:
+        self.scope = scope
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self.scope.compute(forward=True):
+            return token_loss(logits[0], labels[0], self.scope.num_global_tokens)
+
+
+@dataclass(frozen=True)
+class ScheduleKey:
+    """What determines a stage and its schedule: reused while these repeat (the stage module and mesh are the cache's)."""
+
+    micro_batches: int
+    schedule: str
+    capacity: int
+    dtype: torch.dtype
+    output_dtype: torch.dtype
+
+
+@dataclass
+class StageSchedule:
+    """A ``PipelineStage`` of the stage module, its schedule, and the step scope both read."""
+
+    key: ScheduleKey
+    stage: TimedStage
+    schedule: PipelineScheduleSingle
+    scope: StepScope
+
+
+def logits_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the last stage's logits from parameters in ``dtype``: autocast's under autocast (float64 stays)."""
+    target = autocast_dtype(device.type)
+    return target if target is not None and dtype != torch.float64 else dtype
+
+
+def _schedule_key(
+    module: DecoderStage, batch: PipelineStepBatch, dtype: torch.dtype | None, out: torch.dtype | None
+):
     name = batch.schedule_name
     if name is None:
         return None
+    dtype = dtype or next(module.parameters()).dtype
+    return ScheduleKey(len(batch.micro_batches), name, batch.capacity, dtype, out or dtype)
+
+
+def _build(module: DecoderStage, key: ScheduleKey, pmesh: ParallelMesh) -> StageSchedule:
     dims = pmesh.dims
     if module.stage != pmesh.stage or module.stages != dims.pipeline:
         raise ParallelDimsError(
             f"the stage module is stage {module.stage} of {module.stages} but this rank is stage {pmesh.stage} of "
             f"{dims.pipeline}; build the stage as e.g. LlamaStage(model, pmesh.stage, pmesh.dims.pipeline)"
         )
-    c = batch.capacity
-    dtype = dtype or next(module.parameters()).dtype
+    c = key.capacity
     # activations require grad: torch makes a stage's receive buffers from these (their gradient goes back)
-    hidden = torch.empty(1, c, module.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    hidden = torch.empty(1, c, module.hidden_size, dtype=key.dtype, device="meta", requires_grad=True)
     inputs = torch.empty(1, c, dtype=torch.long, device="meta") if module.is_first else hidden
     outputs = (
-        torch.empty(1, c, module.vocab_size, dtype=dtype, device="meta", requires_grad=True)
+        torch.empty(1, c, module.vocab_size, dtype=key.output_dtype, device="meta", requires_grad=True)
         if module.is_last
         else hidden
     )
-    stage = PipelineStage(
+    scope = StepScope()
+    stage = TimedStage(
         module,
         pmesh.stage,
         dims.pipeline,
@@ -183,14 +292,108 @@ def build_schedule(
         input_args=inputs,
         output_args=outputs,
         group=pmesh.pp_group,
+        scope=scope,
     )
-    num_global = batch.step.num_global_tokens
+    schedule_cls = Schedule1F1B if key.schedule == ONE_F_ONE_B else ScheduleGPipe
+    schedule = schedule_cls(stage, key.micro_batches, loss_fn=TokenLoss(scope), scale_grads=False)
+    return StageSchedule(key, stage, schedule, scope)
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss(logits[0], labels[0], num_global)
 
-    schedule = Schedule1F1B if name == ONE_F_ONE_B else ScheduleGPipe
-    return schedule(stage, len(batch.micro_batches), loss_fn=loss_fn, scale_grads=False)
+def build_schedule(
+    module: DecoderStage,
+    batch: PipelineStepBatch,
+    pmesh: ParallelMesh,
+    *,
+    dtype: torch.dtype | None = None,
+    output_dtype: torch.dtype | None = None,
+) -> PipelineScheduleSingle | None:
+    """A ``PipelineStage`` of ``module`` and its schedule for ``len(batch.micro_batches)``, or ``None``.
+
+    Shapes are static (``[1, C]`` ids, ``[1, C, dim]`` activations in ``dtype``, default the
+    stage's parameters' dtype, ``[1, C, vocab]`` logits in ``output_dtype``, default ``dtype``:
+    give the autocast dtype under autocast, :func:`logits_dtype`), so torch infers nothing at run
+    time.  The loss reads the global token count of the step's :class:`StepScope`
+    (``schedule._stage.scope``); :func:`run_pipeline_step` sets it.
+    """
+    key = _schedule_key(module, batch, dtype, output_dtype)
+    return None if key is None else _build(module, key, pmesh).schedule
+
+
+class StageSchedules:
+    """This rank's stages and schedules, kept from step to step where the micro-batch count repeats.
+
+    torch's ``PipelineStage`` allocates its activation and output-gradient receive buffers
+    (``[1, C, dim]`` each) for every micro-batch the first time its schedule runs; a stage and
+    its schedule built again every step allocate them again every step (and, on torch 2.13,
+    vote over the pipeline again).  :meth:`get` returns the cached pair of the step's
+    :class:`ScheduleKey` or builds it.  The cache never holds more micro-batches' buffers than
+    ``max_micro_batches`` (the planner's limit on one pipeline's count, which the memory
+    accounting counts, :func:`~lightning_bytescale.planner.pipeline.receive_buffer_bytes`), or
+    without one more than the step's own count: the least recently used pairs are dropped
+    before a new one is built.  One cache serves one stage module on one mesh.
+    """
+
+    def __init__(
+        self, module: DecoderStage, pmesh: ParallelMesh, *, max_micro_batches: int | None = None
+    ) -> None:
+        self.module, self.pmesh = module, pmesh
+        self.max_micro_batches = max_micro_batches
+        self._entries: OrderedDict[ScheduleKey, StageSchedule] = OrderedDict()
+        self.built = 0
+
+    @property
+    def held_micro_batches(self) -> int:
+        """Micro-batches whose receive buffers the cached stages hold."""
+        return sum(key.micro_batches for key in self._entries)
+
+    def get(
+        self,
+        batch: PipelineStepBatch,
+        *,
+        dtype: torch.dtype | None = None,
+        output_dtype: torch.dtype | None = None,
+    ) -> StageSchedule | None:
+        """The stage and schedule of this step (``None`` for a pipeline without micro-batches)."""
+        key = _schedule_key(self.module, batch, dtype, output_dtype)
+        if key is None:
+            return None
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            limit = max(key.micro_batches, self.max_micro_batches or 0)
+            while self._entries and self.held_micro_batches + key.micro_batches > limit:
+                self._entries.popitem(last=False)
+            entry = _build(self.module, key, self.pmesh)
+            self.built += 1
+        self._entries[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        """Drop every cached stage and schedule (their receive buffers with them)."""
+        self._entries.clear()
+
+
+def arm_for_last_backward(
+    module: DecoderStage, grad_sync: BucketedGradSync, last_slot: int
+) -> RemovableHandle:
+    """Arm ``grad_sync`` when the backward of micro-batch ``last_slot`` reaches this stage (remove the handle after the step).
+
+    The stage's forward of that micro-batch (its ``slot`` keyword) gets a hook on its output,
+    which runs when that output's gradient arrives: the start of the stage's backward of it, the
+    last one of the step under 1F1B and GPipe.
+    """
+
+    def on_forward(_module: nn.Module, _args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        slot = kwargs.get("slot")
+        out = output if isinstance(output, torch.Tensor) else None
+        if (
+            slot is not None
+            and int(slot.reshape(-1)[0]) == last_slot
+            and out is not None
+            and out.requires_grad
+        ):
+            out.register_hook(lambda _grad: grad_sync.arm())
+
+    return module.register_forward_hook(on_forward, with_kwargs=True)
 
 
 def run_pipeline_step(
@@ -199,51 +402,101 @@ def run_pipeline_step(
     pmesh: ParallelMesh,
     *,
     on_schedule: Callable[[PipelineScheduleSingle | None], None] | None = None,
+    schedules: StageSchedules | None = None,
+    compute_context: ComputeContext | None = None,
     check_plan: bool = True,
     check_tokens: bool = True,
     check_finite: bool = True,
     grad_owners: Mapping[int, int] | None = None,
+    grad_sync: BucketedGradSync | None = None,
 ) -> PipelineStepResult:
     """One step of this rank's stage ``module`` of its pipeline's ``batch`` (module docstring).
 
     Gradients accumulate into ``p.grad`` of the stage's parameters (zero them before the step);
     afterwards they hold the gradient of the global token-mean loss.  ``on_schedule`` sees the
-    schedule built for the step (``None`` for a pipeline without micro-batches).
+    schedule of the step (``None`` for a pipeline without micro-batches).
+
+    ``schedules`` keeps the stage and schedule for the next step with the same micro-batch count
+    (:class:`StageSchedules`; without it they are built for this step and dropped after it).
+    ``compute_context`` (a context-manager factory: under the Trainer the precision plugin's
+    ``train_step_context``) is entered around every forward and loss of the stage, not its
+    backward; under autocast the last stage's logits are declared in the autocast dtype.
 
     ``grad_owners`` (ZeRO-2 per stage: ``id(parameter) -> global rank`` of the HDP rank of this
     stage and lane that keeps its optimizer state) reduces each gradient to its owner over the
     stage's data-parallel group instead of summing it everywhere; the other ranks hold ``None``.
     Clip afterwards with ``clip_grad_norm_(..., group=pmesh.dp_group, pipeline_group=pmesh.pp_group)``.
+
+    ``grad_sync`` (a :class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync` of exactly
+    the stage's trained parameters, in ``module.named_parameters()`` order, on ``pmesh.dp_group``;
+    made once and reused): the gradients are summed in buckets from the stage's last backward
+    (module docstring); ZeRO-2's owners then belong to the sync, not ``grad_owners``.
     """
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if grad_sync is not None:
+        check_grad_sync(grad_sync, [p for _, p in named], pmesh, grad_owners)
     start_step_check(batch.step, pmesh, check_plan=check_plan).wait()
     mbs = batch.micro_batches
     device = _device(pmesh)
-    schedule = build_schedule(module, batch, pmesh)
+    context = compute_context or contextlib.nullcontext
+    one_step = schedules is None
+    if schedules is None:
+        schedules = StageSchedules(module, pmesh)
+    elif schedules.module is not module or schedules.pmesh is not pmesh:
+        raise ParallelDimsError(
+            "the StageSchedules were made for another stage module or mesh; make one per stage: "
+            "StageSchedules(stage, pmesh)"
+        )
+    dtype = next(module.parameters()).dtype
+    with context():
+        out_dtype = logits_dtype(dtype, device)
+    entry = schedules.get(batch, dtype=dtype, output_dtype=out_dtype)
+    schedule = None if entry is None else entry.schedule
     clock = StageClock(device)
-    if schedule is not None:
-        clock.attach(schedule)
     if on_schedule is not None:
         on_schedule(schedule)
     losses: list[torch.Tensor] = []
+    armed: RemovableHandle | None = None
+    if grad_sync is not None:
+        grad_sync.prepare()  # the gradients accumulate into the buckets
+        grad_sync.track_finite = check_finite
+        if schedule is not None and mbs[-1].layout.ring is None:  # no ring exchange in the last backward
+            armed = arm_for_last_backward(module, grad_sync, len(mbs) - 1)
     start = time.perf_counter()
-    if schedule is not None:
+    if entry is not None:
+        scope = entry.scope
+        scope.clock, scope.context, scope.num_global_tokens = clock, context, batch.step.num_global_tokens
         module.bind(mbs)
         inputs = (torch.stack([mb.input_ids for mb in mbs]).to(device),) if module.is_first else ()
         target = torch.stack([mb.labels for mb in mbs]).to(device) if module.is_last else None
         slot = torch.arange(len(mbs))  # on the host: the stage reads it without a synchronisation
         try:
-            schedule.step(*inputs, target=target, losses=losses, return_outputs=False, slot=slot)
+            entry.schedule.step(*inputs, target=target, losses=losses, return_outputs=False, slot=slot)
         finally:
             module.bind(())
+            scope.reset()
+            entry.stage.clear_runtime_states()  # the input buffers' gradients and the cached forwards, until next time
+            if armed is not None:
+                armed.remove()
+    if grad_sync is not None:
+        grad_sync.launch()  # the buckets the hooks did not launch (all of them without micro-batches)
     seconds = time.perf_counter() - start
-    if clock.cuda and schedule is not None:  # the host returned at the last launch: wait for the stage's work
+    if clock.cuda and entry is not None:  # the host returned at the last launch: wait for the stage's work
         torch.cuda.current_stream(device).synchronize()
         seconds = time.perf_counter() - start
-    shards = LocalShards([(n, p) for n, p in module.named_parameters() if p.requires_grad])
+    if one_step:  # nothing keeps this step's stage: its buffers go now, before the gradient sync
+        schedules.clear()
+    del entry, schedule
+    shards = LocalShards(named) if grad_sync is None else None
     tokens = [int((mb.labels != IGNORE_INDEX).sum()) if module.is_last else 0 for mb in mbs]
     values = [float(x.detach()) for x in losses] if losses else [0.0] * len(mbs)
-    grads = [p.grad for _, p in shards.named if p.grad is not None]
-    finite = all_finite(grads) if check_finite and mbs else None
+    finite = None
+    if check_finite and mbs:  # with buckets: this rank's own values, read when each was launched
+        finite = (
+            grad_sync.local_grads_finite()
+            if grad_sync is not None
+            else all_finite([p.grad for _, p in shards.named if p.grad is not None])
+        )
     results = [
         MicroBatchResult(
             mb.index,
@@ -261,6 +514,11 @@ def run_pipeline_step(
     )
 
     def sync() -> StepResult:
+        if shards is None:  # the buckets: launched already, waited for here
+            return sync_step(
+                named, batch.step, local, group=pmesh.dp_group, check_tokens=check_tokens and module.is_last,
+                check_finite=check_finite, grad_sync=grad_sync,
+            )  # fmt: skip
         synced = sync_step(
             shards.named,
             batch.step,
@@ -274,12 +532,22 @@ def run_pipeline_step(
         return synced
 
     result = agree_across_lanes(sync, pmesh, batch.step.step)
-    loss = result.loss_tensor.reshape(1).clone()
+    # sync_step returns the loss on the host: it travels on the pipeline group's device and back once
+    loss = result.loss_tensor.reshape(1).to(comm_device(pmesh.pp_group), copy=True)
     dist.broadcast(loss, group=pmesh.pp_group, group_src=pmesh.dims.pipeline - 1)
-    result.loss_tensor = loss[0]
-    result.loss = float(loss[0])
+    result.loss_tensor = loss.to(result.loss_tensor.device)[0]
+    result.loss = float(result.loss_tensor)
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return PipelineStepResult(**fields, schedule_s=seconds, compute_s=clock.compute)
 
 
-__all__ = ["PipelineStepResult", "StageClock", "build_schedule", "run_pipeline_step", "stage_bubble"]
+__all__ = [
+    "PipelineStepResult",
+    "StageClock",
+    "StageSchedules",
+    "arm_for_last_backward",
+    "build_schedule",
+    "logits_dtype",
+    "run_pipeline_step",
+    "stage_bubble",
+]

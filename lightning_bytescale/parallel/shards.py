@@ -5,8 +5,8 @@ gradient sum over the data-parallel group
 (:func:`~lightning_bytescale.engine.executor.sync_step`) flattens plain gradients into one
 buffer.  Summing lane ``t``'s shard over the HDP ranks of lane ``t`` is exactly that sum on the
 local shards, once each gradient has its parameter's placements (DTensor's autograd can leave
-one replicated or partial on the TP mesh: the vocabulary-sharded embedding's comes back
-replicated; it is redistributed first, a slice or a TP reduction, the same on every lane), so :class:`LocalShards` hands ``sync_step`` one plain leaf per DTensor parameter
+one replicated or partial on the TP mesh: an embedding under DTensor's own ``RowwiseParallel``
+comes back replicated, not ``VocabParallelEmbedding``'s; it is redistributed first, a slice or a TP reduction, the same on every lane), so :class:`LocalShards` hands ``sync_step`` one plain leaf per DTensor parameter
 that shares the shard's storage (its ``.grad`` shares the local gradient's), and afterwards
 puts what the sum left back on the DTensor parameters: a gradient summed in place is already
 there, one that arrived on a rank that produced none is wrapped as a DTensor of the parameter's
@@ -43,8 +43,8 @@ class LocalShards:
                     self._entries.append(_Entry(name, p, p, None))
                     continue
                 if p.grad is not None and tuple(p.grad.placements) != tuple(p.placements):
-                    # DTensor's autograd may leave a gradient replicated (the vocabulary-sharded
-                    # embedding's) or partial: bring it to the parameter's own placements first
+                    # DTensor's autograd may leave a gradient replicated (an embedding under its own
+                    # RowwiseParallel) or partial: bring it to the parameter's own placements first
                     p.grad = p.grad.redistribute(p.device_mesh, p.placements)
                 proxy = p.to_local().detach().requires_grad_(p.requires_grad)
                 local_grad = None if p.grad is None else p.grad.to_local()

@@ -14,10 +14,15 @@ The same three phases as :func:`~lightning_bytescale.engine.executor.run_step`, 
    :meth:`~lightning_bytescale.parallel.fsdp.FSDPStepDriver.finish_step` (its reduce-scatters,
    after every ring exchange of the rank).
 3. :func:`~lightning_bytescale.engine.executor.sync_step` unchanged, on this lane's
-   data-parallel group: the gradients FSDP does not reduce (all of them without FSDP), as
-   local shards (:class:`~lightning_bytescale.parallel.shards.LocalShards`), and the step's
-   scalars.  A lane's data-parallel group holds one rank per HDP rank, so the loss, the token
-   count and the reports count each HDP rank once, not once per lane; TP shards are summed
+   data-parallel group: the gradients FSDP does not reduce (all of them without FSDP) and the
+   step's scalars.  With a :class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync`
+   over the lane's data-parallel group (``grad_sync``, what the strategy passes by default) the
+   gradients are summed in buckets of local shards launched from the hooks of the last
+   micro-batch's backward, the rule of docs/engine.md ("The order of a step's communication");
+   without one they are summed after the loop in one flat buffer of their local shards
+   (:class:`~lightning_bytescale.parallel.shards.LocalShards`).  A lane's data-parallel group
+   holds one rank per HDP rank, so the loss, the token count and the reports count each HDP
+   rank once, not once per lane; TP shards are summed
    only with the same shard of the other HDP ranks, and replicated parameters (norms, tied
    embeddings) per lane, their gradients being equal on every lane already.  Every lane must
    then stop or go on together: :func:`agree_across_lanes` turns an error raised on some lanes
@@ -29,9 +34,12 @@ over DTensor shards and plain replicas, each element once) and step the optimize
 combines the owners' norms over the lane's data-parallel group.
 
 Collectives on the data-parallel group never run between two ring exchanges of the same rank:
-the digest all-gather and FSDP's all-gathers come before the loop, its reduce-scatters and the
-gradient sum after it (the bucketed gradient sync, which overlaps the last backward, is not
-used here).
+the digest all-gather and FSDP's all-gathers come before the loop; the gradient buckets after
+the rank's last ring exchange (in or right after its last backward, every one of them before
+FSDP's reduce-scatters on every rank, also on one without micro-batches); FSDP's reduce-scatters
+and the scalars after the loop.  In the last backward the buckets interleave with the layers'
+TP collectives at the same points on every lane (the lanes cut the same buckets), so every
+rank's issue order of the two is a subsequence of one global order.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bytescale.engine.batch import StepBatch
+from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.engine.executor import (
     BackwardFn,
     ContextFactory,
@@ -54,8 +63,9 @@ from lightning_bytescale.engine.executor import (
     run_micro_batches,
     sync_step,
 )
+from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.step_checks import start_plan_agreement
-from lightning_bytescale.errors import StepError
+from lightning_bytescale.errors import ConfigError, StepError
 from lightning_bytescale.parallel.dims import ParallelMesh
 from lightning_bytescale.parallel.errors import LaneDivergenceError
 from lightning_bytescale.parallel.fsdp import FSDPStepDriver
@@ -105,11 +115,10 @@ def agree_across_lanes(run: Callable[[], T], pmesh: ParallelMesh, step: int | No
     except StepError as err:
         failure = err
     if pmesh.dims.tensor_parallel > 1:
-        device = torch.device(pmesh.mesh.device_type)
-        if device.type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
         stop = failure is None and bool(getattr(result, "stop_requested", False))
-        flag = torch.tensor([0 if failure is None else 1, int(stop)], dtype=torch.int32, device=device)
+        flag = torch.tensor(
+            [0 if failure is None else 1, int(stop)], dtype=torch.int32, device=comm_device(pmesh.tp_group)
+        )
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pmesh.tp_group)
         failed_somewhere, stop_somewhere = flag.tolist()
         if failure is None and stop_somewhere and isinstance(result, StepResult):
@@ -147,6 +156,7 @@ def run_parallel_step(
     stop_request: bool = False,
     on_phase: Callable[[str], None] | None = None,
     grad_owners: Mapping[int, int] | None = None,
+    grad_sync: BucketedGradSync | None = None,
 ) -> StepResult:
     """One HDP step of ``model`` (tensor-parallel, FSDP2-sharded, both or neither) on ``pmesh``.
 
@@ -160,7 +170,18 @@ def run_parallel_step(
     that keeps its optimizer state) reduces each gradient to its owner over the lane's
     data-parallel group instead of summing it everywhere; the other ranks hold ``None``.  Clip
     afterwards with ``clip_grad_norm_(..., group=pmesh.dp_group)``.
+
+    ``grad_sync`` (a :class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync` of exactly
+    the trained parameters FSDP does not manage, in ``model.named_parameters()`` order, on
+    ``pmesh.dp_group``; made once and reused): the gradients are summed in buckets overlapped
+    with the last micro-batch's backward instead of one flat buffer after the loop; ZeRO-2's
+    owners then belong to the sync (``BucketedGradSync(..., owners=...)``), not ``grad_owners``.
     """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if fsdp is not None:
+        named = fsdp.unmanaged(named)
+    if grad_sync is not None:
+        check_grad_sync(grad_sync, [p for _, p in named], pmesh, grad_owners)
     plan_check = start_step_check(step, pmesh, check_plan=check_plan)
     if fsdp is not None:
         fsdp.begin_step()
@@ -177,12 +198,22 @@ def run_parallel_step(
         step=step.step,
         plan_check=plan_check,
         locate_non_finite=locate_non_finite,
+        grad_sync=grad_sync,
     )
+    if grad_sync is not None:
+        grad_sync.launch()  # the buckets not launched yet (all without micro-batches), before FSDP reduces
     if fsdp is not None:
         fsdp.finish_step()
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if fsdp is not None:
-        named = fsdp.unmanaged(named)
+    if grad_sync is not None:
+
+        def bucketed() -> StepResult:
+            return sync_step(
+                named, step, local, group=pmesh.dp_group, extra=extra, check_tokens=check_tokens,
+                check_finite=check_finite, check_parameters=check_parameters, stop_request=stop_request,
+                grad_sync=grad_sync,
+            )  # fmt: skip
+
+        return agree_across_lanes(bucketed, pmesh, step.step)
     shards = LocalShards(named)
 
     def sync() -> StepResult:
@@ -204,4 +235,37 @@ def run_parallel_step(
     return agree_across_lanes(sync, pmesh, step.step)
 
 
-__all__ = ["agree_across_lanes", "run_parallel_step", "start_step_check"]
+def check_grad_sync(
+    grad_sync: BucketedGradSync,
+    params: list[torch.Tensor],
+    pmesh: ParallelMesh,
+    grad_owners: Mapping[int, int] | None = None,
+) -> None:
+    """Refuse a bucketed sync that does not hold exactly ``params`` (in order) on ``pmesh.dp_group``, or owners twice.
+
+    ``sync_step`` leaves a gradient the sync did not produce at ``None``, so a parameter missing
+    from the sync would silently lose its gradient; a sync on another group would sum shards
+    of other lanes (or stages).
+    """
+    ranks = dist.get_process_group_ranks(grad_sync.group if grad_sync.group is not None else dist.group.WORLD)
+    if ranks != dist.get_process_group_ranks(pmesh.dp_group):
+        raise ConfigError(
+            f"grad_sync sums over the ranks {ranks}, not over this rank's data-parallel group "
+            f"{dist.get_process_group_ranks(pmesh.dp_group)} (the same lane and stage of every HDP rank); build it "
+            "with BucketedGradSync(..., group=pmesh.dp_group)"
+        )
+    if [id(p) for p in grad_sync.params] != [id(p) for p in params]:
+        raise ConfigError(
+            f"grad_sync holds {len(grad_sync.params)} parameters but the step trains {len(params)} others (or in "
+            "another order); build it as BucketedGradSync([p for _, p in model.named_parameters() if "
+            "p.requires_grad], group=pmesh.dp_group) (without FSDP's: driver.unmanaged(...)) after the model is "
+            "sharded, and again when the trained parameters change"
+        )
+    if grad_owners is not None:
+        raise ConfigError(
+            "grad_owners and grad_sync were both given: a bucketed sync reduces to its own owners "
+            "(BucketedGradSync(..., owners=...)); pass owners there"
+        )
+
+
+__all__ = ["agree_across_lanes", "check_grad_sync", "run_parallel_step", "start_step_check"]

@@ -8,11 +8,23 @@ the hidden features), the attention output and MLP down projections row-wise (pa
 all-reduced, so each block's output is replicated again).  The projections hand back local
 tensors, so :func:`lightning_bytescale.attention` receives this rank's heads, ``[T, H / tp, D]``
 and ``[T, Hkv / tp, D]``, and a ring exchanges only those (each TP lane with the same lane of
-its ring peers).  Untied embeddings are sharded over the vocabulary (the lookup's partial rows
-all-reduced) and the output head column-wise with its logits gathered, so the loss sees the
-whole vocabulary on every lane; tied embeddings stay replicated (one weight cannot be sharded
-two ways).  Norm weights stay plain replicated tensors: their inputs and output gradients are
-replicated, so their gradients agree on every lane without a collective.
+its ring peers).
+
+The attention's and the MLP's inputs enter as replicated DTensors (``PrepareModuleInput``,
+``use_local_output=False``): the column-wise projections that read one input hand back their
+input gradients as partial sums, which add up as DTensors and are all-reduced once where the
+input became a DTensor.  So a block's backward all-reduces twice (once for the attention's
+input, once for the MLP's), as Megatron's does; with each projection taking a plain tensor it
+would be once per projection, five times.  The norms before them stay plain replicated modules
+that receive the all-reduced, replicated gradient.
+
+Untied embeddings are sharded over the vocabulary with
+:class:`~lightning_bytescale.parallel.vocab_embedding.VocabParallelEmbedding` (each lane's
+rows looked up and summed over the lanes; the weight's gradient is computed as the lane's
+``Shard(0)`` rows only) and the output head column-wise with its logits gathered, so the loss
+sees the whole vocabulary on every lane; tied embeddings stay replicated (one weight cannot be
+sharded two ways).  Norm weights stay plain replicated tensors: their inputs and output
+gradients are replicated, so their gradients agree on every lane without a collective.
 
 No sequence parallelism (activations between blocks are replicated) and no loss parallelism:
 each TP lane holds the whole ``[T, vocab]`` logits of its micro-batch.
@@ -23,26 +35,40 @@ from __future__ import annotations
 from typing import Any
 
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from lightning_bytescale.models.llama import LlamaModel
 from lightning_bytescale.parallel.dims import check_heads
 from lightning_bytescale.parallel.errors import ParallelDimsError
+from lightning_bytescale.parallel.vocab_embedding import VocabParallelEmbedding
+
+
+def _replicated_input(positional: int) -> PrepareModuleInput:
+    """The first of ``positional`` arguments as a replicated DTensor (the rest as they are): its gradient is all-reduced once."""
+    layouts = (Replicate(),) + (None,) * (positional - 1)
+    return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=layouts, use_local_output=False)
 
 
 def llama_tp_plan(model: LlamaModel) -> dict[str, Any]:
     """The ``parallelize_module`` plan of :func:`parallelize_llama` (module name patterns -> styles)."""
     plan: dict[str, Any] = {
+        "blocks.*.attn": _replicated_input(4),  # Attention.forward(x, cos, sin, attn)
         "blocks.*.attn.wq": ColwiseParallel(),
         "blocks.*.attn.wk": ColwiseParallel(),
         "blocks.*.attn.wv": ColwiseParallel(),
         "blocks.*.attn.wo": RowwiseParallel(),
+        "blocks.*.mlp": _replicated_input(1),
         "blocks.*.mlp.w1": ColwiseParallel(),
         "blocks.*.mlp.w3": ColwiseParallel(),
         "blocks.*.mlp.w2": RowwiseParallel(),
     }
     if model.lm_head is not None:
-        plan["embed"] = RowwiseParallel(input_layouts=Replicate())
+        plan["embed"] = VocabParallelEmbedding()
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     return plan
 

@@ -4,6 +4,13 @@ The decisions the paper leaves open are in :mod:`.planners`' docstring.  The pla
 the items (:mod:`.items`), offers rings larger than ``D(s)`` (:mod:`.ring_sizes`), and for
 every candidate set of ring sizes runs the placement (:func:`_dp_balance` or
 :func:`_pp_balance`); the candidate whose placement ends first under the cost model wins.
+
+Attention modes (:mod:`.modes`): the plan above is the ring-only plan.  When the cost model
+knows the heads and models communication, ``modes`` allows more than the ring and some
+sequence needs a group, the planner plans once more with every item's time the least over its
+allowed modes (each item then runs in that mode), and keeps that plan only when it ends
+strictly earlier by the cost model: the planner with modes is never slower than ring-only by
+its own estimate, and where nothing gains the plan is the ring-only one, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ from lightning_bytescale.planner.items import (
     make_items,
     member_time,
     resolve_offload,
+    ring_time,
 )
+from lightning_bytescale.planner.modes import HYBRID, RING_ONLY, check_modes
 from lightning_bytescale.planner.pipeline import one_f_one_b
 from lightning_bytescale.planner.plan import Plan
 from lightning_bytescale.planner.refine import refine_local_shares
-from lightning_bytescale.planner.ring_sizes import add_growth_choices, ring_size_candidates
+from lightning_bytescale.planner.ring_sizes import add_growth_choices, add_mode_sizes, ring_size_candidates
 
 
 def plan_balance(
@@ -37,24 +46,76 @@ def plan_balance(
     slack=0.05,
     num_buckets=8,
     pipeline_degree=1,
+    max_micro_batches=None,
     ranks_per_node=None,
     comm_aware=True,
     pp_reading="sequential",
     grow_rings=True,
     refine=True,
+    modes=None,
     **_,
 ) -> Plan:
     if pp_reading not in ("round_robin", "sequential"):
         raise PlanError(f"pp_reading must be 'round_robin' or 'sequential', got {pp_reading!r}")
+    allowed = check_modes(modes, cost_model)
     off = resolve_offload(offload, cost_model, pipeline_degree, default_on=True)
     ctx = PlanContext(lengths, world_size, capacity, cost_model, ranks_per_node, off)
+    options = {
+        "seed": seed,
+        "slack": slack,
+        "num_buckets": num_buckets,
+        "pipeline_degree": pipeline_degree,
+        "comm_aware": bool(comm_aware),
+        "pp_reading": pp_reading,
+        "grow_rings": bool(grow_rings),
+        "refine": bool(refine),
+    }
+    args = (slack, num_buckets, pipeline_degree, comm_aware, pp_reading == "round_robin", grow_rings, refine)
+    ring_plan = _balance(ctx, options, *args, max_micro_batches=max_micro_batches)
+    if (
+        allowed == RING_ONLY
+        or cost_model.attention_heads is None
+        or not cost_model.models_comm
+        or all(s <= capacity for s in lengths)
+    ):
+        return ring_plan
+    ctx_modes = PlanContext(lengths, world_size, capacity, cost_model, ranks_per_node, off, allowed)
+    mode_plan = _balance(ctx_modes, options, *args, max_micro_batches=max_micro_batches)
+    return mode_plan if _plan_end(mode_plan) < _plan_end(ring_plan) else ring_plan
+
+
+def _plan_end(plan: Plan) -> float:
+    """When the plan's step ends by its estimates: the last rank's finish (ring members wait
+    for each other), or with pipelines the slowest pipeline's exact 1F1B schedule."""
+    p = int(plan.options.get("pipeline_degree", 1) or 1)
+    if p <= 1:
+        return max(plan.finish_times(), default=0.0)
+    fwd = float(plan.options["cost_model"].get("forward_fraction", 1.0 / 3.0))
+    return max((one_f_one_b([mb.est_time for mb in mbs], p, fwd) for mbs in plan.ranks if mbs), default=0.0)
+
+
+def _balance(
+    ctx: PlanContext,
+    options: dict,
+    slack: float,
+    num_buckets: int,
+    pipeline_degree: int,
+    comm_aware: bool,
+    round_robin: bool,
+    grow_rings: bool,
+    refine: bool,
+    max_micro_batches: int | None = None,
+) -> Plan:
+    """Alg. 2 on ``ctx``: place every candidate ring sizing, keep the one that ends first, emit it."""
     # DP-Balance places short sequences one by one (LPT balances finely) and packs each rank's
     # share afterwards; PP-Balance keeps C-token bins (its 1F1B load model prices whole micro-batches)
     dp = pipeline_degree <= 1
     items = make_items(ctx, pack_short=not dp)
-    cm = comm_aware and cost_model.models_comm
+    cm = comm_aware and ctx.cost.models_comm
     if grow_rings:
         add_growth_choices(ctx, items, cm, pipeline_degree)
+        if ctx.modes != RING_ONLY:
+            add_mode_sizes(ctx, items)
 
     times, candidates = ring_size_candidates(ctx, items, cm, pipeline_degree, grow_rings)
     best = None
@@ -68,7 +129,7 @@ def plan_balance(
             assignment, end = _dp_balance(ctx, [x for b in buckets for x in b], slack, cm)
         else:
             assignment, end = _pp_balance(
-                ctx, buckets, slack, cm, pipeline_degree, pp_reading == "round_robin"
+                ctx, buckets, slack, cm, pipeline_degree, round_robin, max_micro_batches
             )
         if best is None or end < best[0]:
             best = (end, choice, assignment)
@@ -77,22 +138,7 @@ def plan_balance(
         it.choose(j)
     if dp and refine and all(len(members) == 1 and it.ratio == 0.0 for it, members, _ in assignment):
         assignment = _refined(ctx, assignment)
-    return emit(
-        ctx,
-        assignment,
-        "balance",
-        {
-            "seed": seed,
-            "slack": slack,
-            "num_buckets": num_buckets,
-            "pipeline_degree": pipeline_degree,
-            "comm_aware": bool(comm_aware),
-            "pp_reading": pp_reading,
-            "grow_rings": bool(grow_rings),
-            "refine": bool(refine),
-        },
-        repack_local=dp,
-    )
+    return emit(ctx, assignment, "balance", dict(options), repack_local=dp)
 
 
 def _refined(ctx: PlanContext, assignment: list[tuple[Item, tuple[int, ...], tuple]]):
@@ -131,20 +177,31 @@ def _pick_members(
     ranks plus those within ``delta = max(slack * t, t_inter - t_intra)`` of the ``d``-th (at most
     ``d + 2 * ranks_per_node``; beyond that no candidate can finish earlier).  Options: the ``d``
     least loaded, or the ``d`` least loaded of one node; the one that ends first wins (then the
-    one that wastes least waiting, then the lower node).
+    one that wastes least waiting, then the lower node).  With the hybrid mode allowed, a group
+    may also take ``u`` ranks on each of ``d / u`` nodes (:func:`_hybrid_degrees`), the nodes
+    whose ``u``-th least-loaded rank is ready first; candidates then reach as far as what that
+    layout saves over the ``d`` least loaded (at most ``2 d + 2 * ranks_per_node``).
     """
     d = it.size
     got = [heapq.heappop(heap) for _ in range(d)]
     if d == 1:
         return got, [], member_time(ctx, it, 1, False, cm)
     ring = tuple(r for _, r in got)
-    t_got = member_time(ctx, it, d, ctx.intra(ring), cm)
-    if ctx.rpn is None or d > ctx.rpn:
+    t_got = ring_time(ctx, it, tuple(sorted(ring)), cm)
+    node_degrees = _hybrid_degrees(ctx, d)
+    if ctx.rpn is None or (d > ctx.rpn and not node_degrees):
         return got, [], t_got
-    t_intra = member_time(ctx, it, d, True, cm)
-    t_inter = member_time(ctx, it, d, False, cm)
-    limit = got[-1][0] + max(slack * t_inter, t_inter - t_intra)
-    cap = d + 2 * ctx.rpn
+    if d <= ctx.rpn:
+        t_intra = member_time(ctx, it, d, True, cm)
+        t_inter = member_time(ctx, it, d, False, cm)
+        limit = got[-1][0] + max(slack * t_inter, t_inter - t_intra)
+        cap = d + 2 * ctx.rpn
+    else:
+        t_nodes = member_time(ctx, it, d, False, cm)  # whole node groups (the likely layout)
+        if t_got <= t_nodes:  # the d least loaded run as fast as whole node groups would
+            return got, [], t_got
+        limit = got[-1][0] + max(slack * t_got, t_got - t_nodes)
+        cap = 2 * d + 2 * ctx.rpn
     while heap and len(got) < cap and heap[0][0] <= limit:
         got.append(heapq.heappop(heap))
     first = got[:d]
@@ -154,16 +211,36 @@ def _pick_members(
     by_node: dict[int, list[tuple[float, int]]] = {}
     for e in got:  # got is in (load, rank) order
         by_node.setdefault(ctx.node(e[1]), []).append(e)
-    for nd in sorted(by_node):
-        cand = by_node[nd][:d]
-        if len(cand) < d:
+    if d <= ctx.rpn:
+        for nd in sorted(by_node):
+            cand = by_node[nd][:d]
+            if len(cand) < d:
+                continue
+            start = cand[-1][0]
+            key = (start + t_intra, sum(start - x for x, _ in cand), nd)
+            if key < best:
+                best, best_set, best_t = key, cand, t_intra
+    for u in node_degrees:
+        ready = sorted((es[u - 1][0], nd) for nd, es in by_node.items() if len(es) >= u)
+        if len(ready) < d // u:
             continue
-        start = cand[-1][0]
-        key = (start + t_intra, sum(start - x for x, _ in cand), nd)
+        cand = sorted(e for _, nd in ready[: d // u] for e in by_node[nd][:u])
+        start = max(x for x, _ in cand)
+        t_h = ring_time(ctx, it, tuple(sorted(r for _, r in cand)), cm)
+        key = (start + t_h, sum(start - x for x, _ in cand), -1 - u)
         if key < best:
-            best, best_set, best_t = key, cand, t_intra
+            best, best_set, best_t = key, cand, t_h
     chosen_ranks = {r for _, r in best_set}
     return best_set, [e for e in got if e[1] not in chosen_ranks], best_t
+
+
+def _hybrid_degrees(ctx: PlanContext, d: int) -> list[int]:
+    """Members per node a group of ``d`` may take to run hybrid: ``u`` from 2 to ``ranks_per_node``
+    dividing ``d`` (two nodes or more) and the query heads; none without the hybrid mode."""
+    heads = ctx.cost.attention_heads
+    if HYBRID not in ctx.modes or heads is None or ctx.rpn is None:
+        return []
+    return [u for u in range(2, min(ctx.rpn, d // 2) + 1) if d % u == 0 and heads % u == 0]
 
 
 def _dp_balance(ctx: PlanContext, seq: list[tuple[Item, float]], slack: float, cm: bool):
@@ -209,9 +286,14 @@ def _dp_balance(ctx: PlanContext, seq: list[tuple[Item, float]], slack: float, c
     return assignment, max(load for load, _ in heap)
 
 
-def _pp_balance(ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round_robin: bool):
+def _pp_balance(
+    ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round_robin: bool, limit: int | None = None
+):
     """PP-Balance: the least-loaded pipeline draws next, from its own bucket (``round_robin``)
-    or from the first non-empty bucket (``sequential``, the other reading of §4.5 item 5)."""
+    or from the first non-empty bucket (``sequential``, the other reading of §4.5 item 5).
+
+    A pipeline that holds ``limit`` micro-batches (``max_micro_batches``) draws no more; a ring
+    item that finds fewer open pipelines than its size is a :class:`PlanError`."""
     nb = len(buckets)
     queues = [list(reversed(b)) for b in buckets]  # pop() from the end = next item of the bucket
     remaining = sum(len(b) for b in buckets)
@@ -220,8 +302,11 @@ def _pp_balance(ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round
     tmax = [0.0] * ctx.world
     durations: list[list[float]] = [[] for _ in range(ctx.world)]
     heap = [(0.0, r) for r in range(ctx.world)]
+    full: list[tuple[float, int]] = []  # pipelines at the limit, out of the heap
     assignment = []
     while remaining:
+        if not heap:
+            raise _over_limit(limit, remaining, 1)
         load, r0 = heap[0]
         b = cur[r0] if round_robin else 0
         for step in range(nb):
@@ -230,6 +315,8 @@ def _pp_balance(ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round
                 break
         it, _ = queues[b].pop()
         remaining -= 1
+        if it.size > len(heap):
+            raise _over_limit(limit, remaining + 1, it.size)
         chosen, back, t = _pick_members(ctx, heap, it, slack, cm)
         members = tuple(sorted(r for _, r in chosen))
         for e in back:
@@ -240,9 +327,21 @@ def _pp_balance(ctx: PlanContext, buckets, slack: float, cm: bool, p: int, round
             durations[r].append(t)
             cur[r] = b
             new = tsum[r] / p + (p - 1) * tmax[r] / p
-            heapq.heappush(heap, (new, r))
+            if limit is not None and len(durations[r]) >= limit:
+                full.append((new, r))
+            else:
+                heapq.heappush(heap, (new, r))
         assignment.append((it, members, (len(assignment), 0)))
-    return assignment, _pipelines_end(durations, heap, p, ctx.cost.forward_fraction)
+    return assignment, _pipelines_end(durations, heap + full, p, ctx.cost.forward_fraction)
+
+
+def _over_limit(limit: int | None, remaining: int, size: int) -> PlanError:
+    return PlanError(
+        f"every pipeline already holds max_micro_batches={limit} micro-batches but {remaining} item(s) of the "
+        f"global batch are left (the next needs {size} pipeline(s)): the batch does not fit the pipelines' "
+        'receive-buffer limit. Raise max_micro_batches (docs/pipelines.md, "Receive buffers and reused stages") or the capacity, '
+        "or lower the tokens per step"
+    )
 
 
 PP_EXACT_PIPELINES = 32  # pipelines timed by the exact 1F1B schedule when candidates are compared

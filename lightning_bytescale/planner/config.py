@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig, load_cost_model
 from lightning_bytescale.planner.errors import PlanError, PlannerConfigError
+from lightning_bytescale.planner.modes import check_modes
 from lightning_bytescale.planner.registry import planner_names, planner_own_options
 
 
@@ -84,6 +85,14 @@ class PlannerConfig:
     1F1B load model.  ``ByteScaleStrategy(pipeline_parallel_size=P)`` sets it to ``P`` (any other
     value is refused there); the recipes do not run pipelines and keep 1."""
 
+    max_micro_batches: int | None = None
+    """With pipelines (``pipeline_degree`` > 1): the most micro-batches one pipeline runs in a
+    step, at least ``pipeline_degree``.  torch's pipeline stages keep receive buffers for every
+    micro-batch of the step (``2 n C dim`` activation elements on a middle stage,
+    :func:`~lightning_bytescale.planner.pipeline.receive_buffer_bytes`), on top of what C bounds;
+    ``balance`` gives no pipeline more, and a plan of another planner that needs more is refused.
+    ``None``: no bound (the buffers grow with the count; docs/pipelines.md, "Receive buffers and reused stages")."""
+
     options: Mapping[str, Any] = field(default_factory=dict)
     """A planner's own keyword options, checked against its function's parameters: ``balance``
     takes ``pp_reading``, ``grow_rings`` and ``refine``, ``naive`` takes ``offload_policy``; a registered
@@ -120,6 +129,20 @@ class PlannerConfig:
             if value < 1:
                 raise PlannerConfigError(f"{name} must be >= 1, got {value}")
             put(self, name, value)
+        if self.max_micro_batches is not None:
+            cap = _integer("max_micro_batches", self.max_micro_batches, "an integer or None")
+            if self.pipeline_degree == 1:
+                raise PlannerConfigError(
+                    f"max_micro_batches={cap} bounds the micro-batches of a pipeline (its stages' receive buffers), "
+                    "but pipeline_degree is 1: plan pipelines (ByteScaleStrategy(pipeline_parallel_size=P) sets "
+                    "pipeline_degree) or leave max_micro_batches=None"
+                )
+            if cap < self.pipeline_degree:
+                raise PlannerConfigError(
+                    f"max_micro_batches must be >= pipeline_degree ({self.pipeline_degree}), got {cap}: a plan with "
+                    "rings pads every pipeline to one micro-batch per stage"
+                )
+            put(self, "max_micro_batches", cap)
         if self.seed is not None:
             put(self, "seed", _integer("seed", self.seed, "an integer or None"))
         slack = self.slack
@@ -136,6 +159,11 @@ class PlannerConfig:
         put(self, "offload", _offload(self.offload))
         put(self, "cost_model", _cost_model(self.cost_model))
         put(self, "options", self._checked_options())
+        if "modes" in self.planner_kwargs():  # balance's attention modes: checked now, not at the first step
+            try:
+                check_modes(self.options["modes"], self.cost_model or CostModel.paper_preset())
+            except PlanError as err:
+                raise PlannerConfigError(str(err)) from err
 
     # ------------------------------------------------------------------ building
     @classmethod

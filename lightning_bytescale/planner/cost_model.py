@@ -23,6 +23,15 @@ not hidden, ``max(0, transfer - attention)``, is the *exposed* ring time.  The b
 ``bandwidth_inter`` (a ring is as slow as its slowest link).  ``kv_bytes_per_token_per_layer``
 of 0 (or no bandwidth) turns the term off: the paper's compute-only model.
 
+Ulysses (DeepSpeed-Ulysses, when ``attention_heads`` and ``kv_heads`` are known): a member of
+a group of ``n`` holding ``t`` slots sends its q, k and v to the others before attention and
+gets its output back after it, ``(n - 1) t (2 H / n + 2 K_n)`` head vectors a pass (``K_n``:
+the K/V heads one member needs, ``K / n`` while ``n`` divides ``K``); forward and backward move
+the same volume (``ULYSSES_PASSES = 2``) and nothing hides it.  Attention is local on the whole
+sequence for ``H / n`` heads: ``a s**2 / n`` like a ring member's.  The *hybrid* layout (USP,
+LoongTrain) runs Ulysses among the ``u`` members of each node and a ring of the ``n / u`` node
+groups across nodes, whose K/V per member is ``K_u / K`` of a ring's.
+
 Rank counts (paper §2.2, §3.4): :func:`ranks_without_offload` is ``ceil(s / C)`` adjusted so that
 a member's zigzag slots (``2*ceil(s/2D)``, padding included) fit ``C``; :func:`ranks_with_offload`
 applies Eq. 3.  Capacity with offload is counted in *resident* tokens: a member holding ``S``
@@ -54,6 +63,10 @@ PAPER_TABLE_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 PAPER_TABLE_ATTENTION_MS = (0.8, 1.8, 4.8, 14.1, 48.2, 175.5)
 PAPER_TABLE_MLP_MS = (0.9, 1.8, 3.6, 7.5, 15.1, 28.2)
 
+#: A Ulysses step moves the same volume twice: q, k, v out and the output back in the forward;
+#: the output's gradient out and the gradients of q, k and v back in the backward.
+ULYSSES_PASSES = 2.0
+
 _RATIO_GRID = 1_000_000  # offload ratios are rounded up to 1e-6 so plans serialise exactly
 # A cost model must add up any step without overflow: times at this many tokens, times this headroom.
 _PROBE_TOKENS = 2**31
@@ -74,6 +87,8 @@ class CostModel:
     direction; ``None`` means the link is not modelled (communication free).
     ``tensor_parallel``: the devices of one HDP rank (a tensor-parallel group) the model
     describes: ``T`` is the group's time, ``Act`` one lane's bytes, K/V one lane's heads.
+    ``attention_heads`` / ``kv_heads``: the query and K/V heads of one lane, what Ulysses splits
+    over an item's members; ``None`` (unknown) leaves ring attention the only mode.
     """
 
     a: float
@@ -92,6 +107,8 @@ class CostModel:
     tensor_parallel: int = (
         1  # devices of one HDP rank the figures are for (bytescale-profile --tensor-parallel)
     )
+    attention_heads: int | None = None  # query heads of one lane (Ulysses splits them); None: unknown
+    kv_heads: int | None = None  # key/value heads of one lane; None: unknown
 
     def __post_init__(self) -> None:
         for f in ("a", "b", "g", "c", "d", "kv_bytes_per_token_per_layer", "comm_passes"):
@@ -107,12 +124,31 @@ class CostModel:
         tp = self.tensor_parallel
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise PlanError(f"cost model tensor_parallel must be an integer >= 1, got {tp!r}")
+        self._check_heads()
         rpn = self.ranks_per_node
         if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
             raise PlanError(f"ranks_per_node must be an integer >= 1 or None, got {rpn!r}")
         if not (_is_number(self.forward_fraction) and 0 < self.forward_fraction <= 1):
             raise PlanError(f"forward_fraction must be in (0, 1], got {self.forward_fraction!r}")
         self._check_not_degenerate()
+
+    def _check_heads(self) -> None:
+        heads, kv = self.attention_heads, self.kv_heads
+        if heads is None and kv is None:
+            return
+        for f, v in (("attention_heads", heads), ("kv_heads", kv)):
+            if v is None:
+                raise PlanError(
+                    "cost model attention_heads and kv_heads go together (the query and key/value heads of "
+                    f"one tensor-parallel lane); {f} is missing"
+                )
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlanError(f"cost model {f} must be an integer >= 1 or None, got {v!r}")
+        if heads % kv:
+            raise PlanError(
+                f"cost model attention_heads ({heads}) must be a multiple of kv_heads ({kv}): every key/value "
+                "head serves the same number of query heads"
+            )
 
     def _check_not_degenerate(self) -> None:
         """Refuse models the planners cannot balance on: no time at all, or times that overflow."""
@@ -129,6 +165,10 @@ class CostModel:
             "Act(s)": self.act_bytes(s),
             "ring transfer": self.comm_passes * s * self.kv_bytes_per_token_per_layer / bw * self.num_layers,
         }
+        if self.attention_heads is not None and self.kv_heads is not None:
+            heads_read = (self.attention_heads + self.kv_heads) / self.kv_heads
+            kv_bytes = self.kv_bytes_per_token_per_layer
+            probes["Ulysses exchange"] = ULYSSES_PASSES * s * heads_read * kv_bytes / bw * self.num_layers
         for what, value in probes.items():
             if not math.isfinite(value * _PROBE_HEADROOM):
                 raise PlanError(
@@ -173,11 +213,7 @@ class CostModel:
         self, lengths: Sequence[int], n: int, *, intra: bool = False
     ) -> tuple[float, float, float]:
         """Per-layer ``(linear, attention, transfer)`` seconds of one member of a ring of ``n``."""
-        slots = 0
-        area = 0.0
-        for s in lengths:
-            slots += 2 * (-(-s // (2 * n)))
-            area += s * s
+        slots, area = _member_share(lengths, n)
         linear = self.b * slots + self.g
         attention = self.a * area / n
         bw = self.bandwidth(intra)
@@ -222,6 +258,117 @@ class CostModel:
             return math.inf
         return self.comm_passes * (n - 1) * self.kv_bytes_per_token_per_layer / (self.a * bw)
 
+    # ------------------------------------------------------------------ Ulysses and hybrid
+    def ulysses_allowed(self, n: int) -> bool:
+        """Whether ``n`` members can split this model's heads: the heads are known and ``n``
+        divides the query heads (``n >= 2``)."""
+        return self.attention_heads is not None and n >= 2 and self.attention_heads % n == 0
+
+    def ulysses_kv_heads(self, n: int) -> int:
+        """K/V heads one member of a Ulysses group of ``n`` holds for the whole sequence.
+
+        ``kv_heads / n`` while ``n`` divides them (split); otherwise the K/V heads its
+        ``attention_heads / n`` query heads read (replicated over the members that share them):
+        1 when ``n`` is a multiple of ``kv_heads``, the most any member's query heads span else.
+        """
+        if not self.ulysses_allowed(n):
+            raise PlanError(
+                f"a Ulysses group of {n} does not split this cost model's heads "
+                f"(attention_heads={self.attention_heads}, kv_heads={self.kv_heads}): n must divide "
+                "attention_heads"
+            )
+        return _kv_heads_per_member(self.attention_heads, self.kv_heads, n)  # type: ignore[arg-type]
+
+    def ulysses_exchange(self, slots: int, n: int, *, intra: bool = False) -> float:
+        """Per-layer seconds of one member's all-to-alls (forward and backward) in a group of ``n``.
+
+        The member holds ``slots`` tokens; it sends ``(n - 1) slots (2 H / n + 2 K_n)`` head
+        vectors a pass (q, k, v to the others, their outputs back), each ``kv_bytes / (2 K)``
+        bytes, on the link the members share; nothing overlaps it.
+        """
+        bw = self.bandwidth(intra)
+        if n <= 1 or bw is None or self.kv_bytes_per_token_per_layer <= 0:
+            return 0.0
+        return ULYSSES_PASSES * self._exchange_bytes(slots, n) / bw
+
+    def _exchange_bytes(self, slots: int, n: int) -> float:
+        """Bytes one member sends in one pass of a Ulysses group of ``n`` holding ``slots`` tokens."""
+        heads, kv = self.attention_heads, self.kv_heads
+        per_head = self.kv_bytes_per_token_per_layer / (2 * kv)  # type: ignore[operator]
+        return (n - 1) * slots * (2 * heads / n + 2 * self.ulysses_kv_heads(n)) * per_head  # type: ignore[operator]
+
+    def ulysses_parts(
+        self, lengths: Sequence[int], n: int, *, intra: bool = False
+    ) -> tuple[float, float, float]:
+        """Per-layer ``(linear, attention, exchange)`` seconds of one member of a Ulysses group of ``n``."""
+        slots, area = _member_share(lengths, n)
+        return self.b * slots + self.g, self.a * area / n, self.ulysses_exchange(slots, n, intra=intra)
+
+    def ulysses_member_time(
+        self, lengths: Sequence[int], n: int, *, intra: bool = False, comm_aware: bool = True
+    ) -> tuple[float, float]:
+        """Whole-model ``(time, exposed)`` seconds of one member of a Ulysses group of ``n``: the
+        exchange is all exposed (``comm_aware=False`` leaves it out of ``time``, as for a ring)."""
+        linear, attention, exchange = self.ulysses_parts(lengths, n, intra=intra)
+        per_layer = linear + attention + (exchange if comm_aware else 0.0)
+        return self.num_layers * per_layer, self.num_layers * exchange
+
+    def hybrid_parts(
+        self, lengths: Sequence[int], n: int, per_node: int
+    ) -> tuple[float, float, float, float]:
+        """Per-layer ``(linear, attention, ring transfer, exchange)`` seconds of one member of a
+        hybrid item: Ulysses among the ``per_node`` members of each node (intra-node link), then
+        a ring of the ``n / per_node`` node groups (inter-node link) in which each member carries
+        ``per_node x`` its tokens for ``ulysses_kv_heads(per_node)`` K/V heads."""
+        u = per_node
+        rings = n // u
+        slots, area = _member_share(lengths, n)
+        exchange = self.ulysses_exchange(slots, u, intra=True)
+        bw = self.bandwidth(False)
+        if rings <= 1 or bw is None or self.kv_bytes_per_token_per_layer <= 0:
+            transfer = 0.0
+        else:
+            kv_share = self.ulysses_kv_heads(u) / self.kv_heads  # type: ignore[operator]
+            transfer = (
+                self.comm_passes * (rings - 1) * u * slots * self.kv_bytes_per_token_per_layer * kv_share / bw
+            )
+        return self.b * slots + self.g, self.a * area / n, transfer, exchange
+
+    def hybrid_member_time(
+        self, lengths: Sequence[int], n: int, per_node: int, *, comm_aware: bool = True
+    ) -> tuple[float, float]:
+        """Whole-model ``(time, exposed)`` seconds of one member of a hybrid item (:meth:`hybrid_parts`):
+        the ring transfer hides behind attention as far as it can, the exchange does not."""
+        linear, attention, transfer, exchange = self.hybrid_parts(lengths, n, per_node)
+        exposed = max(0.0, transfer - attention) + exchange
+        per_layer = linear + attention + (exposed if comm_aware else 0.0)
+        return self.num_layers * per_layer, self.num_layers * exposed
+
+    def ulysses_bytes(self, lengths: Sequence[int], n: int) -> float:
+        """Bytes one Ulysses item sends in a training step, summed over members and layers."""
+        if n <= 1:
+            return 0.0
+        slots = sum(2 * (-(-s // (2 * n))) for s in lengths)
+        return ULYSSES_PASSES * self.num_layers * n * self._exchange_bytes(slots, n)
+
+    def hybrid_bytes(self, lengths: Sequence[int], n: int, per_node: int) -> tuple[float, float]:
+        """``(ring bytes across nodes, exchange bytes inside nodes)`` one hybrid item sends in a
+        training step, summed over members and layers."""
+        u, rings = per_node, n // per_node
+        slots = sum(2 * (-(-s // (2 * n))) for s in lengths)
+        exchange = ULYSSES_PASSES * self.num_layers * n * self._exchange_bytes(slots, u)
+        kv_share = self.ulysses_kv_heads(u) / self.kv_heads  # type: ignore[operator]
+        ring = (
+            self.comm_passes
+            * self.num_layers
+            * n
+            * (rings - 1)
+            * u
+            * slots
+            * self.kv_bytes_per_token_per_layer
+        ) * kv_share
+        return ring, exchange
+
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_model_shape(
@@ -249,7 +396,8 @@ class CostModel:
         and ``PV`` over half the square).  Training costs ``1 + backward_factor`` forwards.
         ``flops_per_s`` is the *achieved* rate.  Activations: ``dtype_bytes * (6 h + 2 kv_dim +
         3 ffn)`` bytes per token per layer (inputs kept by the linear layers, norms and SwiGLU;
-        flash attention keeps no ``s^2`` term).  K/V bytes: ``2 * kv_dim * dtype_bytes``.
+        flash attention keeps no ``s^2`` term).  K/V bytes: ``2 * kv_dim * dtype_bytes``.  The
+        heads are recorded (``attention_heads``, ``kv_heads``) for the Ulysses term.
         """
         for nm, v in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads)):
             if v < 1:
@@ -280,6 +428,8 @@ class CostModel:
             ranks_per_node=ranks_per_node,
             forward_fraction=1.0 / mult,
             name=name,
+            attention_heads=heads,
+            kv_heads=kv_heads,
         )
 
     @classmethod
@@ -350,11 +500,15 @@ class CostModel:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_json_dict(self) -> dict:
-        """The fields as a dict; ``tensor_parallel`` only when it is not 1, so the files (and the
-        digests of plans that carry them) of one-device models stay what they were."""
+        """The fields as a dict; ``tensor_parallel`` only when it is not 1 and the heads only when
+        known, so the files (and the digests of plans that carry them) of one-device models
+        without heads stay what they were."""
         d = asdict(self)
         if d["tensor_parallel"] == 1:
             del d["tensor_parallel"]
+        for f in ("attention_heads", "kv_heads"):  # unknown heads: the files of before, unchanged
+            if d[f] is None:
+                del d[f]
         return d
 
     @classmethod
@@ -410,6 +564,27 @@ def load_cost_model(path: str | os.PathLike) -> CostModel:
             f"cost_model file {str(p)!r} is not a usable cost model ({err}); pass the JSON written by "
             "bytescale-profile or CostModel.to_json_dict(), or cost_model=None for the planner's default"
         ) from err
+
+
+def _member_share(lengths: Sequence[int], n: int) -> tuple[int, float]:
+    """One member's slots (``2 ceil(s / 2n)`` per sequence, padding included) and the whole
+    causal-mask measure ``sum s^2`` of an item's sequences on a group of ``n``."""
+    slots = 0
+    area = 0.0
+    for s in lengths:
+        slots += 2 * (-(-s // (2 * n)))
+        area += s * s
+    return slots, area
+
+
+@functools.lru_cache(maxsize=4096)
+def _kv_heads_per_member(heads: int, kv_heads: int, n: int) -> int:
+    """K/V heads the member of a Ulysses group of ``n`` that needs the most must hold."""
+    if kv_heads % n == 0:
+        return kv_heads // n
+    group = heads // kv_heads  # query heads per K/V head
+    per = heads // n  # query heads per member
+    return max((i * per + per - 1) // group - (i * per) // group + 1 for i in range(n))
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,6 +30,13 @@ like the anchors above):
   (``p(s) ~ s^-2``), so every doubling of the length carries the same share of the tokens
   (1/13 each): short, medium and very long sequences compete for the same ranks.
 
+Three public histograms (:mod:`.public_lengths`, with their sources): ``pile`` and
+``prolong512k`` (LongCA-bench's document counts of the Pile and of ProLong's 512K mix) and
+``magi_long`` (MagiAttention's benchmark distribution for sequences longer than 64K).  A
+length is drawn uniformly inside a bin drawn by its share; documents keep their own lengths
+(the Pile's reach 9.3M tokens) until they are fitted to the context.  :data:`SYNTHETIC` names
+the four shapes above, which the planner comparisons run on.
+
 Scaling to a context length ``L`` (:func:`sample_global_batch`): ``mode="split"`` (default)
 keeps the documents and cuts those longer than ``L`` into ``L``-token pieces plus a remainder
 (the paper's setting: the same data trained at 256K..2M contexts); ``mode="scale"`` multiplies
@@ -44,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_bytescale.planner.errors import PlanError
+from lightning_bytescale.planner.public_lengths import HISTOGRAMS
 
 REFERENCE_CONTEXT = 2**21
 K = 1024
@@ -52,7 +60,7 @@ K = 1024
 @dataclass(frozen=True)
 class _Piece:
     prob: float
-    kind: str  # "loguniform" | "pareto" | "point"
+    kind: str  # "loguniform" | "pareto" | "point" | "uniform" (lengths lo..hi, both included)
     lo: float
     hi: float = 0.0
     alpha: float = 0.0
@@ -61,6 +69,8 @@ class _Piece:
         lo, hi, a = self.lo, self.hi, self.alpha
         if self.kind == "point":
             return lo
+        if self.kind == "uniform":
+            return (lo + hi) / 2
         if self.kind == "loguniform":
             return (hi - lo) / np.log(hi / lo)
         num = np.log(hi / lo) if a == 1 else (hi ** (1 - a) - lo ** (1 - a)) / (1 - a)
@@ -71,6 +81,8 @@ class _Piece:
         lo, hi, a = self.lo, self.hi, self.alpha
         if self.kind == "point":
             return float(x >= lo)
+        if self.kind == "uniform":
+            return float(min(max(np.floor(x) - lo + 1, 0) / (hi - lo + 1), 1.0))
         if x <= lo:
             return 0.0
         if x >= hi:
@@ -83,6 +95,8 @@ class _Piece:
         lo, hi, a = self.lo, self.hi, self.alpha
         if self.kind == "point":
             return np.full(u.shape, lo)
+        if self.kind == "uniform":
+            return lo + u * (hi - lo + 1)  # floored by the caller: lo..hi, each as likely
         if self.kind == "loguniform":
             return lo * (hi / lo) ** u
         return (lo ** (-a) - u * (lo ** (-a) - hi ** (-a))) ** (-1.0 / a)
@@ -114,10 +128,20 @@ DISTRIBUTIONS: dict[str, tuple[_Piece, ...]] = {
     ),
     "mixed": (_Piece(1.0, "pareto", 256, _M, 1.0),),
 }
+#: The synthetic shapes (the paper's anchors and two stress shapes): the planner comparisons' grid.
+SYNTHETIC = tuple(sorted(DISTRIBUTIONS))
+DISTRIBUTIONS.update(
+    {name: tuple(_Piece(n, "uniform", lo, hi) for lo, hi, n in bins) for name, bins in HISTOGRAMS.items()}
+)
 
 
 def names() -> list[str]:
     return sorted(DISTRIBUTIONS)
+
+
+def _longest(pieces: tuple[_Piece, ...]) -> int:
+    """The longest document a distribution draws: the 2M reference, or a histogram's last bin."""
+    return max([REFERENCE_CONTEXT] + [int(p.hi) for p in pieces if p.kind == "uniform"])
 
 
 def _pieces(name: str) -> tuple[_Piece, ...]:
@@ -138,7 +162,8 @@ def _generator(seed: int | None, rng) -> np.random.Generator:
 
 
 def sample_lengths(name: str, n: int, *, seed: int | None = 0, rng=None) -> np.ndarray:
-    """``n`` document lengths (int64) at the 2M reference context; deterministic per seed."""
+    """``n`` document lengths (int64) at the 2M reference context (a public histogram's own
+    lengths, see :mod:`.public_lengths`); deterministic per seed."""
     if n < 0:
         raise PlanError(f"number of samples must be >= 0, got {n}")
     pieces = _pieces(name)
@@ -153,7 +178,7 @@ def sample_lengths(name: str, n: int, *, seed: int | None = 0, rng=None) -> np.n
         if sel.any():
             out[sel] = piece.sample(u[sel])
     lengths = np.floor(out).astype(np.int64)
-    return np.clip(lengths, 1, REFERENCE_CONTEXT)
+    return np.clip(lengths, 1, _longest(pieces))
 
 
 def mean_length(name: str) -> float:

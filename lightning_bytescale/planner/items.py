@@ -19,6 +19,7 @@ from lightning_bytescale.planner.cost_model import (
     offload_options,
 )
 from lightning_bytescale.planner.errors import PlanError
+from lightning_bytescale.planner.modes import RING_ONLY, ModeChoice, best_mode, group_layout, likely_layout
 from lightning_bytescale.planner.packing import best_fit_decreasing
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
 from lightning_bytescale.planner.zigzag import all_member_ranges
@@ -49,6 +50,7 @@ class PlanContext:
     cost: CostModel
     rpn: int | None
     offload: OffloadConfig | None
+    modes: tuple[str, ...] = RING_ONLY  # attention modes a ring item may run in (.modes)
 
     def node(self, r: int) -> int:
         return 0 if self.rpn is None else r // self.rpn
@@ -98,25 +100,32 @@ def local_mb(ctx: PlanContext, seqs: Sequence[int], ratio: float = 0.0) -> Micro
     )
 
 
+def ring_mode(ctx: PlanContext, lengths: Sequence[int], ring: Sequence[int], comm_aware: bool) -> ModeChoice:
+    """The mode the members ``ring`` run an item of ``lengths`` in, and one member's time.
+
+    Ring-only planning (``ctx.modes == ("ring",)``) is the ring's own formula, as before modes.
+    """
+    if ctx.modes == RING_ONLY:
+        t, exposed = ctx.cost.ring_member_time(
+            lengths, len(ring), intra=ctx.intra(ring), comm_aware=comm_aware
+        )
+        return ModeChoice("ring", t, exposed, t)
+    return best_mode(ctx.cost, lengths, group_layout(ring, ctx.rpn), ctx.modes, comm_aware=comm_aware)
+
+
 def ring_mbs(
     ctx: PlanContext, seqs: Sequence[int], ring: tuple[int, ...], item: int, ratio: float
 ) -> list[MicroBatch]:
     lens = ctx.lengths
     n = len(ring)
     sl = [lens[q] for q in seqs]
-    t, exposed = ctx.cost.ring_member_time(sl, n, intra=ctx.intra(ring), comm_aware=True)
+    choice = ring_mode(ctx, sl, ring, True)
     per_member: list[list[Piece]] = [[] for _ in range(n)]
     for q in seqs:
         for m, ranges in enumerate(all_member_ranges(lens[q], n)):
             per_member[m].append(Piece(q, ranges))
-    out = []
-    for pieces in per_member:
-        out.append(
-            MicroBatch(
-                pieces=pieces, ring=ring, item=item, offload_ratio=ratio, est_time=t, exposed_time=exposed
-            )
-        )
-    return out
+    timing = {"est_time": choice.time, "exposed_time": choice.exposed, "mode": choice.mode}
+    return [MicroBatch(pieces, ring, item, ratio, **timing) for pieces in per_member]
 
 
 def plan_options(ctx: PlanContext, **kw) -> dict:
@@ -168,10 +177,20 @@ def make_items(ctx: PlanContext, pack_short: bool = True) -> list[Item]:
 
 
 def member_time(ctx: PlanContext, it: Item, size: int, intra: bool, comm_aware: bool) -> float:
+    """One member's time for ``it`` on ``size`` ranks, before the members are known: inside one
+    node when ``intra``, else across nodes (whole node groups for the hybrid mode)."""
     lens = [ctx.lengths[q] for q in it.seqs]
     if size == 1:
         return ctx.cost.local_time(lens)
-    return ctx.cost.ring_member_time(lens, size, intra=intra, comm_aware=comm_aware)[0]
+    if ctx.modes == RING_ONLY:
+        return ctx.cost.ring_member_time(lens, size, intra=intra, comm_aware=comm_aware)[0]
+    layout = likely_layout(size, ctx.rpn, ctx.cost, intra)
+    return best_mode(ctx.cost, lens, layout, ctx.modes, comm_aware=comm_aware).balance_time
+
+
+def ring_time(ctx: PlanContext, it: Item, ring: Sequence[int], comm_aware: bool) -> float:
+    """One member's time for ``it`` on the members ``ring`` (their nodes decide the modes)."""
+    return ring_mode(ctx, [ctx.lengths[q] for q in it.seqs], ring, comm_aware).balance_time
 
 
 def likely_intra(ctx: PlanContext, size: int) -> bool:

@@ -43,6 +43,7 @@ from lightning_bytescale.planner.plan import MicroBatch, Plan
 
 __all__ = [
     "PipelineOrder",
+    "check_micro_batch_limit",
     "check_pipeline_order",
     "deadlock_cycle",
     "index_rule_faults",
@@ -154,6 +155,28 @@ def order_pipelines(
         out: list[Slot] = [at[i] if i in at else (pool.pop(0) if pool else None) for i in range(nxt[r])]
         slots.append(out + pool)
     return _padded(PipelineOrder(p, slots), min_micro_batches)
+
+
+def check_micro_batch_limit(plan: Plan, limit: int) -> PipelineOrder:
+    """Refuse a plan in which a pipeline runs more than ``limit`` micro-batches, padding included.
+
+    ``PlannerConfig.max_micro_batches``: every micro-batch costs each stage receive buffers for
+    the whole step (:func:`~.pipeline.receive_buffer_bytes`).  ``balance`` plans within the
+    limit; the index rule's padding (:func:`order_pipelines`) may add micro-batches, and another
+    planner may not know the limit, so :func:`~.planners.make_plan` checks every plan here.
+    Returns the order it checked.
+    """
+    order = order_pipelines(plan)
+    over = {r: n for r, n in enumerate(order.micro_batch_counts) if n > limit}
+    if over:
+        r, n = max(over.items(), key=lambda kv: kv[1])
+        raise PlanError(
+            f"pipeline {r} runs {n} micro-batches (padding for the ring order included), more than "
+            f"max_micro_batches={limit} ({len(over)} pipeline(s) over): its stages' receive buffers would exceed "
+            'what the limit allows. Raise max_micro_batches (docs/pipelines.md, "Receive buffers and reused stages"), lower the '
+            "tokens per step, or use planner='balance', which plans within the limit"
+        )
+    return order
 
 
 def _padded(order: PipelineOrder, least: int) -> PipelineOrder:

@@ -5,9 +5,11 @@ A plan lists, for every rank, an ordered list of micro-batches.  A micro-batch i
 *ring item* (``ring`` is the ordered tuple of global ranks that share it; every member holds
 its zigzag share of the same sequences, see :mod:`.zigzag`).  Ring items carry an ``item`` id
 that is unique in the plan; members run their shared items in increasing ``item`` order, so a
-global order of items exists and point-to-point rings cannot deadlock.
+global order of items exists and point-to-point rings cannot deadlock.  A ring item's ``mode``
+says how its attention runs: ``"ring"`` (zigzag ring attention, the default), ``"ulysses"``
+or ``"hybrid"`` (:mod:`.modes`); a local micro-batch's is always ``"ring"``.
 
-:meth:`Plan.validate` checks the four promises (coverage, capacity, ring membership, order),
+:meth:`Plan.validate` checks the five promises (coverage, capacity, ring membership, order, modes),
 :meth:`Plan.digest` hashes the canonical JSON form so ranks can compare plans cheaply,
 :meth:`Plan.stats` summarises estimated load, and :meth:`Plan.to_json_dict` /
 :meth:`Plan.from_json_dict` give the documented file schema (docs/planner.md).
@@ -20,8 +22,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_bytescale.planner.cost_model import OffloadConfig, resident_tokens
+from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig, resident_tokens
 from lightning_bytescale.planner.errors import PlanError, PlanValidationError
+from lightning_bytescale.planner.modes import MODES, RING, ULYSSES, group_layout, mode_bytes
 from lightning_bytescale.planner.zigzag import all_member_ranges
 
 
@@ -51,6 +54,9 @@ class MicroBatch:
     offload_ratio: float = 0.0
     est_time: float = 0.0
     exposed_time: float = 0.0  # ring transfer time not hidden behind attention (seconds, in est_time)
+    # how a ring item's members compute attention: "ring" (zigzag ring), "ulysses" (heads split over
+    # the members by an all-to-all) or "hybrid" (Ulysses inside each node x ring across nodes)
+    mode: str = "ring"
 
     @property
     def is_local(self) -> bool:
@@ -83,7 +89,12 @@ class Plan:
         3. every ring item appears on all of its members, once each, with the same ring, the same
            sequences in the same order and the same offload ratio, and nowhere else;
         4. every rank runs its ring items in strictly increasing ``item`` order, so sorting items
-           by id is a global order consistent with every rank (no P2P deadlock).
+           by id is a global order consistent with every rank (no P2P deadlock);
+        5. every micro-batch has a known ``mode``, ``"ring"`` when it is local; the members of an
+           item agree on it; a ``"ulysses"`` item's size, and a ``"hybrid"`` item's members per
+           node, divide the query heads of the plan's cost model (when it names them); a hybrid
+           item spans two nodes or more (``ranks_per_node`` in the options) with the same number
+           (>= 2) of members on each, consecutive in ring order.
 
         Returns the plan, so ``plan = make_plan(...).validate()`` reads naturally.
         """
@@ -96,7 +107,7 @@ class Plan:
         off_opt = self.options.get("offload")
         offload = OffloadConfig.from_json_dict(off_opt) if off_opt else None
         covered: list[list[tuple[int, int]]] = [[] for _ in lengths]
-        items: dict[int, tuple[tuple[int, ...], tuple[int, ...], float, set[int]]] = {}
+        items: dict[int, tuple[tuple[int, ...], tuple[int, ...], float, set[int], str]] = {}
         nseq = len(lengths)
         share_cache: dict[tuple[int, int], list[tuple[tuple[int, int], ...]]] = {}
         for r, mbs in enumerate(self.ranks):
@@ -107,6 +118,10 @@ class Plan:
                     raise PlanValidationError(f"{where} has no pieces")
                 if not 0.0 <= mb.offload_ratio <= 1.0:
                     raise PlanValidationError(f"{where} has offload ratio {mb.offload_ratio} outside [0, 1]")
+                if mb.mode not in MODES:
+                    raise PlanValidationError(
+                        f"{where} has attention mode {mb.mode!r}; the modes are {', '.join(MODES)}"
+                    )
                 if mb.offload_ratio > 0 and offload is None:
                     raise PlanValidationError(
                         f"{where} offloads (ratio {mb.offload_ratio}) but the plan has no offload options"
@@ -120,6 +135,10 @@ class Plan:
                 if mb.ring is None:
                     if mb.item is not None:
                         raise PlanValidationError(f"{where} is local but carries ring item id {mb.item}")
+                    if mb.mode != RING:
+                        raise PlanValidationError(
+                            f"{where} is local but has attention mode {mb.mode!r}; a local micro-batch's is 'ring'"
+                        )
                     slots = 0
                     for p in mb.pieces:
                         s = lengths[p.seq]
@@ -167,12 +186,20 @@ class Plan:
                         slots += 2 * (-(-s // (2 * n)))
                     seen = items.get(mb.item)
                     if seen is None:
-                        items[mb.item] = (ring, seqs, mb.offload_ratio, {r})
+                        items[mb.item] = (ring, seqs, mb.offload_ratio, {r}, mb.mode)
+                        if mb.mode != RING:
+                            self._check_mode(mb.item, ring, mb.mode)
                     else:
-                        if seen[0] != ring or seen[1] != seqs or seen[2] != mb.offload_ratio:
+                        if (
+                            seen[0] != ring
+                            or seen[1] != seqs
+                            or seen[2] != mb.offload_ratio
+                            or seen[4] != mb.mode
+                        ):
                             raise PlanValidationError(
                                 f"{where}: ring item {mb.item} differs between members (ring {seen[0]} vs "
-                                f"{ring}, sequences {seen[1]} vs {seqs}, offload {seen[2]} vs {mb.offload_ratio})"
+                                f"{ring}, sequences {seen[1]} vs {seqs}, offload {seen[2]} vs {mb.offload_ratio}, "
+                                f"mode {seen[4]} vs {mb.mode})"
                             )
                         if r in seen[3]:
                             raise PlanValidationError(
@@ -185,7 +212,7 @@ class Plan:
                         f"{where} holds {slots} slots ({resident:.1f} resident at offload "
                         f"{mb.offload_ratio}) above the capacity {cap}"
                     )
-        for item, (ring, _, _, members) in items.items():
+        for item, (ring, _, _, members, _) in items.items():
             if members != set(ring):
                 missing = sorted(set(ring) - members)
                 raise PlanValidationError(
@@ -205,6 +232,32 @@ class Plan:
                 raise PlanValidationError(f"sequence {q} (length {s}): tokens [{pos}, {s}) never assigned")
         return self
 
+    def _check_mode(self, item: int, ring: tuple[int, ...], mode: str) -> None:
+        """Promise 5 for a ring item that is not a ring: the heads and nodes allow its mode."""
+        cm = self.options.get("cost_model") or {}
+        heads = cm.get("attention_heads")
+        where = f"ring item {item} on ring {ring}"
+        if mode == ULYSSES:
+            if heads is not None and heads % len(ring):
+                raise PlanValidationError(
+                    f"{where} runs Ulysses over {len(ring)} members, which do not divide the {heads} query heads "
+                    "of the plan's cost model"
+                )
+            return
+        rpn = self.options.get("ranks_per_node")
+        layout = group_layout(ring, rpn) if rpn else None
+        if layout is None or layout.per_node is None:
+            raise PlanValidationError(
+                f"{where} runs hybrid attention but its members do not form whole node groups (nodes of "
+                f"{rpn} ranks): it needs two nodes or more with the same number (>= 2) of members on each, "
+                "consecutive in ring order"
+            )
+        if heads is not None and heads % layout.per_node:
+            raise PlanValidationError(
+                f"{where} runs hybrid attention with {layout.per_node} members a node, which do not divide the "
+                f"{heads} query heads of the plan's cost model"
+            )
+
     # ------------------------------------------------------------------ identity
     def digest(self) -> str:
         """Stable sha256 (hex) of the plan's canonical text form: same plan, same digest, any process.
@@ -212,7 +265,9 @@ class Plan:
         The text is the JSON of ``world_size, capacity, planner, lengths, options`` (sorted keys,
         compact), then one line per micro-batch, rank by rank:
         ``rank|ring|item|offload_ratio|est_time|exposed_time|seq:a-b,c-d;seq:...`` with floats in
-        ``repr`` form (exact, as JSON writes them) and ``-`` for a missing ring or item.
+        ``repr`` form (exact, as JSON writes them) and ``-`` for a missing ring or item; a
+        micro-batch whose mode is not ``"ring"`` ends in ``|mode`` (so a ring-only plan's text is
+        what it was before modes existed).
         """
         h = hashlib.sha256()
         head = {
@@ -233,7 +288,7 @@ class Plan:
                 )
                 lines.append(
                     f"\n{r}|{ring}|{item}|{float(mb.offload_ratio)!r}|{float(mb.est_time)!r}|"
-                    f"{float(mb.exposed_time)!r}|{pieces}"
+                    f"{float(mb.exposed_time)!r}|{pieces}" + ("" if mb.mode == RING else f"|{mb.mode}")
                 )
             h.update("".join(lines).encode())
         return h.hexdigest()
@@ -304,27 +359,60 @@ class Plan:
                         degree[piece.seq] = max(degree[piece.seq], len(mb.ring))
         return degree
 
+    def mode_stats(self) -> dict[str, dict[str, float]]:
+        """Ring items and the bytes their attention sends in one step, per attention mode.
+
+        ``{"mode_counts": {mode: items}, "comm_bytes": {mode: bytes}}`` with every mode of
+        :data:`~.modes.MODES` as a key (0 where none runs): bytes summed over members and layers
+        from the plan's cost model (none in the options: 0; a Ulysses or hybrid item needs its
+        heads).  A step's telemetry (``comm/mode_counts``, bytes per mode) is this dict.
+        """
+        counts = {m: 0 for m in MODES}
+        sent = {m: 0.0 for m in MODES}
+        cm_dict = self.options.get("cost_model") or {}
+        kvb = float(cm_dict.get("kv_bytes_per_token_per_layer", 0.0) or 0.0)
+        layers = int(cm_dict.get("num_layers", 1) or 1)
+        passes = float(cm_dict.get("comm_passes", 3.0))
+        cost: CostModel | None = None
+        rpn = self.options.get("ranks_per_node")
+        seen: set[int] = set()
+        for mbs in self.ranks:
+            for mb in mbs:
+                if mb.ring is None or mb.item in seen:
+                    continue
+                seen.add(mb.item)
+                counts[mb.mode] += 1
+                n = len(mb.ring)
+                if mb.mode == RING:
+                    slots = sum(2 * (-(-self.lengths[p.seq] // (2 * n))) for p in mb.pieces)
+                    sent[RING] += passes * layers * n * (n - 1) * slots * kvb
+                    continue
+                if cost is None:
+                    if not cm_dict.get("attention_heads"):
+                        continue
+                    cost = CostModel.from_json_dict(cm_dict)
+                lengths = [self.lengths[p.seq] for p in mb.pieces]
+                sent[mb.mode] += mode_bytes(cost, mb.mode, lengths, group_layout(mb.ring, rpn))
+        return {"mode_counts": counts, "comm_bytes": sent}
+
     def stats(self) -> dict:
         """Summary numbers (all JSON-ready).
 
         ``rank_time`` (busy seconds) per rank and its max/mean (``max_over_mean``, the imbalance);
         ``makespan``, the last finish with ring members waiting for each other;
         ``bubble_fraction = 1 - mean/makespan`` (idle share, ring waits included);
-        ``ring_bytes`` sent per step (cost model in the options); ``exposed_ring_time`` summed over
-        ranks and its per-rank max; ``cp_degree_histogram`` (ring size -> number of sequences);
-        micro-batch counts; offload use.
+        ``ring_bytes``, the bytes the ring items' attention sends per step, every mode together
+        (cost model in the options), and per mode :meth:`mode_stats`; ``exposed_ring_time``
+        (communication not hidden, every mode) summed over ranks and its per-rank max;
+        ``cp_degree_histogram`` (ring size -> number of sequences); micro-batch counts; offload use.
         """
         times = self.rank_times()
         mx = max(times) if times else 0.0
         mean = sum(times) / len(times) if times else 0.0
         counts = [len(m) for m in self.ranks]
         hist: dict[int, int] = {}
-        ring_bytes = 0.0
         exposed = [0.0] * self.world_size
         offloaded: set[int] = set()
-        kvb = float((self.options.get("cost_model") or {}).get("kv_bytes_per_token_per_layer", 0.0) or 0.0)
-        layers = int((self.options.get("cost_model") or {}).get("num_layers", 1) or 1)
-        passes = float((self.options.get("cost_model") or {}).get("comm_passes", 3.0))
         seen_items: set[int] = set()
         local_seqs: set[int] = set()
         for r, mbs in enumerate(self.ranks):
@@ -339,15 +427,12 @@ class Plan:
                     continue
                 seen_items.add(mb.item)
                 n = len(mb.ring)
-                slots = 0
-                for p in mb.pieces:
-                    slots += 2 * (-(-self.lengths[p.seq] // (2 * n)))
-                    hist[n] = hist.get(n, 0) + 1
-                ring_bytes += passes * layers * n * (n - 1) * slots * kvb
+                hist[n] = hist.get(n, 0) + len(mb.pieces)
         if local_seqs:
             hist[1] = hist.get(1, 0) + len(local_seqs)
         finish = self.finish_times() if int(self.options.get("pipeline_degree", 1) or 1) <= 1 else times
         makespan = max(finish) if finish else 0.0
+        by_mode = self.mode_stats()
         return {
             "rank_time": times,
             "max_time": mx,
@@ -355,10 +440,12 @@ class Plan:
             "max_over_mean": (mx / mean) if mean > 0 else 1.0,
             "bubble_fraction": (1.0 - mean / makespan) if makespan > 0 else 0.0,
             "makespan": makespan,
-            "ring_bytes": ring_bytes,
+            "ring_bytes": sum(by_mode["comm_bytes"].values()),
             "exposed_ring_time": sum(exposed),
             "max_rank_exposed_ring_time": max(exposed) if exposed else 0.0,
             "cp_degree_histogram": {str(k): hist[k] for k in sorted(hist)},
+            "mode_counts": by_mode["mode_counts"],
+            "comm_bytes_by_mode": by_mode["comm_bytes"],
             "micro_batches": sum(counts),
             "micro_batch_counts": counts,
             "min_micro_batches": min(counts) if counts else 0,
@@ -430,6 +517,7 @@ def _mb_to_dict(mb: MicroBatch) -> dict:
         "offload_ratio": float(mb.offload_ratio),
         "est_time": float(mb.est_time),
         "exposed_time": float(mb.exposed_time),
+        "mode": mb.mode,
         "pieces": [{"seq": p.seq, "ranges": [list(x) for x in p.ranges]} for p in mb.pieces],
     }
 
@@ -443,6 +531,7 @@ def _mb_from_dict(d: dict) -> MicroBatch:
         offload_ratio=float(d.get("offload_ratio", 0.0)),
         est_time=float(d.get("est_time", 0.0)),
         exposed_time=float(d.get("exposed_time", 0.0)),
+        mode=str(d.get("mode", RING)),
     )
 
 

@@ -104,7 +104,9 @@ from lightning_bytescale.planner.items import (
     resolve_offload,
     ring_mbs,
 )
+from lightning_bytescale.planner.modes import group_layout, mode_time
 from lightning_bytescale.planner.packing import best_fit_decreasing
+from lightning_bytescale.planner.pipeline_order import check_micro_batch_limit
 from lightning_bytescale.planner.plan import MicroBatch, Plan
 from lightning_bytescale.planner.registry import (  # noqa: F401  (re-exported: the registry's old home)
     _REGISTRY,
@@ -320,7 +322,11 @@ def make_plan(
     gets a local one last where that does not lengthen the plan's estimated step time
     (:func:`~.sync_order.local_last`: so its gradient sync can overlap that backward).
     """
-    return local_last(_place(lengths, world_size=world_size, config=config, **options))
+    plan = local_last(_place(lengths, world_size=world_size, config=config, **options))
+    limit = plan.options.get("max_micro_batches")
+    if limit is not None:
+        check_micro_batch_limit(plan, limit)
+    return plan
 
 
 def _place(
@@ -356,11 +362,14 @@ def _place(
             slack=cfg.slack,
             num_buckets=cfg.num_buckets,
             pipeline_degree=cfg.pipeline_degree,
+            max_micro_batches=cfg.max_micro_batches,
             ranks_per_node=ranks_per_node,
             comm_aware=cfg.comm_aware,
             **cfg.planner_kwargs(),
         )
         _fill_costs(plan, cost, ranks_per_node)
+        if cfg.max_micro_batches is not None:
+            plan.options["max_micro_batches"] = cfg.max_micro_batches
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -373,7 +382,6 @@ def _fill_costs(plan: Plan, cost: CostModel, rpn: int | None) -> None:
     if "cost_model" not in opts:
         opts["cost_model"] = cost.to_json_dict()
     opts.setdefault("ranks_per_node", rpn)
-    ctx = PlanContext(list(plan.lengths), plan.world_size, plan.capacity, cost, rpn, None)
     for mbs in plan.ranks:
         for mb in mbs:
             if mb.est_time:
@@ -382,6 +390,5 @@ def _fill_costs(plan: Plan, cost: CostModel, rpn: int | None) -> None:
             if mb.ring is None:
                 mb.est_time = cost.local_time(lens)
             else:
-                mb.est_time, mb.exposed_time = cost.ring_member_time(
-                    lens, len(mb.ring), intra=ctx.intra(mb.ring), comm_aware=True
-                )
+                layout = group_layout(mb.ring, rpn)
+                mb.est_time, mb.exposed_time = mode_time(cost, mb.mode, lens, layout)

@@ -29,6 +29,7 @@ COMMON_OPTIONS = (
     "slack",
     "num_buckets",
     "pipeline_degree",
+    "max_micro_batches",
     "ranks_per_node",
     "comm_aware",
 )

@@ -16,6 +16,7 @@ import bisect
 import math
 
 from lightning_bytescale.planner.items import Item, PlanContext, likely_intra, member_time
+from lightning_bytescale.planner.modes import HYBRID, ULYSSES
 
 GROWTH_STEPS_PER_DOUBLING = 4  # ring sizes tried above D(s): D(s) x 2^(j/4)
 
@@ -65,6 +66,36 @@ def add_growth_choices(ctx: PlanContext, items: list[Item], cm: bool, pipeline_d
         if tile <= world and tile not in sizes:
             sizes.append(tile)
         it.choices.extend((d, 0.0) for d in sorted(sizes))
+
+
+def add_mode_sizes(ctx: PlanContext, items: list[Item]) -> None:
+    """Offer every long item the ring sizes its other attention modes need.
+
+    Ulysses needs a group size that divides the query heads, the hybrid layout whole node
+    groups of a ``u`` that divides them (the largest ``u`` up to ``ranks_per_node``).  For every
+    size an item already has from ``D(s)`` up (its ring sizes), the next size up that each of
+    those modes can run is added; the planner's load levels then choose among them all.
+    """
+    heads, world = ctx.cost.attention_heads, ctx.world
+    if heads is None:
+        return
+    divisors = [d for d in range(2, heads + 1) if heads % d == 0]
+    per_node = max((u for u in divisors if ctx.rpn is not None and u <= ctx.rpn), default=None)
+    for it in items:
+        d0 = it.choices[it.base][0]
+        if d0 == 1:
+            continue
+        have = {d for d, _ in it.choices[it.base :]}
+        extra = set()
+        for d in have:
+            if ULYSSES in ctx.modes:
+                extra.add(next((h for h in divisors if h >= d), 0))
+            if HYBRID in ctx.modes and per_node is not None:
+                extra.add(per_node * max(2, -(-d // per_node)))
+        extra = {d for d in extra if d0 < d <= world} - have
+        if extra:
+            grown = sorted({d for d, _ in it.choices[it.base + 1 :]} | extra)
+            it.choices[it.base + 1 :] = [(d, 0.0) for d in grown]
 
 
 def tile_size(d: int) -> int:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.models.llama import LlamaModel
 from lightning_bytescale.parallel.tensor_parallel import parallelize_llama
 from lightning_bytescale.profiler.errors import ProfileError
@@ -87,11 +88,11 @@ def shard_model(
     return out if isinstance(out, nn.Module) else model
 
 
-def group_reduce(values: Sequence[float], op: str, device: torch.device) -> list[float]:
+def group_reduce(values: Sequence[float], op: str) -> list[float]:
     """Every rank's ``values`` reduced element-wise over the process group (``op``: ``"max"`` or ``"min"``)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
-    return [float(v) for v in t.tolist()]
+    return [float(v) for v in t.tolist()]  # one copy back
 
 
 def local_numel(module: nn.Module) -> int:
@@ -141,17 +142,21 @@ def run_in_group(
     """``fn(*args, **kwargs)`` in ``world`` new processes on this host (gloo on 127.0.0.1 for the CPU,
     NCCL with one CUDA device each); rank 0's return value.
 
-    The processes are forked where that is safe (no CUDA initialised here), spawned otherwise
-    (then ``fn`` and its arguments must pickle).  The process group's timeout is ``timeout_s``,
-    and the whole run ends within about twice it: a rank's error, or no result by then, is a
-    :class:`ProfileError`, and every process still running is killed.
+    CUDA processes are spawned, CPU ones forked where the platform can
+    (:func:`~lightning_bytescale.profiler.processes.start_method`): ``fn`` and its arguments (the
+    model or its factory) must then pickle, which is checked before any process starts.  The
+    process group's timeout is ``timeout_s``, and the whole run ends within about twice it: a
+    rank's error, or no result by then, is a :class:`ProfileError`, and every process still
+    running is killed.
     """
     if device_type == "cuda" and torch.cuda.device_count() < world:
         raise ProfileError(
             f"tensor_parallel={world} needs {world} CUDA devices on this host, found {torch.cuda.device_count()}; "
             "run on a node with enough devices, or under torchrun across them"
         )
-    procs, out = start_workers(_rank_main, world, world, device_type, timeout_s, fn, args, kwargs)
+    procs, out = start_workers(
+        _rank_main, world, world, device_type, timeout_s, fn, args, kwargs, device_type=device_type
+    )
     status, result = "error", "interrupted"
     try:
         status, result = out.get(timeout=2 * timeout_s + 30)

@@ -96,8 +96,8 @@ def measure_p2p_bandwidth(nbytes: int = 4 * 2**20, repeats: int = 5, timeout_s: 
     Both processes post a ``batch_isend_irecv`` of one send of ``nbytes`` to the other and one
     receive from it (the pattern of a ring step); the fastest of ``repeats`` exchanges gives
     ``nbytes / seconds``, bytes/s per rank and direction, as the cost model counts it.  The
-    latency is the same exchange with one byte.  Forked processes where that is safe (no CUDA
-    initialised), spawned ones otherwise.
+    latency is the same exchange with one byte.  Host tensors only: the processes are forked where
+    the platform can (:func:`~lightning_bytescale.profiler.processes.start_method`).
     """
     if nbytes < 1 or repeats < 1:
         raise ProfileError(f"P2P probe needs nbytes >= 1 and repeats >= 1, got {nbytes}, {repeats}")

@@ -105,6 +105,13 @@ class Profile:
             f"Act(s) = {cm.c:.1f} s + {cm.d:.1f}   [bytes saved per layer]",
             f"host link: d2h {self.offload.bandwidth_d2h / 1e9:.2f} GB/s, h2d {self.offload.bandwidth_h2d / 1e9:.2f} GB/s",
             self._comm_line(),
+            (
+                f"heads: {cm.attention_heads} query, {cm.kv_heads} key/value"
+                + (" (one lane's)" if cm.tensor_parallel > 1 else "")
+                + " [the planner may run Ulysses and hybrid items of sizes dividing them]"
+                if cm.attention_heads is not None
+                else "heads: unknown (the planner runs every item as a ring)"
+            ),
             f"{'s':>8} {'T meas':>11} {'T fit':>11} {'resid':>8} {'Act meas':>12} {'Act fit':>12} {'resid':>8}",
         ]
         for i, s in enumerate(self.lengths):

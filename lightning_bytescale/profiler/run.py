@@ -20,10 +20,13 @@ then fits ``T(s) = a s^2 + b s + g`` and ``Act(s) = c s + d`` by least squares
 (:meth:`CostModel.fit`) and computes the token capacity ``C``: the most tokens one rank can hold
 in a micro-batch within a device memory budget.  The result is a :class:`~.record.Profile`,
 whose file holds the planner's :class:`CostModel` dict, the :class:`OffloadConfig` (layers and
-bandwidths for Eq. 3) and ``C``.
+bandwidths for Eq. 3) and ``C``.  The cost model records the model's attention heads where its
+config names them (:func:`~lightning_bytescale.models.heads.config_heads`), so the planner may
+run sequences as Ulysses or hybrid items where that is faster.
 
 With ``tensor_parallel=N`` the unit measured is one HDP rank of ``N`` devices, the model sharded
-over them (:mod:`.group`): the group's layer time, one lane's bytes, ``C`` per HDP rank.
+over them (:mod:`.group`): the group's layer time, one lane's bytes and heads (``heads / N``,
+``max(1, kv_heads / N)``), ``C`` per HDP rank.
 
 The model contract is the engine's: ``model(input_ids [T], position_ids [T]) -> logits [T, V]``
 inside :func:`~lightning_bytescale.packed_attention.attention_context`, with its transformer
@@ -41,9 +44,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lightning_bytescale.engine.comm_device import barrier
+from lightning_bytescale.models.heads import config_heads, lane_heads
 from lightning_bytescale.offload.blocks import find_blocks
 from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig
 from lightning_bytescale.profiler import group
@@ -140,8 +144,10 @@ def run_profile(
     shards (those of ``model``; with ``param_count`` given, the real model's: its blocks' shards
     times ``num_layers``, the rest as it is), and ``C`` the tokens of one HDP rank.  A process group of ``N``
     ranks that exists is used as it is (every rank returns the profile); otherwise the ``N``
-    processes are started on this host (gloo on 127.0.0.1, NCCL on CUDA; process-group timeout
-    ``timeout_s``) and the profile is returned here.  The cost model records ``tensor_parallel``.
+    processes are started on this host (gloo on 127.0.0.1, forked; NCCL on CUDA, spawned, so
+    ``model`` must pickle: pass a factory defined at the top level of a module, which each process
+    then calls, rather than a large model; process-group timeout ``timeout_s``) and the profile is
+    returned here.  The cost model records ``tensor_parallel``.
     """
     lengths = [int(s) for s in lengths]
     if len(lengths) < 3 or any(s < 2 for s in lengths) or len(set(lengths)) != len(lengths):
@@ -244,9 +250,9 @@ def _measure(
             raise ProfileError("cannot tell the vocabulary size; pass vocab=")
     param_dtype = next(net.parameters()).dtype
     # the group's figures: its slowest rank's time, its largest lane's bytes, its slowest host link
-    most = (lambda v: group.group_reduce(v, "max", device)) if tp > 1 else list
-    least = (lambda v: group.group_reduce(v, "min", device)) if tp > 1 else list
-    together = dist.barrier if tp > 1 else None
+    most = (lambda v: group.group_reduce(v, "max")) if tp > 1 else list
+    least = (lambda v: group.group_reduce(v, "min")) if tp > 1 else list
+    together = barrier if tp > 1 else None
     runners = [prepare_length(net, blocks, s, int(vocab), device) for s in lengths]
     fwd = most(time_rounds(runners, "forward", device, warmup, repeats, together))
     t = most(time_rounds(runners, "forward_backward", device, warmup, repeats, together))
@@ -261,6 +267,9 @@ def _measure(
     acts = most([r.layer_bytes for r in runners])
     outside_acts = most([r.outside_bytes for r in runners])
     d2h, h2d = least(measure_bandwidth(device, bandwidth_probe_bytes))
+    # the heads of one lane (what Ulysses splits over an item's members), when the config names them
+    heads = config_heads(config)
+    lane = lane_heads(*heads, tp) if heads is not None else None
     if kv_bytes_per_token_per_layer is None:
         kv = getattr(config, "kv_heads", None)
         hd = getattr(config, "head_dim", None)
@@ -282,6 +291,8 @@ def _measure(
         ranks_per_node=ranks_per_node,
         name=name or f"profiled-{type(net).__name__}-{device.type}" + (f"-tp{tp}" if tp > 1 else ""),
         tensor_parallel=tp,
+        attention_heads=None if lane is None else lane[0],
+        kv_heads=None if lane is None else lane[1],
     )
     if tp > 1:
         whole_params = sum(p.numel() for p in net.parameters())  # a DTensor's numel is its global size

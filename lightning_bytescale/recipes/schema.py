@@ -92,6 +92,7 @@ class PlannerSchema:
     seed: int = "${seed}"  # type: ignore[assignment]  # planning seed, the same on every rank
     num_buckets: int = 8  # the balance scheduler's buckets of about equal work
     pipeline_degree: int = 1  # leave 1: the strategy sets it from pipeline_parallel_size
+    max_micro_batches: int | None = None  # pipelines only: the most micro-batches one pipeline runs in a step
     options: dict[str, Any] = field(default_factory=dict)  # the planner's own, e.g. {pp_reading: round_robin}
 
 

@@ -18,7 +18,9 @@ activation offload) can end a step sooner than either of:
   sum(transfer)))``, and the slowest rank is busy at least that spread over the ranks.
 
 The gradient all-reduce comes after both.  Pipelines (``pipeline_degree > 1``) follow another
-schedule and get no bound here.
+schedule and get no bound here.  The bound is for ring attention: a plan whose items run as
+Ulysses or Ulysses x ring (:mod:`lightning_bytescale.planner.modes`) moves other volumes and can
+end sooner.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class StepBound:
 
     @property
     def step_s(self) -> float:
-        """No plan without offload ends this step sooner (in the simulator's model)."""
+        """No ring-only plan without offload ends this step sooner (in the simulator's model)."""
         return max(self.longest_sequence_s, self.work_s) + self.allreduce_s
 
 
@@ -84,7 +86,7 @@ def least_transfer(s: int, capacity: int, cost_model: CostModel, ranks_per_node:
 
 
 def step_lower_bound(lengths: Sequence[int], scenario: Scenario, cost_model: CostModel) -> StepBound:
-    """The lower bound on the simulated step time of ``lengths`` for any plan without offload."""
+    """The lower bound on the simulated step time of ``lengths`` for any ring-only plan without offload."""
     if scenario.pipeline_degree > 1:
         raise SimulationError("step_lower_bound covers plans without pipeline stages (pipeline_degree 1)")
     if not lengths:

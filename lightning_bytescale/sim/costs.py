@@ -7,7 +7,10 @@ communication-aware planners balance on, so planned and simulated times agree.  
 simulator adds what only a timeline shows:
 
 * the ring bandwidth of the *actual* members: intra-node only when all of them sit on one
-  node (``ranks_per_node`` consecutive ranks);
+  node (``ranks_per_node`` consecutive ranks); an item in another attention mode (Ulysses, or
+  Ulysses inside nodes x ring across them) costs what its mode costs on those members
+  (:func:`~lightning_bytescale.planner.modes.mode_time`), its exposed communication kept per
+  mode;
 * offload transfers (paper Eq. 3): on each of the ``l - 2`` offloaded layers of a stage the
   copy of ``r * Act`` bytes runs on the DMA engine beside the layer's compute, so a layer
   takes ``max(compute, r * Act / B)`` in the forward (device to host) and in the backward
@@ -15,12 +18,14 @@ simulator adds what only a timeline shows:
   condition ``T(s) >= r Act(s) / B`` holds.
 
 Scenario shapes are turned into a cost model per HDP rank: a rank is a TP group, so its
-FLOP rate, link bandwidths and PCIe bandwidth are ``tp`` times a GPU's.
+FLOP rate, link bandwidths and PCIe bandwidth are ``tp`` times a GPU's, and the heads Ulysses
+splits are one lane's (``heads / tp``, and ``kv_heads / tp`` or one replicated K/V head).
 """
 
 from __future__ import annotations
 
 from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig
+from lightning_bytescale.planner.modes import group_layout, mode_bytes, mode_time
 from lightning_bytescale.planner.plan import MicroBatch, Plan
 from lightning_bytescale.planner.planners import static_cp_size
 from lightning_bytescale.sim.scenario import Scenario
@@ -46,7 +51,7 @@ def cost_model_for(scenario: Scenario) -> CostModel:
         bandwidth_inter=scenario.bandwidth_inter * tp,
         ranks_per_node=scenario.ranks_per_node,
         name=f"{m.name}-tp{tp}",
-    )
+    ).with_(attention_heads=m.heads // tp, kv_heads=max(1, m.kv_heads // tp))
 
 
 def offload_config_for(scenario: Scenario) -> OffloadConfig:
@@ -101,8 +106,14 @@ class CostFunction:
         n = len(mb.ring)
         # every member lists the same sequences; lengths are those of the whole sequences
         lengths = self._lengths(mb)
-        intra = ring_is_intra(mb.ring, self.ranks_per_node)
-        time, exposed = self.cm.ring_member_time(lengths, n, intra=intra, comm_aware=True)
+        if mb.mode == "ring":
+            intra = ring_is_intra(mb.ring, self.ranks_per_node)
+            time, exposed = self.cm.ring_member_time(lengths, n, intra=intra, comm_aware=True)
+            sent = self.cm.ring_bytes(lengths, n)
+        else:
+            layout = group_layout(mb.ring, self.ranks_per_node)
+            time, exposed = mode_time(self.cm, mb.mode, lengths, layout)
+            sent = mode_bytes(self.cm, mb.mode, lengths, layout)
         slots = sum(2 * (-(-s // (2 * n))) for s in lengths)
         exposed_off = self._offload_exposed(time, slots, mb.offload_ratio)
         return MicroBatchCost(
@@ -110,7 +121,8 @@ class CostFunction:
             compute=time - exposed,
             exposed_comm=exposed,
             exposed_offload=exposed_off,
-            ring_bytes=self.cm.ring_bytes(lengths, n) / n,
+            ring_bytes=sent / n,
+            mode=mb.mode,
         )
 
     def _offload_exposed(self, time: float, slots: int, ratio: float) -> float:

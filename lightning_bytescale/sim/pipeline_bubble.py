@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_bytescale.planner.cost_model import CostModel
+from lightning_bytescale.planner.modes import group_layout, mode_time
 from lightning_bytescale.planner.pipeline import one_f_one_b
 from lightning_bytescale.planner.pipeline_order import order_pipelines
 from lightning_bytescale.planner.plan import MicroBatch, Plan
@@ -55,7 +56,12 @@ def micro_batch_seconds(
         return cost_model.local_time([capacity])
     lengths = [plan.lengths[p.seq] for p in mb.pieces]
     n = 1 if mb.ring is None else len(mb.ring)
-    seconds, _ = cost_model.ring_member_time(lengths, n, comm_aware=True)
+    if mb.mode == "ring":
+        seconds, _ = cost_model.ring_member_time(lengths, n, comm_aware=True)
+    else:
+        seconds, _ = mode_time(
+            cost_model, mb.mode, lengths, group_layout(mb.ring, plan.options.get("ranks_per_node"))
+        )
     if not pad_to_capacity:
         return seconds
     slots = mb.num_tokens

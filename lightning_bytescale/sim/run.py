@@ -5,6 +5,10 @@ of each micro-batch comes from the planner's own communication-aware cost model
 (:mod:`.costs`), the per-rank timelines from :mod:`.timeline`, and the gradient all-reduce
 from the ring all-reduce formula.  ``step_time_s`` is the slowest rank's finish plus the
 all-reduce.
+
+The ``balance`` variants run ring attention only (``modes=("ring",)``), as before attention
+modes existed; ``balance_modes`` and ``balance_no_offload_modes`` let ``balance`` choose each
+item's mode (ring, Ulysses, or Ulysses inside nodes x ring across them) by the cost model.
 """
 
 from __future__ import annotations
@@ -28,16 +32,20 @@ from lightning_bytescale.sim.timeline import (
     simulate_ranks,
 )
 
+RING_ONLY = ("ring",)
+
 # Simulator planner names -> (registered planner, make_plan keyword arguments).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "static": ("static", {}),
     "naive": ("naive", {"offload": False}),
     "naive_offload": ("naive", {"offload": True, "offload_policy": "pays"}),
     "naive_offload_min_ranks": ("naive", {"offload": True, "offload_policy": "paper_min_ranks"}),
-    "balance": ("balance", {"offload": True}),
-    "balance_no_offload": ("balance", {"offload": False}),
-    "balance_min_rings": ("balance", {"offload": False, "grow_rings": False}),
-    "balance_compute_only": ("balance", {"offload": True, "comm_aware": False}),
+    "balance": ("balance", {"offload": True, "modes": RING_ONLY}),
+    "balance_modes": ("balance", {"offload": True}),
+    "balance_no_offload": ("balance", {"offload": False, "modes": RING_ONLY}),
+    "balance_no_offload_modes": ("balance", {"offload": False}),
+    "balance_min_rings": ("balance", {"offload": False, "grow_rings": False, "modes": RING_ONLY}),
+    "balance_compute_only": ("balance", {"offload": True, "comm_aware": False, "modes": RING_ONLY}),
     "megatron_dcp": ("megatron_dcp", {}),
     "verl_kk": ("verl_kk", {}),
     "lpt": ("lpt", {}),
@@ -49,6 +57,9 @@ SUMMARY_KEYS = (
     "max_over_mean",
     "bubble_fraction",
     "ring_bytes",
+    "exposed_comm_s",
+    "exposed_comm_by_mode",
+    "mode_counts",
     "plan_ms",
     "speedup_vs_static",
 )
@@ -70,6 +81,10 @@ class StepResult:
     busy: list[float] = field(default_factory=list)
     finish: list[float] = field(default_factory=list)
     micro_batches: list[int] = field(default_factory=list)
+    exposed_comm_by_mode: dict[str, float] = field(default_factory=dict)
+    """Exposed attention communication summed over ranks, per attention mode."""
+    mode_counts: dict[str, int] = field(default_factory=dict)
+    """Ring items per attention mode (``Plan.mode_stats``)."""
 
 
 def simulate_plan(plan: Plan, scenario: Scenario, cost_model) -> StepResult:
@@ -96,6 +111,10 @@ def summarise(plan: Plan, tls: Sequence[RankTimeline], allreduce: float) -> Step
     end = max(finish, default=0.0)
     mean_busy = statistics.fmean(busy) if busy else 0.0
     step = end + allreduce
+    by_mode: dict[str, float] = {}
+    for t in tls:
+        for mode, seconds in t.exposed_comm_by_mode.items():
+            by_mode[mode] = by_mode.get(mode, 0.0) + seconds
     return StepResult(
         step_time_s=step,
         compute_finish_s=end,
@@ -109,7 +128,15 @@ def summarise(plan: Plan, tls: Sequence[RankTimeline], allreduce: float) -> Step
         busy=busy,
         finish=finish,
         micro_batches=[t.num_micro_batches for t in tls],
+        exposed_comm_by_mode=by_mode,
+        mode_counts=dict(plan.mode_stats()["mode_counts"]),
     )
+
+
+def _mean_by_key(rows: list[dict]) -> dict[str, float]:
+    """Per key, the mean over ``rows`` (a key missing from a row counts as 0)."""
+    keys = sorted({k for row in rows for k in row})
+    return {k: statistics.fmean(row.get(k, 0) for row in rows) for k in keys}
 
 
 def make_variant_plan(name: str, lengths: Sequence[int], scenario: Scenario, cost_model, seed: int) -> Plan:
@@ -181,6 +208,9 @@ def run_scenario(
             "max_over_mean": statistics.fmean(r.max_over_mean for r in results),
             "bubble_fraction": statistics.fmean(r.bubble_fraction for r in results),
             "ring_bytes": statistics.fmean(r.ring_bytes for r in results),
+            "exposed_comm_s": statistics.fmean(r.exposed_comm_s for r in results),
+            "exposed_comm_by_mode": _mean_by_key([r.exposed_comm_by_mode for r in results]),
+            "mode_counts": _mean_by_key([r.mode_counts for r in results]),
             "plan_ms": statistics.fmean(r.plan_ms for r in results),
         }
     base = out.get("static")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from lightning_bytescale.planner import distributions
 from lightning_bytescale.sim.timeline import SimulationError
 
-DEFAULT_PLANNERS = ("static", "naive", "balance", "megatron_dcp", "verl_kk", "lpt")
+DEFAULT_PLANNERS = ("static", "naive", "balance", "balance_modes", "megatron_dcp", "verl_kk", "lpt")
 
 
 @dataclass(frozen=True)

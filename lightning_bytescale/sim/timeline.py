@@ -47,6 +47,7 @@ class MicroBatchCost:
     exposed_comm: float = 0.0
     exposed_offload: float = 0.0
     ring_bytes: float = 0.0
+    mode: str = "ring"  # the attention mode whose communication ``exposed_comm`` and ``ring_bytes`` are
 
 
 @dataclass
@@ -55,7 +56,8 @@ class RankTimeline:
 
     ``busy`` is the time spent running micro-batches (compute plus exposed transfers),
     ``finish`` the moment its last micro-batch ends; ``finish - busy`` is waiting: for
-    ring partners, at barriers, or in pipeline bubbles.
+    ring partners, at barriers, or in pipeline bubbles.  ``exposed_comm_by_mode`` splits
+    ``exposed_comm`` by the attention mode of the micro-batches that paid it.
     """
 
     finish: float = 0.0
@@ -66,6 +68,12 @@ class RankTimeline:
     ring_bytes: float = 0.0
     num_micro_batches: int = 0
     spans: list[tuple[float, float]] = field(default_factory=list)
+    exposed_comm_by_mode: dict[str, float] = field(default_factory=dict)
+
+    def add_exposed(self, mode: str, seconds: float) -> None:
+        self.exposed_comm += seconds
+        if seconds:
+            self.exposed_comm_by_mode[mode] = self.exposed_comm_by_mode.get(mode, 0.0) + seconds
 
 
 CostFn = Callable[[int, MicroBatch], MicroBatchCost]
@@ -74,7 +82,7 @@ CostFn = Callable[[int, MicroBatch], MicroBatchCost]
 def _add(tl: RankTimeline, cost: MicroBatchCost, start: float, duration: float) -> None:
     tl.busy += duration
     tl.compute += cost.compute
-    tl.exposed_comm += cost.exposed_comm
+    tl.add_exposed(cost.mode, cost.exposed_comm)
     tl.exposed_offload += cost.exposed_offload
     tl.ring_bytes += cost.ring_bytes
     tl.num_micro_batches += 1
@@ -117,7 +125,8 @@ def simulate_ranks(plan: Plan, cost: CostFn) -> list[RankTimeline]:
         for tl, part in zip(timelines, seg, strict=True):
             tl.busy += part.busy
             tl.compute += part.compute
-            tl.exposed_comm += part.exposed_comm
+            for mode, seconds in part.exposed_comm_by_mode.items():
+                tl.add_exposed(mode, seconds)
             tl.exposed_offload += part.exposed_offload
             tl.ring_bytes += part.ring_bytes
             tl.num_micro_batches += part.num_micro_batches
@@ -209,7 +218,7 @@ def simulate_pipelines(plan: Plan, cost: CostFn, stages: int) -> list[RankTimeli
         durations = [c.duration for c in costs[r]]
         for c in costs[r]:
             tl.compute += c.compute / stages
-            tl.exposed_comm += c.exposed_comm / stages
+            tl.add_exposed(c.mode, c.exposed_comm / stages)
             tl.exposed_offload += c.exposed_offload / stages
             tl.ring_bytes += c.ring_bytes
         tl.num_micro_batches = len(mbs)

@@ -90,3 +90,45 @@ def test_errors_exit_2_with_the_cause(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["--distribution", "github", "--world-size", "2", "--capacity", "8"]) == 2
     assert "--tokens" in capsys.readouterr().err
+
+
+def test_modes_in_the_plan_file(tmp_path, capsys):
+    """With the heads given, items run in other modes where they end sooner; --json shows each
+    micro-batch's mode and the statistics per mode; --modes ring gives the ring-only plan."""
+    args = [
+        "--distribution",
+        "prolong512k",
+        "--tokens",
+        str(64 * 8192 * 4),
+        "--context-length",
+        str(512 * 1024),
+    ]
+    args += ["--world-size", "64", "--capacity", "8192", "--no-offload"]
+    heads = ["--attention-heads", "32", "--kv-heads", "8"]
+    chosen, ring_only = tmp_path / "modes.json", tmp_path / "ring.json"
+    assert main([*args, *heads, "--json", str(chosen)]) == 0
+    assert "mode_counts" in capsys.readouterr().out
+    assert main([*args, *heads, "--modes", "ring", "--json", str(ring_only)]) == 0
+    data, ring = json.loads(chosen.read_text()), json.loads(ring_only.read_text())
+    modes = {mb["mode"] for entry in data["ranks"] for mb in entry["micro_batches"]}
+    assert modes > {"ring"} and {mb["mode"] for e in ring["ranks"] for mb in e["micro_batches"]} == {"ring"}
+    stats = data["stats"]
+    assert sum(stats["mode_counts"].values()) == stats["ring_items"]
+    assert stats["ring_bytes"] == pytest.approx(sum(stats["comm_bytes_by_mode"].values()))
+    assert stats["makespan"] < ring["stats"]["makespan"]
+    Plan.from_json_dict(data).validate()
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--modes", "ulysses"], "lacks 'ring'"),
+        (["--modes", "ring,ulysses"], "need the cost model's attention_heads"),
+        (["--planner", "naive", "--modes", "ring"], "balance chooses attention modes"),
+        (["--attention-heads", "32"], "go together"),
+    ],
+)
+def test_modes_errors_exit_2(extra, match, capsys):
+    args = ["--distribution", "github", "--tokens", "200000", "--world-size", "8", "--capacity", "8192"]
+    assert main([*args, *extra]) == 2
+    assert match in capsys.readouterr().err

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _mode_plans import MIXED_LENGTHS, mixed_mode_plan, mode_cost_model, modes_of
 from _ranks import DistCalls, IssueOrder, gather_reports, init_gloo, save_report
 
 from lightning_bytescale.planner import zigzag
@@ -41,18 +42,48 @@ def _local(seqs):
     return MicroBatch([Piece(j, ((0, LENGTHS[j]),)) for j in seqs])
 
 
-def _ring(seqs, ring, member, item):
+def _ring(seqs, ring, member, item, mode="ring"):
     n = len(ring)
     return MicroBatch(
         [Piece(j, tuple(zigzag.member_ranges(LENGTHS[j], n, member))) for j in seqs],
         ring=tuple(ring),
         item=item,
+        mode=mode,
     )
 
 
-def _add_ring(ranks, seqs, ring, item):
+def _add_ring(ranks, seqs, ring, item, mode="ring"):
     for m, r in enumerate(ring):
-        ranks[r].append(_ring(seqs, ring, m, item))
+        ranks[r].append(_ring(seqs, ring, m, item, mode))
+
+
+def mode_plan(w: int) -> Plan:
+    """Ring, Ulysses and (on 4 ranks, two a node) hybrid items in one step, with local work between them.
+
+    The tiny Llama's 4 query heads and 2 key/value heads: Ulysses items of 2 members split the
+    key/value heads, items of 4 replicate them; the hybrid item splits the heads over the 2 ranks
+    of each node and rings across the 2 nodes.
+    """
+    ranks = [[] for _ in range(w)]
+    ranks[0].append(_local([0, 2]))
+    if w == 2:
+        _add_ring(ranks, [3, 1], (1, 0), 0, "ulysses")  # 40 and 17 tokens: not divisible by 2N
+        _add_ring(ranks, [9, 6], (0, 1), 1)
+        ranks[1].append(_local([7, 8, 10, 11]))
+    elif w == 3:
+        _add_ring(ranks, [3, 1], (2, 0), 0, "ulysses")
+        _add_ring(ranks, [9], (0, 1, 2), 1)  # 3 members cannot split 4 heads: a ring
+        _add_ring(ranks, [6, 11], (1, 2), 2, "ulysses")
+        ranks[1].append(_local([7, 8, 10]))
+    else:
+        _add_ring(ranks, [3, 1], (0, 1, 2, 3), 0, "hybrid")
+        _add_ring(ranks, [9], (3, 1), 1, "ulysses")
+        _add_ring(ranks, [6], (2, 0), 2)
+        _add_ring(ranks, [11, 7], (0, 1, 2, 3), 3, "ulysses")
+        ranks[1].append(_local([8]))
+        ranks[3].append(_local([10]))
+    ranks[0].append(_local([4, 5]))
+    return Plan(w, 64, "hand", LENGTHS, ranks, {"ranks_per_node": 2}).validate()
 
 
 def hand_plans(w: int) -> dict[str, Plan]:
@@ -66,6 +97,7 @@ def hand_plans(w: int) -> dict[str, Plan]:
     ranks[0] += [_local([4, 5]), _local([7])]
     ranks[1].append(_local([8, 10, 11]))
     plans["unequal"] = Plan(w, 64, "hand", LENGTHS, ranks)
+    plans["modes"] = mode_plan(w)
     if w >= 3:
         ranks = [[] for _ in range(w)]
         _add_ring(ranks, [3, 1, 9], (1, 0) + tuple(range(2, w - 1)), item=5)
@@ -88,20 +120,31 @@ def planner_plans(w: int) -> dict[str, Plan]:
     }
 
 
+def planner_mode_plans() -> dict[str, Plan]:
+    """``balance``'s own plans under a cost model with heads (4 ranks, 2 a node): with the tiny
+    Llama's 2 key/value heads on this file's batch it runs rings of 2 and a hybrid item of 4
+    (``_mode_plans``: a Ulysses item of 2 moves a ring's bytes there, ties go to the ring); with 4
+    key/value heads on ``MIXED_LENGTHS`` a ring, Ulysses items of 2 and 4 and a hybrid item."""
+    from lightning_bytescale.planner import make_plan
+
+    gqa = make_plan(list(LENGTHS), world_size=WORLD, capacity=16, cost_model=mode_cost_model(kv_heads=2))
+    return {"gqa": gqa.validate(), "mha": mixed_mode_plan(kv_heads=4)}
+
+
 # --------------------------------------------------------------------------- worker
 
 
-def _tokens():
+def _tokens(lengths=LENGTHS):
     g = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, 64, (s,), generator=g) for s in LENGTHS]
+    return [torch.randint(0, 64, (s,), generator=g) for s in lengths]
 
 
-def _model(reference: bool):
+def _model(reference: bool, kv_heads: int = 2):
     from lightning_bytescale.engine.reference import causal_attention
     from lightning_bytescale.models import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
-    cfg = LlamaConfig.preset("tiny", tie_embeddings=True)
+    cfg = LlamaConfig.preset("tiny", tie_embeddings=True, kv_heads=kv_heads)
     return LlamaModel(cfg, attention_fn=causal_attention if reference else None).double()
 
 
@@ -144,14 +187,16 @@ def _run_case(model, plan, rank, tokens, group, counters, ref_grads, ref_loss, f
 
     @contextlib.contextmanager
     def watch(mb):
-        c0, s0 = comm_stats()["p2p_calls"], counters.snapshot()
+        c0, s0 = comm_stats(), counters.snapshot()
         yield
-        c1, s1 = comm_stats()["p2p_calls"], counters.snapshot()
+        c1, s1 = comm_stats(), counters.snapshot()
         p2p.append(
             {
                 "local": mb.layout.is_local,
                 "ring": mb.layout.ring_size,
-                "attention_p2p": c1 - c0,
+                "mode": mb.layout.mode,
+                "attention_p2p": c1["p2p_calls"] - c0["p2p_calls"],
+                "bytes_sent": c1["bytes_sent"] - c0["bytes_sent"],
                 "dist_p2p": s1["batch_isend_irecv"] - s0["batch_isend_irecv"] + s1["send"] - s0["send"],
             }
         )
@@ -201,6 +246,39 @@ def _train_steps(rank: int, counters: DistCalls, steps: int = 3) -> dict:
     return {"param_diff": diffs, "all_reduces": all_reduces, "steps": steps}
 
 
+def _mode_steps(rank: int, steps: int = 2) -> dict:
+    """AdamW steps of the 4-rank mixed-mode plan (ring, Ulysses and hybrid items in one step) against
+    one process, every micro-batch offloading all its layers' activations (host copies on a CPU)."""
+    from lightning_bytescale.engine import build_step, run_step
+    from lightning_bytescale.engine.reference import reference_loss
+    from lightning_bytescale.offload import ActivationOffloader
+
+    ref, model = _model(reference=True), _model(reference=False)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    offloader = ActivationOffloader(model.blocks, keep_last=0, min_bytes=0)
+    tokens, plan = _tokens(), mode_plan(WORLD)
+    diffs, offloaded = [], []
+    for _ in range(steps):
+        opt_ref.zero_grad(set_to_none=True)
+        reference_loss(ref, tokens).backward()
+        opt_ref.step()
+        opt.zero_grad(set_to_none=True)
+        before = offloader.stats.offloaded_bytes
+        run_step(
+            model,
+            build_step(plan, rank, lambda j: tokens[j]),
+            micro_batch_context=lambda mb: offloader.context(mb.index, 1.0),
+        )
+        offloaded.append(offloader.stats.offloaded_bytes - before)
+        opt.step()
+        diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+    moved = max(
+        (p - q).abs().max().item() for p, q in zip(ref.parameters(), _model(reference=True).parameters())
+    )
+    return {"param_diff": diffs, "offloaded": offloaded, "moved": moved}
+
+
 def _worker(rank: int, port: int, outdir: str) -> None:
     from lightning_bytescale.engine import NonFiniteError, StepError
     from lightning_bytescale.engine.reference import reference_loss
@@ -231,7 +309,22 @@ def _worker(rank: int, port: int, outdir: str) -> None:
             report["cases"][f"{name}/{w}"] = _run_case(
                 model, plan, rank, tokens, groups[w], counters, ref_grads, ref_loss
             )
+    # balance's own plans with Ulysses and hybrid items (a cost model with heads), through the engine
+    plans = planner_mode_plans()
+    report["cases"]["planner_modes_gqa/4"] = _run_case(
+        model, plans["gqa"], rank, tokens, None, counters, ref_grads, ref_loss
+    )
+    mha_tokens = _tokens(MIXED_LENGTHS)
+    mha_ref = _model(reference=True, kv_heads=4)
+    mha_loss = reference_loss(mha_ref, mha_tokens)
+    mha_loss.backward()
+    mha_grads = {n: p.grad.detach().clone() for n, p in mha_ref.named_parameters()}
+    report["cases"]["planner_modes_mha/4"] = _run_case(
+        _model(reference=False, kv_heads=4), plans["mha"], rank, mha_tokens, None, counters, mha_grads,
+        mha_loss.item(),
+    )  # fmt: skip
     report["training"] = _train_steps(rank, counters)
+    report["mode_steps"] = _mode_steps(rank)
     # The same plans with the bucketed gradient sync overlapped with the last backward (small
     # buckets, so a step has several and some launch during the backward).
     from lightning_bytescale.engine.grad_sync import BucketedGradSync
@@ -320,6 +413,82 @@ def test_hand_plans_with_unequal_micro_batch_counts_match_single_process(reports
     assert seen == w * (2 if w >= 3 else 1)
     if w >= 3:
         assert 0 in reports[0]["cases"][f"idle_rank/{w}"]["counts"]
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_plans_with_ulysses_and_hybrid_items_match_single_process(reports, w):
+    """Ring, Ulysses and hybrid items in one micro-batch loop: gradients and loss equal one process."""
+    plan = mode_plan(w)
+    for rank in range(w):
+        case = reports[rank]["cases"][f"modes/{w}"]
+        assert case["grad_err"] <= TOLERANCE, f"modes/{w} rank {rank}: grad error {case['grad_err']:.3e}"
+        assert case["loss_err"] <= 1e-12, f"modes/{w} rank {rank}: loss error {case['loss_err']:.3e}"
+        modes = [mb.mode for mb in plan.ranks[rank] if mb.ring is not None]
+        assert [mb["attention_p2p"] > 0 for mb in case["p2p"]] == [
+            mb.ring is not None for mb in plan.ranks[rank]
+        ]
+        if rank == 0:
+            assert "ulysses" in modes and "ring" in modes and (w < 4 or "hybrid" in modes), modes
+
+
+def _item_bytes(plan: Plan) -> dict[str, float]:
+    """Bytes the plan's ring items send in one step, per mode, as the engine sends them: Ulysses
+    exchanges as the plan's cost model counts them (``Plan.mode_stats``), rings (a hybrid's ring
+    across nodes too) one dK/dV hop more than its ``comm_passes = 3`` (the accumulated gradient
+    returns to its owner: ``3 R - 2`` transfers per member of a ring of ``R``, not ``3 (R - 1)``)."""
+    from lightning_bytescale.planner import CostModel
+    from lightning_bytescale.planner.modes import group_layout
+
+    cost = CostModel.from_json_dict(plan.options["cost_model"])
+    rpn = plan.options["ranks_per_node"]
+    hop = lambda r: (3 * r - 2) / (3 * (r - 1))  # noqa: E731
+    out = dict.fromkeys(("ring", "ulysses", "hybrid"), 0.0)
+    items = {mb.item: mb for mbs in plan.ranks for mb in mbs if mb.ring is not None}
+    for mb in items.values():
+        lengths, n = [plan.lengths[p.seq] for p in mb.pieces], len(mb.ring)
+        if mb.mode == "ring":
+            out["ring"] += cost.ring_bytes(lengths, n) * hop(n)
+        elif mb.mode == "ulysses":
+            out["ulysses"] += cost.ulysses_bytes(lengths, n)
+        else:
+            u = group_layout(mb.ring, rpn).per_node
+            ring, exchange = cost.hybrid_bytes(lengths, n, u)
+            out["hybrid"] += ring * hop(n // u) + exchange
+    return out
+
+
+@pytest.mark.parametrize("heads", ["gqa", "mha"])
+def test_the_planners_mode_plans_run_exactly_through_the_engine(reports, heads):
+    """balance's plans with a cost model with heads: the modes it chose, gradients and loss equal to
+    one process (the engine's hybrid groups come from the plan's ``ranks_per_node``), and the bytes
+    every mode sent, summed over the members, what the plan's cost model says."""
+    plan = planner_mode_plans()[heads]
+    modes = modes_of(plan)
+    if heads == "mha":
+        assert {m for m, _ in modes} == {"ring", "ulysses", "hybrid"}, modes
+    else:
+        assert {m for m, _ in modes} == {"ring", "hybrid"}, modes
+    sent = dict.fromkeys(("ring", "ulysses", "hybrid"), 0)
+    for rank in range(WORLD):
+        case = reports[rank]["cases"][f"planner_modes_{heads}/{WORLD}"]
+        assert case["grad_err"] <= TOLERANCE, f"{heads} rank {rank}: grad error {case['grad_err']:.3e}"
+        assert case["loss_err"] <= 1e-12, f"{heads} rank {rank}: loss error {case['loss_err']:.3e}"
+        mine = plan.ranks[rank]
+        assert [(mb["local"], mb["mode"]) for mb in case["p2p"]] == [(m.ring is None, m.mode) for m in mine]
+        for mb in case["p2p"]:
+            if not mb["local"]:
+                sent[mb["mode"]] += mb["bytes_sent"]
+    assert sent == pytest.approx(_item_bytes(plan), rel=1e-12), (sent, _item_bytes(plan))
+    planned = plan.mode_stats()["comm_bytes"]
+    assert sent["ulysses"] == planned["ulysses"]  # telemetry's Ulysses bytes are the bytes sent
+
+
+def test_mixed_mode_adamw_steps_with_offload_equal_one_process(reports):
+    for rep in reports:
+        steps = rep["mode_steps"]
+        assert max(steps["param_diff"]) <= TOLERANCE, steps["param_diff"]
+        assert all(b > 0 for b in steps["offloaded"]), steps["offloaded"]  # activations went through the host
+        assert steps["moved"] > 1e-3  # the steps moved the parameters
 
 
 @pytest.mark.parametrize("planner", PLANNERS)

@@ -10,7 +10,9 @@ and without a LightningModule's transfer hooks) to a fake CUDA device.  Then:
   with our Llama and with a Hugging Face Llama (``attn_implementation="bytescale"``) --
   forwards only, autograd cannot run on fake CUDA -- with no host synchronisation (counted per
   micro-batch), PyTorch's flash kernel in the ring (K/V blocks sent in bfloat16) and
-  ``varlen_attn`` once per layer in the local micro-batch.
+  ``varlen_attn`` once per layer in the local micro-batch;
+* the same step with the ring item in Ulysses mode: ``varlen_attn`` once per layer there too,
+  two exchanges per layer, every send and receive a CUDA tensor in bfloat16.
 
 The ring's P2P is an echo (``tests/_fake_cuda.py``: ``fake_p2p``), so the ring set-up runs its
 P2P path for this rank of a world of two: the cache key, the rank checks, the block plans.
@@ -23,7 +25,7 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
-from _fake_cuda import CUDA, fake_cuda, fake_p2p
+from _fake_cuda import CUDA, EchoExchange, fake_cuda, fake_p2p
 
 from lightning_bytescale import ByteScaleStrategy
 from lightning_bytescale.engine.executor import run_micro_batch
@@ -79,18 +81,37 @@ class LightningLlama(pl.LightningModule):
 
 
 def _run_step(mode, model, step, rank):
-    """Each micro-batch through run_micro_batch under bf16 autocast; (ring?, syncs, ops, sent) per micro-batch."""
+    """Each micro-batch through run_micro_batch under bf16 autocast; (ring?, syncs, ops, sent, exchanges) per micro-batch."""
     rows = []
     with fake_p2p(rank, 2) as sent:
         for mb in step.micro_batches:
             mode.syncs.clear()
             mode.ops.clear()
             sent.clear()
+            EchoExchange.OPS.clear()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss, _ = run_micro_batch(model, mb, backward=lambda loss: None)
             assert loss.shape == () and loss.device == CUDA
-            rows.append((mb.layout.ring is not None, list(mode.syncs), dict(mode.ops), list(sent)))
+            rows.append(
+                (
+                    mb.layout.ring is not None,
+                    list(mode.syncs),
+                    dict(mode.ops),
+                    list(sent),
+                    list(EchoExchange.OPS),
+                )
+            )
     return rows
+
+
+def _ulysses(plan):
+    """The plan with its ring item in Ulysses mode."""
+    plan = copy.deepcopy(plan)
+    for mbs in plan.ranks:
+        for mb in mbs:
+            if mb.ring is not None:
+                mb.mode = "ulysses"
+    return plan
 
 
 @pytest.mark.parametrize("with_module", [False, True], ids=["strategy", "module-hooks"])
@@ -108,20 +129,30 @@ def test_lightning_batch_to_device_leaves_the_layouts_on_the_host(plan, with_mod
                 assert not any(isinstance(v, torch.Tensor) for v in vars(after.layout).values())
 
 
+@pytest.mark.parametrize("item_mode", ["ring", "ulysses"])
 @pytest.mark.parametrize("build", [_llama, _hf_llama], ids=["llama", "hf-llama"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_step_on_fake_cuda_has_no_host_sync_and_the_fused_kernels(plan, build, rank):
+def test_a_step_on_fake_cuda_has_no_host_sync_and_the_fused_kernels(plan, build, rank, item_mode):
     strategy = ByteScaleStrategy()
     model = build()
     layers = SHAPE["layers"]
+    if item_mode == "ulysses":
+        plan = _ulysses(plan)
     with fake_cuda() as mode:
         moved = strategy.batch_to_device(_step(plan, rank), CUDA)
         rows = _run_step(mode, mode.module_to_cuda(copy.deepcopy(model)), moved, rank)
     assert [ring for ring, *_ in rows] == [True, False]
-    for ring, syncs, ops, sent in rows:
+    for ring, syncs, ops, sent, exchanges in rows:
         assert syncs == [], syncs  # zero host synchronisations in the micro-batch
         assert all(ops.get(name, 0) == 0 for name in SLOW), ops
-        if ring:  # ring of 2: one block against each member per layer, one K/V transfer per layer
+        if ring and item_mode == "ulysses":  # two exchanges and the local kernel per layer, no ring transfer
+            assert ops.get(VARLEN) == layers and ops.get(FLASH, 0) == 0 and sent == []
+            assert [len(x) for x in exchanges] == [
+                6,
+                2,
+            ] * layers  # q, k, v to the other member; the output back
+            assert all(op.device == CUDA and op.dtype == torch.bfloat16 for x in exchanges for op in x)
+        elif ring:  # ring of 2: one block against each member per layer, one K/V transfer per layer
             assert ops.get(FLASH) == 2 * layers and ops.get(VARLEN, 0) == 0
             slots = int(moved.micro_batches[0].layout.cu_seqlens[-1])
             kv_block = (
@@ -129,4 +160,4 @@ def test_a_step_on_fake_cuda_has_no_host_sync_and_the_fused_kernels(plan, build,
             )  # [2, T, Hkv, D] bf16
             assert sent == [(torch.bfloat16, kv_block)] * layers
         else:
-            assert ops.get(VARLEN) == layers and ops.get(FLASH, 0) == 0
+            assert ops.get(VARLEN) == layers and ops.get(FLASH, 0) == 0 and exchanges == []

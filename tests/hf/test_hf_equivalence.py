@@ -14,7 +14,9 @@ act per parameter and there is no gradient clipping, so each family's trajectory
 one it would have alone (the per-family reference checks precisely that).
 
 One run also offloads half of every micro-batch's activations of the HF decoder layers (the
-strategy finds them), the memory saving that replaces HF gradient checkpointing here.
+strategy finds them), the memory saving that replaces HF gradient checkpointing here, and runs the
+ring items of its second and third steps as Ulysses items (the heads split over both ranks by an
+all-to-all inside the "bytescale" attention).
 
 The loss mask is what the data side produces for chat data: labels -100 on masked positions
 (here a "prompt" prefix of each sequence and a scattered pattern) and ``num_global_tokens``
@@ -78,8 +80,11 @@ def trained_tokens(lengths: list[int], mask: bool) -> int:
 class StepData(Dataset):
     """Item ``k``: this rank's StepBatch of global batch ``k``, loss-masked on request."""
 
-    def __init__(self, world: int, rank: int, mask: bool, offload_ratio: float = 0.0) -> None:
+    def __init__(
+        self, world: int, rank: int, mask: bool, offload_ratio: float = 0.0, ulysses: bool = False
+    ) -> None:
         self.world, self.rank, self.mask, self.offload_ratio = world, rank, mask, offload_ratio
+        self.ulysses = ulysses
 
     def __len__(self) -> int:
         return STEPS
@@ -88,6 +93,11 @@ class StepData(Dataset):
         seqs = global_batch(k, self.world)
         lengths = [len(s) for s in seqs]
         plan = make_plan(lengths, world_size=self.world, capacity=CAPACITY, planner="balance")
+        if self.ulysses and k > 0:
+            for mbs in plan.ranks:
+                for mb in mbs:
+                    if mb.ring is not None:
+                        mb.mode = "ulysses"
         batch = build_step(plan, self.rank, lambda j: seqs[j], step=k)
         for mb in batch.micro_batches:
             mb.offload_ratio = self.offload_ratio
@@ -104,13 +114,13 @@ class StepData(Dataset):
 
 
 class StepDataModule(pl.LightningDataModule):
-    def __init__(self, mask: bool, offload_ratio: float) -> None:
+    def __init__(self, mask: bool, offload_ratio: float, ulysses: bool = False) -> None:
         super().__init__()
-        self.mask, self.offload_ratio = mask, offload_ratio
+        self.mask, self.offload_ratio, self.ulysses = mask, offload_ratio, ulysses
 
     def train_dataloader(self):
         t = self.trainer
-        data = StepData(t.world_size, t.global_rank, self.mask, self.offload_ratio)
+        data = StepData(t.world_size, t.global_rank, self.mask, self.offload_ratio, self.ulysses)
         return StatefulDataLoader(data, batch_size=None, shuffle=False, num_workers=0)
 
 
@@ -143,8 +153,14 @@ class Recorder(pl.Callback):
         stats = trainer.strategy.step_stats
         offloader = trainer.strategy.offloader
         offloaded = offloader.stats.offloaded_bytes if offloader is not None else 0
+        modes = sorted({mb.layout.mode for mb in batch.micro_batches if mb.layout.ring is not None})
         self.rows.append(
-            {"loss": float(outputs["loss"]), "cp_degrees": stats["cp_degrees"], "offloaded": offloaded}
+            {
+                "loss": float(outputs["loss"]),
+                "cp_degrees": stats["cp_degrees"],
+                "offloaded": offloaded,
+                "modes": modes,
+            }
         )
 
     def on_train_end(self, trainer, pl_module):
@@ -166,7 +182,8 @@ def fit(out: Path, folders: dict[str, str], world: int, mask: bool, offload: boo
         offloader_options={"keep_last": 0, "min_bytes": 0} if offload else None,
     )
     trainer = quiet_trainer(out, world, strategy, max_steps=STEPS, callbacks=[Recorder(out)])
-    trainer.fit(Families(folders), datamodule=StepDataModule(mask, 0.5 if offload else 0.0))
+    data = StepDataModule(mask, 0.5 if offload else 0.0, ulysses=offload)
+    trainer.fit(Families(folders), datamodule=data)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -219,7 +236,7 @@ def checkpoints(root: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("world", "mask", "offload"),
     [(2, False, False), (3, False, False), (2, True, False), (3, True, False), (2, True, True)],
-    ids=["2-all-tokens", "3-all-tokens", "2-loss-mask", "3-loss-mask", "2-loss-mask-offload"],
+    ids=["2-all-tokens", "3-all-tokens", "2-loss-mask", "3-loss-mask", "2-loss-mask-offload-ulysses"],
 )
 def test_hf_families_equal_one_process(tmp_path, world, mask, offload):
     folders = checkpoints(tmp_path / "ckpt")
@@ -236,6 +253,7 @@ def test_hf_families_equal_one_process(tmp_path, world, mask, offload):
         assert [row["loss"] for row in record["rows"]] == pytest.approx(want_losses, abs=1e-12, rel=0)
         if offload:  # the decoder layers' activations went through the host (bit-identical gradients)
             assert all(row["offloaded"] > 0 for row in record["rows"])
+            assert [row["modes"] for row in record["rows"]] == [["ring"], ["ulysses"], ["ulysses"]]
         degrees = [d for row in record["rows"] for d in row["cp_degrees"]]
         assert max(degrees) == world and 1 in degrees  # long sequences on rings, short ones local
         got = torch.load(out / f"params_{r}.pt")

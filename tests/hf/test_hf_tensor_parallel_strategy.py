@@ -63,9 +63,39 @@ def _full(module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in full_state_dict(module).items()}
 
 
+def _bytes(t: torch.Tensor, whole: bool) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = t if whole or not isinstance(t, DTensor) else t.to_local()
+    return local.numel() * local.element_size()
+
+
 class Recorder(pl.Callback):
+    """Per rank: the tensor memory ``configure_model`` held at its peak and the weights it left, the losses, the final weights."""
+
     def __init__(self, out: Path) -> None:
         self.out, self.losses = out, []
+
+    def setup(self, trainer, pl_module, stage):  # before the Trainer calls configure_model
+        from _live_bytes import LiveBytes
+
+        configure, r = pl_module.configure_model, trainer.global_rank
+
+        def measured() -> None:
+            with LiveBytes() as live:
+                configure()
+            model = pl_module.model
+            tensors = list({id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+            self.memory = {
+                "peak": live.peak,
+                "held": live.live,
+                "shards": sum(_bytes(t, whole=False) for t in tensors),
+                "whole_model": sum(_bytes(t, whole=True) for t in tensors),
+                "largest_whole": max(_bytes(t, whole=True) for t in tensors),
+            }
+            torch.save(_full(pl_module), self.out / f"start_{r}.pt")  # before the strategy's broadcast
+
+        pl_module.configure_model = measured
 
     def on_train_start(self, trainer, pl_module):
         from torch.distributed.tensor import DTensor
@@ -80,7 +110,7 @@ class Recorder(pl.Callback):
         r = trainer.global_rank
         torch.save(final, self.out / f"final_{r}.pt")
         (self.out / f"report_{r}.json").write_text(
-            json.dumps({"losses": self.losses, "sharded": self.sharded})
+            json.dumps({"losses": self.losses, "sharded": self.sharded, "memory": self.memory})
         )
 
 
@@ -95,10 +125,24 @@ def test_hf_qwen3_with_transformers_tp_plan_under_the_strategy_equals_one_proces
     strategy = ByteScaleStrategy(tensor_parallel_size=2, capacity=CAPACITY, start_method="fork", timeout=120)
     fit_hf(tmp_path, path, strategy, Recorder(tmp_path), STEPS, _step, tensor_parallel=True, **OPTIM)
     expected, losses = hf_reference(path, STEPS, **OPTIM)
+    initial = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).state_dict()
     worst_param = worst_loss = 0.0
     for r in range(4):
         got = torch.load(tmp_path / f"final_{r}.pt")
         rep = json.loads((tmp_path / f"report_{r}.json").read_text())
+        start = torch.load(
+            tmp_path / f"start_{r}.pt"
+        )  # as configure_model left it: the checkpoint's, exactly
+        assert start.keys() == {f"model.{k}" for k in initial}
+        assert all(torch.equal(start[f"model.{k}"], v) for k, v in initial.items()), r
+        # the model is sharded on the meta device: no rank allocates it whole; rank 0 reads it on its
+        # host, the others hold their shards and one whole tensor at a time (and its part while cut)
+        memory = rep["memory"]
+        print(f"rank {r} configure_model: {memory}")
+        if r > 0:
+            assert memory["peak"] <= memory["shards"] + 2 * memory["largest_whole"], memory
+            assert memory["peak"] < memory["whole_model"], memory
+        assert memory["held"] < memory["shards"] + 1024, memory  # no whole tensor left
         assert rep["sharded"] > 0, "parallelize_hf sharded nothing"
         shared = [k for k in expected if k in got]
         assert len(shared) == len(expected)

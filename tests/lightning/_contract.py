@@ -636,7 +636,8 @@ FEATURES: tuple[Feature, ...] = (
         "`Trainer.init_module(empty_init=True)`, `configure_model` on the meta device",
         "works",
         "materialised by each module's `reset_parameters` (`LlamaModel`: its own initialisation), then rank 0's "
-        "values everywhere",
+        "values everywhere; with `tensor_parallel_size > 1`, sharded on the meta device, each rank allocates only "
+        "its shards of rank 0's draws",
         "models/test_model_llama.py::test_a_meta_device_model_materialises_with_the_model_init",
     ),
     Feature(

@@ -90,9 +90,29 @@ def test_options_validated():
         "seed": 3,
         "num_buckets": 8,
         "pipeline_degree": 1,
+        "max_micro_batches": None,
     }
     assert s.planner_options() == s.planner_config.as_options()
     assert s._timeout.total_seconds() == 5
+
+
+def test_max_micro_batches_reaches_the_planner_and_the_pipeline_stages():
+    from types import SimpleNamespace
+
+    from lightning_bytescale.lightning.pipeline import stage_schedules
+
+    config = ByteScaleStrategy(pipeline_parallel_size=2, max_micro_batches=4).planner_config
+    assert (config.max_micro_batches, config.pipeline_degree) == (4, 2)
+    with pytest.raises(
+        ValueError,
+        match=r"max_micro_batches=4 bounds the micro-batches of a pipeline.*pipeline_parallel_size",
+    ):
+        ByteScaleStrategy(max_micro_batches=4)  # no pipelines: a setting that would do nothing
+    strategy = SimpleNamespace(_stage_schedules=None, parallel_mesh=object(), planner_config=config)
+    stage = object()
+    schedules = stage_schedules(strategy, stage)
+    assert schedules.max_micro_batches == 4 and stage_schedules(strategy, stage) is schedules  # one per run
+    assert stage_schedules(strategy, object()) is not schedules  # another stage module: another cache
 
 
 def test_comm_aware_and_cost_model_file_reach_make_plan(tmp_path):

@@ -316,3 +316,31 @@ def test_stage_bubble_is_the_share_of_the_schedule_not_computing():
 
     assert stage_bubble(3.0, 4.0) == 0.25
     assert stage_bubble(0.0, 0.0) == 0.0  # a pipeline without micro-batches
+
+
+def test_mode_counts_and_bytes_per_mode_come_from_the_plan_the_same_on_every_rank():
+    """``comm/mode_counts/<mode>`` and ``comm/mode_bytes_planned/<mode>`` of a step whose plan (balance,
+    a cost model with heads) runs ring, Ulysses and hybrid items: ``Plan.mode_stats()``, on every rank."""
+    from _mode_plans import MIXED_LENGTHS, mixed_mode_plan
+
+    from lightning_bytescale.engine.micro_batch import build_step
+    from lightning_bytescale.lightning.step_stats import step_stats
+
+    plan = mixed_mode_plan()
+    want = plan.mode_stats()
+    assert all(
+        want["mode_counts"][m] > 0 and want["comm_bytes"][m] > 0 for m in ("ring", "ulysses", "hybrid")
+    )
+    tokens = [torch.arange(s) % 64 for s in MIXED_LENGTHS]
+    report = SimpleNamespace(busy_s=1.0, num_micro_batches=1, ring_bytes=0.0, ring_wait_s=0.0)
+    result = SimpleNamespace(reports=[report] * 4, loss=1.0, allreduce_s=0.0)
+    for rank in range(4):
+        batch = build_step(plan, rank, lambda j: tokens[j])
+        metrics = step_metrics(
+            step_stats(batch, result)
+        )  # what ByteScaleStrategy leaves and the callback logs
+        for mode in ("ring", "ulysses", "hybrid"):
+            assert metrics[f"comm/mode_counts/{mode}"] == want["mode_counts"][mode], (rank, mode)
+            assert metrics[f"comm/mode_bytes_planned/{mode}"] == want["comm_bytes"][mode], (rank, mode)
+    ring_only = step_metrics(merge_plan_stats({}, _plan().stats()))
+    assert ring_only["comm/mode_counts/ring"] == 1 and ring_only["comm/mode_counts/ulysses"] == 0

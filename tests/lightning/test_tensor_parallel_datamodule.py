@@ -20,17 +20,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from _strategy_helpers import QUIET
+from _strategy_helpers import QUIET, datamodule_batches
 from test_tensor_parallel_strategy import INIT_SEED, MAX_NORM, TOLERANCE, TPLM, Recorder, reference_steps
 
 from lightning_bytescale import ByteScaleDataModule, ByteScaleStrategy
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
-from lightning_bytescale.parallel import ParallelDims
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -75,20 +73,7 @@ class Shares(pl.Callback):
 
 def _global_batches(cache: Path) -> tuple[list[list[torch.Tensor]], list[str], list]:
     """The run's global batches as the data module of HDP rank 0 plans them: sequences, identities, plans."""
-    dims = ParallelDims(4, tensor_parallel=2)
-    strategy = _strategy()
-    strategy.parallel_mesh = SimpleNamespace(dims=dims, hdp_rank=0, lane=0, ring_ranks=dims.lane_ranks(0))
-    dm = _data(cache)
-    dm.trainer = SimpleNamespace(global_rank=0, world_size=4, strategy=strategy, overfit_batches=0)
-    dm.setup("fit")
-    dataset = dm.train_dataloader().dataset
-    batches, identities, plans = [], [], []
-    for k in range(STEPS):
-        ids = dataset.sample_ids(0, k)
-        batches.append([torch.as_tensor(dataset.tokens(int(i)), dtype=torch.long) for i in ids])
-        identities.append(dataset.data_identity(ids))
-        plans.append(dataset.plan(0, k))
-    return batches, identities, plans
+    return datamodule_batches(_strategy(), _data(cache), 4, STEPS)
 
 
 def test_2x2_with_the_datamodule_equals_one_process_on_its_global_batches(tmp_path):

@@ -163,6 +163,25 @@ class TPFSDPLM(TPLM):
         fully_shard(self.model, mesh=dp, reshard_after_forward=self.reshard_after_forward)
 
 
+class MetaTPLM(TPLM):
+    """Built on the meta device (no memory) and sharded there; the strategy gives each rank its shards.
+
+    The values are rank 0's draws of each module's ``reset_parameters`` (``LlamaModel``'s own
+    initialisation, in the order the eager model draws), from the reference's seed.
+    """
+
+    def __init__(self, tied: bool) -> None:
+        pl.LightningModule.__init__(self)
+        with torch.device("meta"):
+            self.model = LlamaModel(LlamaConfig.preset("tiny", tie_embeddings=tied))
+        self.heads_seen = set()
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        assert all(p.is_meta for p in self.parameters())
+        torch.manual_seed(INIT_SEED)  # what set-up draws from (as seed_everything would leave it)
+
+
 def _process_groups() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
@@ -338,24 +357,28 @@ def test_2x2_balance_with_rings_and_an_idle_hdp_rank_equals_one_process(tmp_path
     assert [rep["p2p_peers"] for rep in result["reports"]] == [[2], [3], [0], [1]]
 
 
-def test_1x2_tied_embeddings_equals_one_process(tmp_path):
-    steps = 4
-    _fit(tmp_path, 2, steps=steps, tied=True)
-    result = _check(tmp_path, 2, steps, tied=True)
-    print(f"(1, 2): max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
+def _equals_one_process(out: Path, what: str, world: int, steps: int, tied: bool, module: type[TPLM]) -> dict:
+    """Train ``module`` on ``world`` ranks and check it against one process (``_check``) to ``TOLERANCE``."""
+    _fit(out, world, steps=steps, tied=tied, module=module)
+    result = _check(out, world, steps, tied=tied)
+    print(f"{what}: max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}")
     assert result["param"] <= TOLERANCE, result["param"]
     assert result["loss"] <= TOLERANCE, result["loss"]
+    return result
+
+
+def test_1x2_tied_embeddings_equals_one_process(tmp_path):
+    _equals_one_process(tmp_path, "(1, 2)", 2, steps=4, tied=True, module=TPLM)
+
+
+def test_1x2_meta_device_model_equals_one_process(tmp_path):
+    """A model built on the meta device is accepted with TP, materialised with each rank's shards only, exactly."""
+    _equals_one_process(tmp_path, "(1, 2) meta", 2, steps=3, tied=False, module=MetaTPLM)
 
 
 def test_2x2_fsdp2_on_data_parallel_around_tp_equals_one_process(tmp_path):
-    steps = 3  # includes IDLE_STEP: HDP rank 1 runs no micro-batch but joins every FSDP collective
-    _fit(tmp_path, 4, steps=steps, tied=False, module=TPFSDPLM)
-    result = _check(tmp_path, 4, steps, tied=False)
-    print(
-        f"(2, 2) FSDP2: max parameter difference {result['param']:.3e}, max loss difference {result['loss']:.3e}"
-    )
-    assert result["param"] <= TOLERANCE, result["param"]
-    assert result["loss"] <= TOLERANCE, result["loss"]
+    # three steps include IDLE_STEP: HDP rank 1 runs no micro-batch but joins every FSDP collective
+    result = _equals_one_process(tmp_path, "(2, 2) FSDP2", 4, steps=3, tied=False, module=TPFSDPLM)
     assert result["reports"][0]["rows"][IDLE_STEP]["num_micro_batches"][1] == 0
 
 
@@ -375,12 +398,16 @@ class CheckpointProbe(pl.Callback):
 
     ``DTensor.redistribute`` is what ``full_tensor`` and torch's full-state-dict gathers call.
     With ``consolidated`` set, after step ``RESUME_AT`` the same state is also saved as one file there.
+    Each consolidated save also records the tensor memory it held at its peak (``_live_bytes.LiveBytes``),
+    the bytes of the tensors in the checkpoint dict Lightning built on this rank, and the whole bytes
+    of the model's state and of its largest tensor.
     """
 
     def __init__(self, out: Path, consolidated: Path | None = None) -> None:
         self.out, self.consolidated = out, consolidated
         self.window: str | None = None
         self.gathers: dict[str, int] = {}
+        self.saves: dict[str, dict] = {}
         self.read_elements = 0
 
     def _count(self, name: str, fn):
@@ -418,9 +445,34 @@ class CheckpointProbe(pl.Callback):
         for name in ("load_checkpoint", "load_model_state_dict", "load_optimizer_state_dict"):
             setattr(strategy, name, self._count("load", getattr(strategy, name)))
         save = trainer.save_checkpoint
-        trainer.save_checkpoint = lambda path, *a, **k: self._count(f"save {Path(path).name}", save)(
-            path, *a, **k
-        )
+
+        def measured_save(path, *args, **kwargs):
+            from _live_bytes import LiveBytes
+
+            name = f"save {Path(path).name}"
+            if trainer.strategy.sharded_checkpoints:  # nothing is gathered (the counts show it)
+                return self._count(name, save)(path, *args, **kwargs)
+            with LiveBytes() as live:
+                self._count(name, save)(path, *args, **kwargs)
+            self.saves[name] = {"peak": live.peak, **self._held}
+
+        trainer.save_checkpoint = measured_save
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        from torch.utils._pytree import tree_leaves
+
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))  # DTensor: whole
+
+        whole = list(pl_module.state_dict().values())  # AdamW's moments are shaped like their parameters
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in pl_module.parameters()]
+        self._held = {
+            "in_checkpoint": nbytes(tree_leaves([checkpoint["state_dict"], checkpoint["optimizer_states"]])),
+            "whole_model": nbytes(whole),
+            "largest_whole": max(nbytes([t]) for t in whole),
+            # ZeRO on the mesh gives every rank its lane's whole AdamW state for the save (LaneZero.materialized)
+            "lane_state": 2 * nbytes(local) if trainer.strategy.zero else 0,
+        }
 
     def on_train_start(self, trainer, pl_module):
         from lightning_bytescale.lightning.mesh import keeps_state
@@ -462,7 +514,12 @@ class CheckpointProbe(pl.Callback):
             strategy.checkpoint_format = chosen
 
     def on_train_end(self, trainer, pl_module):
-        report = {"gathers": self.gathers, "read_elements": self.read_elements, **getattr(self, "loaded", {})}
+        report = {
+            "gathers": self.gathers,
+            "saves": self.saves,
+            "read_elements": self.read_elements,
+            **getattr(self, "loaded", {}),
+        }
         (self.out / f"probe_{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
@@ -509,6 +566,17 @@ def _resume(
     for rep in _probes(first, 4):  # a consolidated save gathers (the probe sees it); a sharded one must not
         assert (rep["gathers"][f"save {ckpt.name}"] == 0) == sharded, rep["gathers"]
     print(f"DTensor redistributions per save on rank 0: {_probes(first, 4)[0]['gathers']}")
+    for r, rep in enumerate(_probes(first, 4)):  # a consolidated save: whole tensors on rank 0's host only
+        for name, save in rep["saves"].items():
+            if sharded and (consolidated is None or name != f"save {consolidated.name}"):
+                continue
+            print(f"rank {r} {name}: {save}")
+            if r == 0:  # the whole model and the optimizer state
+                assert save["in_checkpoint"] > save["whole_model"], save
+            else:  # nothing kept; while gathering, one whole tensor at a time (and the collective's buffer)
+                assert save["in_checkpoint"] == 0, save
+                assert save["peak"] <= 3 * save["largest_whole"] + save["lane_state"], save
+                assert 3 * save["largest_whole"] < save["whole_model"], save
     for name, world, options in worlds:
         out = tmp_path / name
         _fit(

@@ -228,29 +228,39 @@ class _Mailbox:
         return post
 
 
-def _threaded_ring(seq_lens, n, heads, kv_heads, impl):
-    q, k, v, dout = make_inputs(seq_lens, heads, kv_heads, seed=n)
-    mailbox, results, errors = _Mailbox(), {}, []
+def run_threads(n, member):
+    """``member(i)`` for ``i < n``, each in its own thread; the first error is re-raised here."""
+    errors = []
 
-    def member(i):
+    def run(i):
         try:
-            layout = ring_layout(seq_lens, tuple(range(n)), i)
-            idx, valid = shard_index(layout)
-            setup = ring_module.ring_setup(layout, idx.shape[0], q.device, transport=mailbox.transport(i))
-            qq, kk, vv = (x[idx].clone().requires_grad_() for x in (q, k, v))
-            out = ring_module.ZigzagRingAttention.apply(qq, kk, vv, setup, q.shape[-1] ** -0.5, impl)
-            out.backward(dout[idx])
-            results[i] = (idx, valid, out.detach(), qq.grad, kk.grad, vv.grad)
+            member(i)
         except Exception as err:  # re-raised in the main thread
             errors.append(err)
 
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(timeout=60)
     if errors:
         raise errors[0]
+
+
+def _threaded_ring(seq_lens, n, heads, kv_heads, impl):
+    q, k, v, dout = make_inputs(seq_lens, heads, kv_heads, seed=n)
+    mailbox, results = _Mailbox(), {}
+
+    def member(i):
+        layout = ring_layout(seq_lens, tuple(range(n)), i)
+        idx, valid = shard_index(layout)
+        setup = ring_module.ring_setup(layout, idx.shape[0], q.device, transport=mailbox.transport(i))
+        qq, kk, vv = (x[idx].clone().requires_grad_() for x in (q, k, v))
+        out = ring_module.ZigzagRingAttention.apply(qq, kk, vv, setup, q.shape[-1] ** -0.5, impl)
+        out.backward(dout[idx])
+        results[i] = (idx, valid, out.detach(), qq.grad, kk.grad, vv.grad)
+
+    run_threads(n, member)
     return reference_with_grads(q, k, v, dout, seq_lens), results, mailbox.posts
 
 

@@ -6,7 +6,7 @@
   torchdata), imports the package from the repository and passes every section it can run
   on a CPU; its own checks hold (float64 Trainer run against the single-process reference,
   loopback rings against the dense reference, ring-flash-attention's varlen case within its
-  tolerances, bit-identical offload hooks);
+  tolerances, a Ulysses item of 2 gloo ranks against local attention, bit-identical offload hooks);
 * with the package unimportable (a broken copy first on the path, as a checkout without its
   dependencies would be) it exits 2 and says why, instead of recording the error and exiting 0;
 * a subsection that raises keeps what it recorded before the error, the report names the
@@ -60,7 +60,16 @@ def test_dry_run_from_the_repository_root_passes_every_section(tmp_path):
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and report["device"] == "cpu" and report["ok"] is True
     assert Path(report["package"]) == ROOT / "lightning_bytescale"  # this checkout's package
-    for section in ("kernels", "ring", "host_syncs", "trainer", "tensor_parallel", "offload", "flash_attn"):
+    for section in (
+        "kernels",
+        "ring",
+        "host_syncs",
+        "trainer",
+        "tensor_parallel",
+        "ulysses",
+        "offload",
+        "flash_attn",
+    ):
         assert report[section]["ok"], report[section]
         for name, sub in report[section].items():
             if isinstance(sub, dict):
@@ -103,6 +112,14 @@ def test_dry_run_from_the_repository_root_passes_every_section(tmp_path):
         assert tp[name]["dtensor_params"] > 0 and tp[name]["step_seconds_median"] > 0
     assert tp["bf16_mixed"]["ran"] and tp["bf16_mixed"]["finite"]
     assert tp["float64"]["max_param_diff"] <= 1e-10 and tp["float64"]["max_param_change"] > 1e-4
+
+    ulysses = report["ulysses"]  # the 2+ GPU section's code on 2 gloo ranks (spawned), bfloat16
+    (item,) = ulysses["errors"]["items"]
+    assert ulysses["errors"]["members"] == 2 and item["mode"] == "ulysses" and item["ok"]
+    assert max(item["rel_err_vs_float64"].values()) <= 2e-2
+    assert max(item["rel_diff_vs_local"].values()) <= 1e-2  # the same kernel on the same rows
+    timing = ulysses["throughput"]
+    assert min(timing[k] for k in ("local_s", "ulysses_s", "ring_s")) > 0 and timing["members"] == 2
 
     offload = report["offload"]
     assert set(offload["cpu_hooks"]["bit_identical"]) == {"0.25", "0.5", "1.0"}

@@ -14,14 +14,15 @@ micro-batch.  On ``(2, 2)`` three of the first five steps hold two sequences lon
 planner shards as ring items over both pipelines: at every stage the ring runs between that stage
 of the two pipelines, on the global group, at the same micro-batch index on both (plans with rings
 run ``Schedule1F1B`` on every pipeline); the sixth step is docs/pipelines.md's example of two
-ring items that 1F1B, as placed, would deadlock on.  A second run pads every pipeline to five micro-batches
+ring items that 1F1B, as placed, would deadlock on, the second one a Ulysses item (its all-to-all
+follows the rings' order rule: the same item order, the same index on every member).  A second run pads every pipeline to five micro-batches
 with padding micro-batches (``min_micro_batches=5``: always ``Schedule1F1B``, rings included),
 which must change nothing.  Stage-to-stage transfers go only to the rank's own pipeline, and no process group is
 created after set-up.
 
-On ``(2, 3)`` (6 ranks) a hand plan has three ring items, each over another pair of the three
-pipelines, so the index rule leaves a gap in one pipeline, filled with a padding micro-batch: two
-steps must equal one process there too.
+On ``(2, 3)`` (6 ranks) a hand plan has three ring items (the middle one a Ulysses item), each over
+another pair of the three pipelines, so the index rule leaves a gap in one pipeline, filled with a
+padding micro-batch: two steps must equal one process there too.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def _triangle_plan(lengths: list[int]) -> Plan:
     for item, ring in enumerate([(0, 1), (1, 2), (2, 0)]):
         for member, r in enumerate(ring):
             ranges = tuple(zigzag.member_ranges(lengths[item], 2, member))
-            ranks[r].append(MicroBatch([Piece(item, ranges)], ring=ring, item=item))
+            mode = "ulysses" if item == 1 else "ring"
+            ranks[r].append(MicroBatch([Piece(item, ranges)], ring=ring, item=item, mode=mode))
     ranks[2].insert(0, MicroBatch([Piece(3, ((0, lengths[3]),))]))
     ranks[0].sort(key=lambda mb: mb.item)  # every pipeline runs its ring items in item order
     plan = Plan(3, CAPACITY, "hand", tuple(lengths), ranks, {"pipeline_degree": STAGES})
@@ -102,7 +104,8 @@ def _crossed_plan(lengths: list[int]) -> Plan:
     """docs/pipelines.md's example: ring items 0 and 1 on both pipelines, pipeline 0 a local micro-batch between them.
 
     As placed, 1F1B's stage 0 runs ``F 0, F local, B 0, F 1`` on pipeline 0 and ``F 0, F 1, B 0``
-    on pipeline 1 and would hang; the index rule moves item 1 to index 1 on pipeline 0 too.
+    on pipeline 1 and would hang; the index rule moves item 1 to index 1 on pipeline 0 too.  Item 1
+    is a Ulysses item: its exchanges take the rings' place in that order.
     """
     from lightning_bytescale.planner import zigzag
 
@@ -110,7 +113,8 @@ def _crossed_plan(lengths: list[int]) -> Plan:
     for item in (0, 1):
         for member in (0, 1):
             ranges = tuple(zigzag.member_ranges(lengths[item], 2, member))
-            ranks[member].append(MicroBatch([Piece(item, ranges)], ring=(0, 1), item=item))
+            mode = "ulysses" if item == 1 else "ring"
+            ranks[member].append(MicroBatch([Piece(item, ranges)], ring=(0, 1), item=item, mode=mode))
     ranks[0].insert(1, MicroBatch([Piece(2, ((0, lengths[2]),))]))
     plan = Plan(2, CAPACITY, "hand", tuple(lengths), ranks, {"pipeline_degree": STAGES})
     plan.validate()
@@ -152,6 +156,7 @@ def _train(pmesh, log: helpers.CallLog, *, steps: int, min_micro_batches: int) -
         "padding",
         "peers",
         "rings",
+        "modes",
         "params",
     )
     out: dict = {k: [] for k in keys}
@@ -245,6 +250,7 @@ def test_2x2_adamw_steps_with_different_micro_batch_counts_per_pipeline_equal_on
         assert any(len(set(c)) > 1 for c in train["counts"]), train["counts"]
         assert train["counts"][2][1] == 1 < train["counts"][2][0], train["counts"]  # one against several
         assert train["counts"][3][1] == 0, train["counts"]
+        assert train["modes"][5] == ["ring", "ulysses"], train["modes"]  # the crossed plan's two items
     # the pipeline with one micro-batch ran GPipe, the one without any no schedule, the others 1F1B
     pipe1 = reports_2x2[1]["train"]
     assert pipe1["schedules"][2] == "ScheduleGPipe" and pipe1["schedules"][3] is None
@@ -299,6 +305,9 @@ def test_2x3_rings_over_three_pairs_of_pipelines_with_an_index_gap_equal_one_pro
         assert train["counts"] == [[3, 2, 3]] * TRIANGLE_STEPS, train["counts"]
         assert train["padding"] == [1 if pipeline == 0 else 0] * TRIANGLE_STEPS  # the gap at index 1
         assert train["rings"] == [2] * TRIANGLE_STEPS
+        assert all(modes == ["ring", "ulysses"] for modes in train["modes"]) == (pipeline != 0), train[
+            "modes"
+        ]
         stage_ranks = {3 * (g // 3) + h for h in range(3)}  # this stage of the three pipelines
         ring_peers = {p for step in train["peers"] for ranks, peers in step if len(ranks) == 6 for p in peers}
         assert ring_peers == stage_ranks - {g}, (g, ring_peers)
@@ -312,4 +321,5 @@ def test_2x2x2_tensor_parallel_stages_equal_one_process(reports_2x2x2):
         _check_exact(train, TP_STEPS)
         assert train["sharded"] >= 4, "the stage's projections are DTensor shards"
         assert [r > 0 for r in train["rings"]] == [s in RING_STEPS for s in range(TP_STEPS)]
+        assert train["modes"][5] == ["ring", "ulysses"], train["modes"]  # Ulysses on the lane's heads
         assert rep["pg_setup"] == rep["pg_end"] and rep["group_calls"] == 0

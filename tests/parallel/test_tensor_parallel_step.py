@@ -12,10 +12,11 @@ vocabulary is sharded too):
   (sequence, position); attention received this lane's heads only; before the data-parallel sum the
   replicated parameters' gradients are equal on both lanes; after ``run_parallel_step`` every
   gradient equals the reference's;
-* ten AdamW steps with clipping (the balance planner with rings, and one hand plan in which HDP
-  rank 1 runs no micro-batch): parameters, losses and gradient norms track the reference; every
-  ring P2P of a rank goes to the same lane of the other HDP rank, on the global group; no process
-  group is created after set-up;
+* ten AdamW steps with clipping (the balance planner with rings, in odd steps run as Ulysses
+  items: the lane's 2 query heads and 1 key/value head split over the 2 HDP ranks, and one hand
+  plan in which HDP rank 1 runs no micro-batch): parameters, losses and gradient norms track the
+  reference; every ring and Ulysses P2P of a rank goes to the same lane of the other HDP rank, on
+  the global group; no process group is created after set-up;
 * the same with FSDP2 on ``"data_parallel"`` and TP inside.
 
 On ``(1, 2)`` (one HDP rank, tied embeddings: replicated on both lanes) the same training check.
@@ -80,7 +81,13 @@ def _plan(step: int, seqs: list[torch.Tensor], hdp: int) -> Plan:
 
     if hdp == 2 and step == 3:
         return _idle_plan(seqs)
-    return make_plan([len(s) for s in seqs], world_size=hdp, capacity=CAPACITY, planner="balance", seed=step)
+    plan = make_plan([len(s) for s in seqs], world_size=hdp, capacity=CAPACITY, planner="balance", seed=step)
+    if step % 2:  # odd steps: the ring items as Ulysses items (the lane's heads split over the HDP ranks)
+        for mbs in plan.ranks:
+            for mb in mbs:
+                if mb.ring is not None:
+                    mb.mode = "ulysses"
+    return plan
 
 
 def _lane_step(plan: Plan, pmesh, seqs, step: int):
@@ -258,6 +265,7 @@ def test_2x2_adamw_steps_with_clipping_equal_one_process(reports_2x2):
         _check_training(train, STEPS)
         assert [2, 0] in train["counts"], "a step in which HDP rank 1 runs no micro-batch"
         assert any(s["rings"] for s in train["steps"])
+        assert {m for s in train["steps"] for m in s["modes"]} == {"ring", "ulysses"}
 
 
 def test_ring_p2p_of_each_lane_goes_to_the_same_lane_of_the_other_hdp_rank(reports_2x2):

@@ -21,7 +21,7 @@ PEERS = ("megatron_dcp", "lpt")
 
 @pytest.mark.parametrize("cost", sorted(PRESETS))
 @pytest.mark.parametrize("world", [8, 32])
-@pytest.mark.parametrize("dist", distributions.names())
+@pytest.mark.parametrize("dist", distributions.SYNTHETIC)
 def test_balance_is_level_with_or_ahead_of_both_peers(dist, world, cost):
     res = compare_case(Case(dist, world, cost, micro_batches_per_rank=4))
     bal = res["balance_no_offload"]["step_time_s"]

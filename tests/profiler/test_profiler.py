@@ -55,6 +55,15 @@ def test_fit_on_this_cpu_prints_residuals(profile, capsys):
     assert profile.offload.bandwidth_d2h > 1e8 and profile.offload.layers_per_rank == 4
 
 
+def test_the_cost_model_records_the_models_heads_for_ulysses(profile, tmp_path):
+    cfg = LlamaConfig.preset("small")
+    cm = profile.cost_model
+    assert (cm.attention_heads, cm.kv_heads) == (cfg.heads, cfg.kv_heads) == (8, 2)
+    assert "heads: 8 query, 2 key/value [" in profile.summary()
+    back = load_cost_model(profile.save(tmp_path / "small.json"))  # the file keeps them
+    assert (back.attention_heads, back.kv_heads) == (8, 2)
+
+
 def test_p2p_link_gives_the_cost_model_its_communication_term(profile):
     """The measured gloo link is the ring bandwidth; K/V bytes come from the model shape."""
     cm, link = profile.cost_model, profile.notes["p2p"]

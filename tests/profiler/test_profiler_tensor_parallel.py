@@ -121,12 +121,15 @@ def test_a_lane_saves_what_one_device_saves_less_its_sharded_share(profiles):
     assert max(abs(r) for r in profiles[2].relative_act_residuals) < 1e-9
 
 
-def test_the_group_records_its_size_its_lanes_kv_heads_and_its_times(profiles):
+def test_the_group_records_its_size_its_lanes_heads_and_kv_bytes_and_its_times(profiles):
     prof = profiles[2]
     cm = prof.cost_model
     assert cm.tensor_parallel == prof.tensor_parallel == 2 and profiles[1].tensor_parallel == 1
     assert cm.kv_bytes_per_token_per_layer == 2 * (KV_HEADS // 2) * HEAD_DIM * 4  # one lane's K and V heads
     assert profiles[1].cost_model.kv_bytes_per_token_per_layer == 2 * KV_HEADS * HEAD_DIM * 4
+    # the heads Ulysses splits: one lane's query and key/value heads
+    assert (cm.attention_heads, cm.kv_heads) == (HEADS // 2, KV_HEADS // 2)
+    assert (profiles[1].cost_model.attention_heads, profiles[1].cost_model.kv_heads) == (HEADS, KV_HEADS)
     assert all(t > 0 for t in prof.layer_seconds) and all(t > 0 for t in prof.model_seconds)
     assert cm.num_layers == LAYERS and prof.notes["profiled_layers"] == 2
     assert "one tensor-parallel group of 2" in prof.summary() and "per HDP rank" in prof.summary()
