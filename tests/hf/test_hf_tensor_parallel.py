@@ -31,7 +31,7 @@ from _ranks import gather_reports, init_gloo, save_report  # noqa: E402
 from _tp_comm import TP as FAKE_TP  # noqa: E402
 from _tp_comm import LargestTensor, backward_all_reduces, fake_tp_mesh  # noqa: E402
 from test_hf_families import tiny_config  # noqa: E402
-from torch.distributed.tensor import DTensor, Shard  # noqa: E402
+from torch.distributed.tensor import Shard  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 WORLD, TP = 4, 2
