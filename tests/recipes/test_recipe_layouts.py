@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from _fake_pg import fake_world
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_bytescale.cli.train import added_key_error, override_typo
@@ -50,15 +51,12 @@ def test_the_layout_keys_are_schema_keys_and_the_presets_use_them():
 @contextmanager
 def _fake_world(world: int = 4):
     """A fake process group of ``world`` ranks in this process (this is rank 0): meshes and DTensors
-    build, collectives do nothing."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    build, collectives do nothing.  Left through ``tests/_fake_pg.py``, which also forgets the
+    meshes DTensor cached on it (ranks a later test forks from this process would inherit them)."""
     assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
+    with fake_world() as join:
+        join(0, world)
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _laid_out(module: PretrainModule, dims: dict[str, int]) -> PretrainModule:
