@@ -20,6 +20,8 @@ under a Lightning ``Trainer`` (docs/pipelines.md, "Pipelines under the Trainer")
   steps with the same micro-batch count (:func:`stage_schedules`);
 * ZeRO-1/2 per stage: :class:`~lightning_bytescale.lightning.mesh.LaneZero` over the stage's
   data-parallel group (the strategy sets it up; ZeRO-2's owners go into the step's sync);
+* in the first steps, the attention check per pipeline: its stages together must call
+  ``lightning_bytescale.attention`` (:func:`agree_on_attention`; a head-only stage need not);
 * after the step one all-reduce over the world agrees on the stop flag (preemption) and
   gives every rank every stage's measured times, from which ``step_stats`` get each
   pipeline's measured bubble (:func:`agree_after_step`, :func:`pipeline_stats`);
@@ -31,7 +33,9 @@ under a Lightning ``Trainer`` (docs/pipelines.md, "Pipelines under the Trainer")
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +46,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_bytescale.engine.attention_check import (
+    AttentionVerdict,
+    check_attention,
+    kind_of,
+    pipeline_verdict,
+)
+from lightning_bytescale.engine.batch import PackedMicroBatch
 from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.engine.executor import LocalResult
 from lightning_bytescale.engine.state_sync import broadcast_tensors
@@ -49,6 +60,7 @@ from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.lightning import step as step_loop
 from lightning_bytescale.lightning.checkpoint import sharded_optimizer_state
 from lightning_bytescale.lightning.step_stats import step_stats
+from lightning_bytescale.packed_attention import count_attention_calls
 from lightning_bytescale.parallel import (
     DecoderStage,
     ParallelMesh,
@@ -183,16 +195,22 @@ def train(strategy: Any, batch: PipelineStepBatch) -> step_loop.TrainStep:
     # the bucketed sync on the stage's data-parallel group (ZeRO-2's owners in it), or the flat one
     grad_sync = loop._bucketed_sync([p for p in stage.parameters() if p.requires_grad])
     owners = strategy._grad_owners if strategy.zero == 2 and grad_sync is None else None
-    result = run_pipeline_step(
-        stage,
-        batch,
-        pmesh,
-        schedules=stage_schedules(strategy, stage),
-        compute_context=strategy.precision_plugin.train_step_context,  # autocast under "bf16-mixed"
-        check_finite=strategy.check_finite,
-        grad_owners=owners,
-        grad_sync=grad_sync,
-    )
+    checking = strategy.check_attention and loop.attention_window.active  # the first steps only
+    with count_attention_calls() if checking else contextlib.nullcontext() as counted:
+        result = run_pipeline_step(
+            stage,
+            batch,
+            pmesh,
+            schedules=stage_schedules(strategy, stage),
+            compute_context=strategy.precision_plugin.train_step_context,  # autocast under "bf16-mixed"
+            check_finite=strategy.check_finite,
+            grad_owners=owners,
+            grad_sync=grad_sync,
+        )
+    if checking:
+        verdict = agree_on_attention(counted.calls, batch.step.micro_batches, pmesh)
+        loop.attention_window.record(verdict)
+        check_attention(verdict, batch.step.step)  # every rank alike, before the optimizer step
     preemption = strategy._preemption
     stop, times = agree_after_step(result, pmesh, preemption is not None and preemption.requested)
     if preemption is not None:
@@ -206,6 +224,30 @@ def train(strategy: Any, batch: PipelineStepBatch) -> step_loop.TrainStep:
         loop._log(strategy.loss_name, result.loss_tensor, on_step=True, prog_bar=True)
     step.put_aside()
     return step
+
+
+def agree_on_attention(
+    calls: int, micro_batches: Sequence[PackedMicroBatch], pmesh: ParallelMesh
+) -> AttentionVerdict:
+    """The attention check of a pipeline step: one all-reduce over the world of each stage's calls.
+
+    ``calls``: this stage's packed attention calls over the step; every rank learns every
+    stage's and applies the per-pipeline rule
+    (:func:`~lightning_bytescale.engine.attention_check.pipeline_verdict`), so all raise alike.
+    """
+    dims = pmesh.dims
+    values = torch.zeros(dims.world_size, 4, dtype=torch.int64)
+    kinds = [kind_of(mb) for mb in micro_batches]
+    values[dist.get_rank()] = torch.tensor([calls, *(kinds.count(k) for k in ("ring", "packed", "single"))])
+    values = values.to(comm_device())
+    dist.all_reduce(values)
+    per_rank = [tuple(row) for row in values.cpu().tolist()]  # one copy back
+    pipelines = [
+        dims.pipeline_ranks(h, lane)
+        for h in range(dims.data_parallel)
+        for lane in range(dims.tensor_parallel)
+    ]
+    return pipeline_verdict(per_rank, pipelines)
 
 
 def stage_schedules(strategy: Any, stage: DecoderStage) -> StageSchedules:
@@ -297,6 +339,7 @@ def optimizer_state(optimizer: Optimizer, module: nn.Module, pmesh: ParallelMesh
 
 __all__ = [
     "agree_after_step",
+    "agree_on_attention",
     "broadcast_state",
     "check_options",
     "check_precision",

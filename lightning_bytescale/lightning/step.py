@@ -35,6 +35,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_bytescale.engine.attention_check import AttentionCheckWindow
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.executor import (
     LocalResult,
@@ -132,6 +133,7 @@ class StepLoop:
         self.in_loop: str | None = None  # the micro-batch hook running now
         self.steps_run = 0
         self.loss_probe_done = False
+        self.attention_window = AttentionCheckWindow()  # the first steps' attention check
         self.warned_partial_loss = False
         self.offloader: Any = None
         self.grad_sync: BucketedGradSync | None = None
@@ -309,6 +311,7 @@ class StepLoop:
                 grad_sync=grad_sync,
                 plan_check=plan_check,
                 locate_non_finite=strategy.locate_non_finite,
+                check_attention=strategy.check_attention and self.attention_window.active,
             )
         if grad_sync is not None and strategy.parallel_mesh is not None:
             grad_sync.launch()  # every rank's buckets before FSDP's reduce-scatters (all of them without micro-batches)
@@ -395,6 +398,8 @@ class StepLoop:
         self.steps_run += 1
         if step.probing:
             self._after_probe(result, batch.step)
+        if strategy.check_attention and self.attention_window.active:
+            self.attention_window.record(result.attention)
         step.result = result
         step.stats = step_stats(batch, result)
         if strategy.log_loss:

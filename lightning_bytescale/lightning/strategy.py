@@ -139,6 +139,11 @@ class ByteScaleStrategy(ParallelStrategy):
         check_loss_normalization: in the first steps, probe one micro-batch per rank again with
             ``num_global_tokens`` doubled and stop with :class:`~lightning_bytescale.errors.LossNormalizationError`
             if the loss did not change (a per-micro-batch mean); warn if it did not halve.
+        check_attention: in the first step, count the ``lightning_bytescale.attention`` calls of every
+            micro-batch's forward, and stop with
+            :class:`~lightning_bytescale.errors.MissingPackedAttentionError` where one made none
+            (:mod:`~lightning_bytescale.engine.attention_check`); ``False`` for a model that mixes no
+            tokens or handles packed sequences and rings itself.
         check_parameters_every_n_steps: every N steps (and the first of each run) compare parameter
             fingerprints in the step's all-reduce (:class:`~lightning_bytescale.errors.ParameterDivergenceError`); ``0``: off.
         gradient_sync: ``"bucketed"`` (default): bucket all-reduces overlapped with the last
@@ -191,6 +196,7 @@ class ByteScaleStrategy(ParallelStrategy):
         check_finite: bool = True,
         locate_non_finite: bool = False,
         check_loss_normalization: bool = True,
+        check_attention: bool = True,
         check_parameters_every_n_steps: int = 100,
         gradient_sync: Literal["bucketed", "flat"] = "bucketed",
         bucket_cap_mb: float = 25.0,
@@ -254,6 +260,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.check_finite = bool(check_finite)
         self.locate_non_finite = bool(locate_non_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
+        self.check_attention = bool(check_attention)
         self.check_parameters_every_n_steps = check_parameters_every_n_steps
         self.gradient_sync = gradient_sync
         self.bucket_cap_mb = float(bucket_cap_mb)
