@@ -291,7 +291,11 @@ def attach(
         return None
     base = config.cost_model if isinstance(config.cost_model, CostModel) else CostModel.paper_preset()
     settings = refit_config(option, auto)
-    partial = bool(trainer.overfit_batches) or trainer.limit_train_batches not in (1.0, None)
+    limit = (
+        trainer.limit_train_batches
+    )  # an int counts batches (1: one batch, as fast_dev_run sets), 1.0 is all
+    whole = limit is None or (isinstance(limit, float) and limit == 1.0)
+    partial = bool(trainer.overfit_batches) or not whole
     if settings.enabled and partial:  # epochs cut short: the loader's step index skips what the lag counts on
         if option is not None:
             raise ConfigError(

@@ -71,7 +71,9 @@ def _data(tmp_path, num_workers: int = 0) -> ByteScaleDataModule:
     )  # fmt: skip
 
 
-def _fit(run, tmp_path, max_steps, *, ckpt=None, save_every=None, num_workers=0, **strategy):
+def _fit(
+    run, tmp_path, max_steps, *, ckpt=None, save_every=None, num_workers=0, trainer_options=None, **strategy
+):
     data = _data(tmp_path, num_workers)
     data.prepare_data()
     data.setup("fit")
@@ -86,7 +88,7 @@ def _fit(run, tmp_path, max_steps, *, ckpt=None, save_every=None, num_workers=0,
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=bool(save_every),
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         default_root_dir=run, callbacks=callbacks,
-        strategy=ByteScaleStrategy(timeout=30, capacity=96, **strategy),
+        strategy=ByteScaleStrategy(timeout=30, capacity=96, **strategy), **(trainer_options or {}),
     )  # fmt: skip
     with in_this_process():
         trainer.fit(LM(data.vocab_size, seen), datamodule=data, ckpt_path=ckpt, weights_only=False)
@@ -161,6 +163,15 @@ def test_loader_workers_plan_each_step_with_the_model_the_schedule_gives_it(tmp_
     assert updates and all(at == i + 3 for i, at in updates)
     assert workers == inline
     assert workers[:5] == base[:5] and workers[5:] != base[5:]  # the refined model re-plans from step 2 + 3
+
+
+@pytest.mark.parametrize("limit", [1, 0.5])
+def test_epochs_cut_short_are_refused_before_the_first_step(tmp_path, limit):
+    """``limit_train_batches`` skips step indices the lag counts on (the next epoch's loader would
+    wait for a model no step publishes): refused at set-up, an int 1 (``fast_dev_run``'s) too."""
+    with pytest.raises(ConfigError, match="limit_train_batches"):
+        _fit(tmp_path / "run", tmp_path, 8, refine_cost_model=True,
+             trainer_options={"limit_train_batches": limit, "max_epochs": 3})  # fmt: skip
 
 
 def test_the_option_is_refused_where_it_cannot_run():
