@@ -185,3 +185,17 @@ def test_the_option_is_refused_where_it_cannot_run():
         ByteScaleStrategy(refine_cost_model={"window": 0})
     with pytest.raises(CostRefitError, match="unknown refit option"):
         ByteScaleStrategy(refine_cost_model={"windows": 10})
+
+
+def test_the_wandb_run_gets_the_planned_against_measured_chart():
+    """A chart that fails only warns (it must never stop training): check the payload itself."""
+    import types
+
+    from lightning_bytescale.lightning.telemetry import COST_FIT_COLUMNS, TelemetryCallback
+
+    logged: list[dict] = []
+    logger = types.SimpleNamespace(experiment=types.SimpleNamespace(log=logged.append))
+    rows = [[0, 0, 0.5, 0.6, 96], [1, 0, 0.25, 0.2, 40]]
+    TelemetryCallback._wandb_charts(logger, 3, {"cost_fit_rows": rows}, None)
+    chart = logged[0]["charts/cost_fit"]
+    assert chart.table.columns == COST_FIT_COLUMNS and chart.table.data == rows
