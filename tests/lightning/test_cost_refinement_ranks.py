@@ -1,17 +1,14 @@
 """Two gloo ranks refine the cost model from the same step data: each times only its own
 micro-batches, the times travel in the step's one all-reduce (``sync_step``'s ``extra``), and both
-ranks compute the same refined models, bit for bit (one forked run, a few seconds)."""
+ranks compute the same refined models, bit for bit (one run of two ranks, a few seconds); and a
+Trainer run on two ranks whose refined model re-plans steps trains exactly the one-process reference."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import multiprocessing
 import os
 import random
-import socket
-import traceback
 import types
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from _ranks import free_port, init_gloo, run_ranks
 from _strategy_helpers import QUIET
 from test_tensor_parallel_strategy import INIT_SEED, LR, MAX_NORM, TOLERANCE, reference_steps
 
@@ -38,13 +36,10 @@ WORLD = 2
 STEPS = 10
 
 
-def _rank(rank: int, port: int, out) -> None:
+def _rank(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    init_gloo(rank, WORLD, port)
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-            timeout=datetime.timedelta(seconds=60),
-        )  # fmt: skip
         base = CostModel.paper_preset()
         true = base.with_(a=base.a * 40, b=base.b * 25, g=1e-4)
         noise = random.Random(100 + rank)  # each rank's own measurements: no rank knows the other's
@@ -68,32 +63,14 @@ def _rank(rank: int, port: int, out) -> None:
             stats.append(refinement.observe(batch, result))
             states.append(json.dumps(refinement.state_dict(), sort_keys=True))
         refinement.close()
-        out.put((rank, "ok", {"states": states, "stats": stats}))
-        dist.destroy_process_group()
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
-
-
-def test_two_ranks_compute_identical_refined_models_from_the_step_data():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict((r, (status, value)) for r, status, value in (out.get(timeout=120) for _ in range(WORLD)))
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps({"states": states, "stats": stats}))
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    for r in range(WORLD):
-        assert got[r][0] == "ok", got[r][1]
-    r0, r1 = got[0][1], got[1][1]
+        dist.destroy_process_group()
+
+
+def test_two_ranks_compute_identical_refined_models_from_the_step_data(tmp_path):
+    run_ranks(_rank, WORLD, free_port(), str(tmp_path), timeout_s=120)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD))
     assert (
         r0["states"] == r1["states"]
     )  # every version and window sample, floats exact (JSON repr round-trips)
