@@ -70,6 +70,7 @@ from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
 from lightning_bytescale.lightning import mesh as mesh_
 from lightning_bytescale.lightning import pipeline as pipeline_
+from lightning_bytescale.lightning import progress as progress
 from lightning_bytescale.lightning import step as step_loop
 from lightning_bytescale.lightning import strategy_options as options_
 from lightning_bytescale.lightning.checkpoint import (
@@ -364,16 +365,25 @@ class ByteScaleStrategy(ParallelStrategy):
         Gradient accumulation over Lightning batches, a float16 ``GradScaler`` with pipelines, a
         cost model whose attention heads are not the model's (where the module already holds its
         model; set-up checks again after ``configure_model``), and a data module whose own planner
-        arguments contradict :attr:`planner_config`.
+        arguments contradict :attr:`planner_config` or whose options the HDP ranks cannot run
+        (``ByteScaleDataModule.validate``: a ``context_length`` longer than the planner can place).
         """
         step_loop.StepLoop.refuse_accumulation(trainer)
         options_.check_cost_model_heads(self.planner_config, self.lightning_module, self.tensor_parallel_size)
         if self.pipeline_parallel_size > 1:
             pipeline_.check_precision(self)
+        progress.prefer_step_bar(trainer)  # Lightning's default bar reads "Epoch 0/-2" on step-bounded runs
+        hdp_ranks = max(
+            1,
+            self.num_nodes * self.num_processes // (self.tensor_parallel_size * self.pipeline_parallel_size),
+        )
         for value in (*args, *kwargs.values()):
             check = getattr(value, "check_planner_config", None)
             if callable(check):
                 check(self.planner_config)
+                validate = getattr(value, "validate", None)
+                if callable(validate):
+                    validate(world_size=hdp_ranks, planner_options=self.planner_config)
 
     @override
     def setup_environment(self) -> None:

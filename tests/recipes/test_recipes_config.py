@@ -51,7 +51,7 @@ def test_default_is_the_cpu_quickstart(tmp_path):
     cfg = _compose(tmp_path)
     assert cfg.name == "cpu_quickstart"
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2
-    assert cfg.logger._target_.endswith("WandbLogger") and cfg.logger.offline is None
+    assert cfg.logger._target_.endswith("WandbRunLogger") and cfg.logger.offline is None
     assert cfg.data.source is None  # Python's stdlib sources
     assert cfg.strategy.planner == "balance"
 
