@@ -433,11 +433,14 @@ class ByteScaleDataModule(pl.LightningDataModule):
             return int(trainer.global_rank) == 0
         return self.rank == 0
 
+    def _strategy(self) -> Any:
+        """The trainer's strategy (None without a trainer)."""
+        trainer = self._trainer_or_none()
+        return getattr(trainer, "strategy", None) if trainer is not None else None
+
     def _strategy_config(self) -> PlannerConfig | None:
         """The trainer's strategy's ``planner_config`` (``ByteScaleStrategy``'s), if it has one."""
-        trainer = self._trainer_or_none()
-        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-        config = getattr(strategy, "planner_config", None)
+        config = getattr(self._strategy(), "planner_config", None)
         return config if isinstance(config, PlannerConfig) else None
 
     @property
@@ -910,11 +913,17 @@ class ByteScaleDataModule(pl.LightningDataModule):
             samples.length, self.tokens_per_step, self.seed, shuffle, self.budget_mode,
             self.drop_last if drop_last is None else drop_last,
         )  # fmt: skip
+        # training under a strategy that refines its cost model: the features, the schedule file
+        refinement = getattr(self._strategy(), "cost_refinement", None) if split == "train" else None
         dataset = StepDataset(
             self.store, samples, batching, self.rank, self.world_size,
             self.planner_options(), self.plan_seed(), self.validate_plans, split,
             ring_ranks=None if (pmesh := self._parallel_mesh()) is None else pmesh.ring_ranks,
             pipeline_stages=1 if pmesh is None else pmesh.dims.pipeline,
+            record_work=refinement is not None,
+            cost_schedule=None if refinement is None else refinement.loader_schedule(
+                self.num_workers, self.prefetch_factor
+            ),
         )  # fmt: skip
         sampler = token_budget_sampler(batching, self.world_size, self.rank)
         return StepLoader(

@@ -374,6 +374,9 @@ class StepLoop:
         if shards is not None and owners is not None:  # ZeRO-2 on the mesh: each gradient to its owner
             owners = shards.rekey(owners)
 
+        # the cost refinement: every rank's micro-batch times travel in the step's all-reduce
+        refinement = getattr(strategy, "cost_refinement", None) if pmesh is None else None
+
         def sync() -> StepResult:
             result = sync_step(
                 named if shards is None else shards.named,
@@ -385,6 +388,7 @@ class StepLoop:
                 stop_request=preemption is not None and preemption.requested,
                 grad_sync=step.grad_sync,
                 owners=owners if shards is not None else None,
+                extra=None if refinement is None else refinement.extra(batch, step.local),
             )
             if shards is not None:
                 shards.write_back()
@@ -402,6 +406,8 @@ class StepLoop:
             self.attention_window.record(result.attention)
         step.result = result
         step.stats = step_stats(batch, result)
+        if refinement is not None:
+            step.stats.update(refinement.observe(batch, result))
         if strategy.log_loss:
             self._log(strategy.loss_name, result.loss_tensor, on_step=True, prog_bar=True)
         return result

@@ -65,7 +65,7 @@ from lightning_bytescale.errors import ConfigError
 # Modules of this floor that import Lightning are imported as modules: the first import of
 # Lightning imports this module (it registers the strategy names), maybe while one of them is
 # still being imported.
-from lightning_bytescale.lightning import auto_cost
+from lightning_bytescale.lightning import auto_cost, cost_refinement
 from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
 from lightning_bytescale.lightning import mesh as mesh_
@@ -116,6 +116,9 @@ class ByteScaleStrategy(ParallelStrategy):
             and ``pipeline_degree`` follows ``pipeline_parallel_size`` (leave it at 1).
             ``cost_model="auto"`` measures the model on each rank's device at set-up, once, the
             same on every rank, cached on disk (:mod:`~lightning_bytescale.lightning.auto_cost`).
+        refine_cost_model: refit the cost model from the run's micro-batch times while training
+            (:mod:`~lightning_bytescale.lightning.cost_refinement`): ``None`` (default) with
+            ``cost_model="auto"`` only, ``True``/``False``, or a ``RefitConfig``.
         offloader_options: keyword arguments for the ``ActivationOffloader`` the strategy builds.
         zero: ZeRO level: ``0`` (default) nothing sharded; ``1`` optimizer state sharded with
             ``ZeroRedundancyOptimizer``; ``2`` gradients too, each reduced to the rank owning its
@@ -182,6 +185,7 @@ class ByteScaleStrategy(ParallelStrategy):
         slack: float = 0.05,
         seed: int | None = None,
         cost_model: Any = None,
+        refine_cost_model: Any = None,
         comm_aware: bool = True,
         ranks_per_node: int | None = None,
         num_buckets: int = 8,
@@ -253,6 +257,9 @@ class ByteScaleStrategy(ParallelStrategy):
         options_.check_cost_model_devices(planner_config, self.tensor_parallel_size)
         if self._cost_model_auto:
             auto_cost.check_auto(self.tensor_parallel_size, pipeline_parallel_size)
+        cost_refinement.check_option(refine_cost_model, self.tensor_parallel_size, pipeline_parallel_size)
+        self.refine_cost_model, self._refine_auto = refine_cost_model, self._cost_model_auto
+        self.cost_refinement: Any = None  # this rank's CostRefinement while fitting
         self.pipeline_parallel_size: int = pipeline_parallel_size
         self.parallel_mesh: Any = None  # the ParallelMesh (tensor or pipeline parallelism), built at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
@@ -449,6 +456,10 @@ class ByteScaleStrategy(ParallelStrategy):
             )  # fmt: skip
             self._cost_model_auto = False
             options_.check_cost_model_heads(self.planner_config, module, self.tensor_parallel_size)
+        self.cost_refinement = cost_refinement.attach(
+            trainer, self.planner_config, self.refine_cost_model, auto=self._refine_auto,
+            rank=self.global_rank, mesh=self.parallel_mesh,
+        )  # fmt: skip
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -102,6 +102,9 @@ class StrategyConfig(PlannerSchema):
     (`PlannerSchema`, docs/planner.md) and the strategy's own."""
 
     _target_: str = "lightning_bytescale.lightning.strategy.ByteScaleStrategy"
+    # refit the cost model from the run's micro-batch times (docs/cost-model.md): None refines
+    # cost_model=auto only and keeps an explicit model pinned; true/false force it
+    refine_cost_model: bool | None = None
     # The layout (docs/recipes.md#layouts-tensor-parallelism-pipelines-fsdp2): the recipe's model
     # shards itself over the mesh these build (parallelize_llama / LlamaStage, HFCausalLM's own).
     tensor_parallel_size: int = 1  # N > 1: an HDP rank is N devices (TP inside a node); 1: no TP
