@@ -7,6 +7,7 @@ step digest carried the store's content.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -285,9 +286,13 @@ def test_corruption_is_caught_in_loader_workers(tmp_path):
     raw[10] ^= 0x02
     (dm.store_dir / TOKENS_FILE).write_bytes(bytes(raw))
     dm.setup("fit")
-    with pytest.raises(CorruptTokensError, match="block 0"):
-        for _ in dm.train_dataloader():
+    loader = dm.train_dataloader()
+    with pytest.raises(CorruptTokensError, match="block 0") as caught:
+        for _ in loader:
             pass
+    # the worker is persistent (the default): it lives as long as its loader, which the traceback holds
+    del caught, loader
+    gc.collect()
 
 
 # ========================================================= case 4: content fingerprints and pruning
