@@ -42,7 +42,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.engine.executor import LocalResult
 from lightning_bytescale.engine.state_sync import broadcast_tensors
 from lightning_bytescale.errors import ConfigError
@@ -52,13 +51,12 @@ from lightning_bytescale.lightning.step_stats import step_stats
 from lightning_bytescale.parallel import (
     DecoderStage,
     ParallelMesh,
-    PipelineModelError,
     PipelineStepBatch,
-    PipelineStepResult,
     StageSchedules,
     run_pipeline_step,
-    stage_bubble,
 )
+from lightning_bytescale.parallel.layout import stage_of
+from lightning_bytescale.parallel.pipeline_step import agree_after_step, pipeline_stats, refuse_evaluation
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -116,36 +114,6 @@ def check_setup(strategy: Any, trainer: pl.Trainer) -> None:
         if refused:
             raise ConfigError(f"pipeline_parallel_size={pp}: {_NOT_WITH_PIPELINES[setting]}")
     stage_of(strategy.model, strategy.parallel_mesh)
-
-
-def stage_of(module: nn.Module, pmesh: ParallelMesh) -> DecoderStage:
-    """The one :class:`DecoderStage` (``LlamaStage``, ``HFDecoderStage``) of ``module``: this rank's stage, holding every trained parameter."""
-    pp = pmesh.dims.pipeline
-    stages = [m for m in module.modules() if isinstance(m, DecoderStage)]
-    if len(stages) != 1:
-        raise PipelineModelError(
-            f"with pipeline_parallel_size={pp} the LightningModule must hold exactly one LlamaStage or "
-            f"HFDecoderStage (it holds {len(stages)} pipeline stages): in configure_model replace the model by this "
-            'rank\'s stage, self.model = LlamaStage(model, self.device_mesh["pipeline"].get_local_rank(), '
-            f"{pp}) (HFCausalLM does this itself; docs/pipelines.md)"
-        )
-    stage = stages[0]
-    if stage.stage != pmesh.stage or stage.stages != pp:
-        raise PipelineModelError(
-            f"the {type(stage).__name__} is stage {stage.stage} of {stage.stages} but this rank is stage {pmesh.stage} of {pp}; "
-            f'build it as {type(stage).__name__}(model, self.device_mesh["pipeline"].get_local_rank(), '
-            'self.device_mesh["pipeline"].size())'
-        )
-    held = set(map(id, stage.parameters()))
-    trained_elsewhere = sorted(
-        name for name, p in module.named_parameters() if p.requires_grad and id(p) not in held
-    )
-    if not trained_elsewhere:
-        return stage
-    raise PipelineModelError(
-        f"parameters {trained_elsewhere[:3]} are trained but are not in the {type(stage).__name__}; with pipelines only the "
-        "stage runs, so keep every trained parameter inside it (or set requires_grad=False)"
-    )
 
 
 @torch.no_grad()
@@ -215,68 +183,6 @@ def stage_schedules(strategy: Any, stage: DecoderStage) -> StageSchedules:
             stage, strategy.parallel_mesh, max_micro_batches=strategy.planner_config.max_micro_batches
         )
     return schedules
-
-
-def agree_after_step(
-    result: PipelineStepResult, pmesh: ParallelMesh, stop_requested: bool
-) -> tuple[bool, torch.Tensor]:
-    """One all-reduce over the world after the step: the stop flag and every rank's stage times.
-
-    Returns whether any rank asked to stop (preemption) and a ``[2, world]`` float64 tensor on
-    the host: every global rank's schedule wall time and stage compute, the same on every rank.
-    """
-    world = pmesh.dims.world_size
-    values = torch.zeros(1 + 2 * world, dtype=torch.float64)
-    values[0] = float(stop_requested)
-    me = dist.get_rank()
-    values[1 + me], values[1 + world + me] = result.schedule_s, result.compute_s
-    values = values.to(comm_device())
-    dist.all_reduce(values)
-    values = values.cpu()  # one copy back
-    return bool(values[0] > 0), values[1:].reshape(2, world)
-
-
-def pipeline_stats(times: torch.Tensor, pmesh: ParallelMesh) -> dict[str, Any]:
-    """The measured pipeline figures of ``strategy.step_stats`` from every rank's stage times (the same on every rank).
-
-    ``pipeline_stage_bubble[h][p]``: stage p of pipeline h, ``1 - compute / schedule wall`` (the
-    mean over its TP lanes); ``pipeline_bubble[h]``: the mean over the pipeline's stages, as the
-    benchmark defines a pipeline's bubble; ``pipeline_schedule_s[h]``: its slowest stage's wall,
-    which is also the pipeline's ``busy_s`` (and the imbalance figures computed from it), so
-    every rank, whatever its stage, reports the same.
-    """
-    dims = pmesh.dims
-    lanes = range(dims.tensor_parallel)
-    stage_bubbles, walls = [], []
-    for h in range(dims.data_parallel):
-        row = []
-        for p in range(dims.pipeline):
-            ranks = [dims.global_rank(h, lane, p) for lane in lanes]
-            row.append(sum(stage_bubble(float(times[1, g]), float(times[0, g])) for g in ranks) / len(ranks))
-        walls.append(
-            max(float(times[0, dims.global_rank(h, lane, p)]) for p in range(dims.pipeline) for lane in lanes)
-        )
-        stage_bubbles.append(row)
-    mean, top = sum(walls) / len(walls), max(walls)
-    return {
-        "pipeline_stage_bubble": stage_bubbles,
-        "pipeline_bubble": [sum(row) / len(row) for row in stage_bubbles],
-        "pipeline_schedule_s": walls,
-        # per HDP rank the pipeline's schedule wall (its slowest stage), the same on every rank,
-        # in place of the stage's own report of its data-parallel group
-        "busy_s": walls,
-        "max_over_mean_measured": top / mean if mean > 0 else float("nan"),
-        "bubble_fraction": 1.0 - mean / top if top > 0 else 0.0,
-    }
-
-
-def refuse_evaluation(hook: str, pipeline_parallel_size: int) -> ConfigError:
-    """The error for an evaluation or prediction batch under pipelines (only training runs the schedule)."""
-    return ConfigError(
-        f"{hook} is not supported with pipeline_parallel_size={pipeline_parallel_size} yet: only training runs "
-        "through the pipeline schedule. Set Trainer(limit_val_batches=0, num_sanity_val_steps=0) or give the data "
-        "module no validation split (val_fraction=0), and evaluate with pipeline_parallel_size=1"
-    )
 
 
 def optimizer_state(optimizer: Optimizer, module: nn.Module, pmesh: ParallelMesh) -> dict[str, Any]:

@@ -80,6 +80,7 @@ from lightning_bytescale.lightning.checkpoint import (
     validate_format,
 )
 from lightning_bytescale.parallel import PipelineStepBatch
+from lightning_bytescale.parallel.layout import check_cost_model_devices
 from lightning_bytescale.planner.config import PlannerConfig
 
 if TYPE_CHECKING:
@@ -239,7 +240,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.zero1 = self.zero >= 1  # optimizer state is sharded (ZeRO-1 and ZeRO-2)
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
         self.tensor_parallel_size = mesh_.check_options(tensor_parallel_size)
-        options_.check_cost_model_devices(planner_config, self.tensor_parallel_size)
+        check_cost_model_devices(planner_config, self.tensor_parallel_size)
         self.pipeline_parallel_size: int = pipeline_parallel_size
         self.parallel_mesh: Any = None  # the ParallelMesh (tensor or pipeline parallelism), built at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
