@@ -891,8 +891,7 @@ def run_step(
         forward=forward, backward=backward, micro_batch_context=micro_batch_context, sync_timing=sync_timing,
         p2p_group=p2p_group,
     )  # fmt: skip
-    checks = StepChecks(
-        plan=check_plan, tokens=check_tokens, finite=check_finite, finite_gradients=check_finite,
-        locate_non_finite=locate_non_finite, loss_scaling=check_loss_scaling, parameters=check_parameters,
-    )  # fmt: skip
+    checks = StepChecks.of_flags(
+        check_plan, check_tokens, check_finite, locate_non_finite, check_loss_scaling, check_parameters
+    )
     return runner.sync(runner.run(model, step, compute=compute, checks=checks, params=named), extra=extra)

@@ -318,3 +318,16 @@ class StepChecks:
 
     parameters: bool = False
     """Compare parameter fingerprints in the sync (every few steps: it costs one pass over the parameters)."""
+
+    @classmethod
+    def of_flags(
+        cls,
+        plan: bool,
+        tokens: bool,
+        finite: bool,
+        locate_non_finite: bool,
+        loss_scaling: bool,
+        parameters: bool,
+    ) -> StepChecks:
+        """The checks the public step functions' flags ask for (their ``check_finite`` covers losses and gradients)."""
+        return cls(plan, tokens, finite, finite, locate_non_finite, loss_scaling, parameters)

@@ -92,15 +92,24 @@ def strategy_planner_config(
 
 
 def planner_view(name: str) -> property:
-    """A strategy attribute that reads ``planner_config.<name>`` and, when set, replaces the config."""
+    """A strategy attribute that reads ``planner_config.<name>``; setting it is refused, naming the constructor option.
+
+    The planner options have one door under the strategy, its constructor (``PlannerConfig``):
+    the data module plans with ``strategy.planner_config``, and a run's options are fixed before
+    its first plan.
+    """
 
     def get(self: Any) -> Any:
         return getattr(self.planner_config, name)
 
     def set_(self: Any, value: Any) -> None:
-        self.planner_config = self.planner_config.replace(**{name: value})
+        raise ConfigError(
+            f"strategy.{name} cannot be set after the strategy is made: pass ByteScaleStrategy({name}={value!r}) "
+            f"(or planner=PlannerConfig({name}=...)) and Trainer(strategy=that strategy) instead of the name "
+            f"'bytescale' (in a recipe: the override strategy.{name}=...)"
+        )
 
-    return property(get, set_, doc=f"``planner_config.{name}`` (setting it validates a new config).")
+    return property(get, set_, doc=f"``planner_config.{name}`` (read-only: set it in the constructor).")
 
 
 def refuse_unknown_options(unknown: dict[str, Any], valid: Iterable[str]) -> None:

@@ -271,7 +271,8 @@ class Layout:
         self, model: nn.Module, options: RunnerOptions, fsdp: FSDPStepDriver | None = None
     ) -> StepRunner:
         """Plain HDP's runner: the buckets on their own group (ring exchanges may run beside them on the world's)."""
-        group = options.bucket_group() if options.bucket_group is not None else None
+        buckets = options.bucket_bytes is not None and options.bucket_group is not None
+        group = options.bucket_group() if buckets else None  # type: ignore[misc]
         return HDPRunner(None, _sync_options(options, group))
 
 
@@ -477,16 +478,7 @@ class PipelineLayout(MeshLayout):
                 raise ConfigError(f"pipeline_parallel_size={pp}: {_NOT_WITH_PIPELINES[setting]}")
         stage_of(model, self._mesh)
 
-    def materialize(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        *,
-        default: Callable[[nn.Module, torch.device], None],
-        warn: WarnFn,
-    ) -> None:
-        """Nothing is on the meta device (refused at set-up): ``default`` as without a mesh."""
-        default(model, device)
+    materialize = Layout.materialize  # nothing is on the meta device (refused at set-up): as without a mesh
 
     def fsdp_driver(self, model: nn.Module) -> FSDPStepDriver | None:
         return None  # refused at set-up (check_model)

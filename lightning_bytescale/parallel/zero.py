@@ -230,13 +230,13 @@ def lane_zero(optimizers: list[Optimizer], pmesh: ParallelMesh, level: int = 1) 
     """ZeRO on the mesh for each optimizer (``ByteScaleStrategy(zero=level)`` with ``tensor_parallel_size`` or ``pipeline_parallel_size``, level 1 or 2)."""
     zeros = []
     for opt in optimizers:
-        fsdp = [
+        split_by_fsdp = [
             p
             for g in opt.param_groups
             for p in g["params"]
             if isinstance(p, DTensor) and sharded_over_hdp_ranks(p)
         ]
-        if fsdp:
+        if split_by_fsdp:
             raise ConfigError(
                 f"ByteScaleStrategy(zero={level}) cannot run with fully_shard over the data-parallel dimension: "
                 "FSDP2 already splits the parameters, their optimizer state and (with its reduce-scatter) their "

@@ -31,7 +31,7 @@ from _ranks import gather_reports, init_gloo, save_report  # noqa: E402
 from _tp_comm import TP as FAKE_TP  # noqa: E402
 from _tp_comm import LargestTensor, backward_all_reduces, fake_tp_mesh  # noqa: E402
 from test_hf_families import tiny_config  # noqa: E402
-from torch.distributed.tensor import DTensor, Shard  # noqa: E402
+from torch.distributed.tensor import Shard  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 WORLD, TP = 4, 2
@@ -115,7 +115,7 @@ def _loading(pmesh, checkpoint: str) -> dict:
     """``HFCausalLM(tensor_parallel=True).configure_model`` every documented way: what each rank got, and whether
     the shards gathered are exactly the checkpoint's weights (or, from a config, one process's draws from the seed)."""
     from lightning_bytescale.hf import HFCausalLM
-    from lightning_bytescale.lightning.mesh import full_state_dict
+    from lightning_bytescale.parallel.full_state import full_state_dict
 
     saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).state_dict()
     torch.manual_seed(LOADING_SEED)

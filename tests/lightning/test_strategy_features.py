@@ -169,3 +169,14 @@ def test_documented_example_module_trains(tmp_path):
     )
     trainer.fit(namespace["PackedLM"](dim=32, layers=1, heads=2, context=128), datamodule=dm)
     assert math.isfinite(float(trainer.callback_metrics["train/loss"]))
+
+
+@pytest.mark.parametrize("name", ["capacity", "cp_size", "seed"])
+def test_planner_options_have_one_door_the_constructor(name):
+    """``strategy.capacity = ...`` after the strategy is made is refused, naming the constructor option."""
+    from lightning_bytescale.errors import ConfigError
+
+    strategy = ByteScaleStrategy(capacity=512)
+    with pytest.raises(ConfigError, match=rf"strategy\.{name} cannot be set.*ByteScaleStrategy\({name}=4\)"):
+        setattr(strategy, name, 4)
+    assert strategy.capacity == 512 and strategy.planner_config.capacity == 512
