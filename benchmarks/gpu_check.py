@@ -1,4 +1,4 @@
-"""One-GPU check of what CPU tests cannot see: kernels, host syncs, ring accuracy and speed, the Trainer, offload.
+"""GPU check of what CPU tests cannot see: kernels, host syncs, rings, the Trainer, every layout the machine holds, offload.
 
 Run from the repository root, on a machine with torch, Lightning and numpy (and the pure-Python
 wheels of docs/install.md): the package is imported from this repository, not from what is
@@ -29,11 +29,26 @@ every subsection, so a run cut short keeps what it finished:
   an independent single-process float64 loop to 1e-10; the gradient finiteness flag on NaN,
   inf and huge values with no host synchronisation; and a larger Llama in ``bf16-mixed`` with
   its MFU (``TelemetryCallback``: model FLOPs over step time and the device's peak);
+* ``mesh`` (one GPU, the torch floor): this process as a 1-rank NCCL group, ``ParallelDims(1)``'s
+  mesh: the group refuses a host tensor (so a host tensor on the paths below fails here as on
+  eight GPUs); FSDP2 through ``run_parallel_step(..., fsdp=FSDPStepDriver(...))`` and a one-stage
+  pipeline through ``run_pipeline_step``, float64 against the single-process loop (1e-10), the
+  pipeline also in bf16 autocast (head logits bfloat16, one stage built, flat peak memory); a
+  sharded and a consolidated checkpoint and ZeRO-1's consolidated optimizer state, saved and
+  loaded bit for bit, the peak device memory of each save and load (:func:`mesh_section`);
+* ``ranks`` (2+ GPUs): one start of 2 ranks (4 with four GPUs or more) running the Trainer jobs of
+  the next two sections (``benchmarks/_layouts_check.py``), each job with its own NCCL group;
 * ``tensor_parallel``: ``ByteScaleStrategy(tensor_parallel_size=2)`` when two or more GPUs are
   visible (``(1, 2)``, or ``(2, 2)`` with four), NCCL, the reference Llama with ``parallelize_llama``
   (``benchmarks/_tp_check.py``): ``bf16-mixed`` (it ran, the lanes log the same finite losses, the
   step time) and ``64-true`` against the single-process float64 loop to 1e-10; with fewer GPUs a
   skip with the reason; the dry run trains the same code on 2 gloo CPU ranks;
+* ``layouts`` (2+ GPUs): ``pipeline_parallel_size=2`` in ``bf16-mixed`` for 20 steps (the head's
+  logits bfloat16, ``max_memory_allocated`` flat from step 3, the measured bubble), FSDP2 on
+  ``(1, 2)`` in float64 against the loop, TP checkpoints with ``zero=1`` (consolidated and
+  sharded, resumed bit for bit, save and load peaks), the all-reduces per block (2 in backward,
+  ``CommDebugMode``), and ``bytescale-profile --tensor-parallel 2`` started plainly, not under
+  torchrun (:func:`layouts_section`);
 * ``ulysses``: Ulysses items of 2, 4 or 8 members on as many GPUs (NCCL P2P; a hybrid item too
   with four or more) in bfloat16 against float64 and against local attention on the same inputs,
   with the tolerances of :data:`ULYSSES_VS_LOCAL`; the time of a Ulysses item and of a ring of the
@@ -47,7 +62,22 @@ every subsection, so a run cut short keeps what it finished:
 Exit status: 0 when every section passed, 1 when one did not (an error, a check not met, or a
 subsection the time budget cut), 2 when the package cannot be imported or CUDA is missing.
 ``--dry-run`` runs every section's code on the CPU with tiny sizes (``accelerator="cpu"``, the
-``cpu`` block kernel); what only CUDA can measure is recorded as skipped.
+``cpu`` block kernel); what only CUDA can measure is recorded as skipped.  The device rule is the
+only thing swapped: the same functions run with gloo for NCCL and the host for the GPU, the 2+
+GPU sections on 2 spawned gloo ranks, the profiler on ``--device cpu``; a 1-rank group of torch's
+fake backend registered for ``cuda`` only stands in for NCCL's refusal of host tensors.
+
+Time budget (:data:`SECTION_BUDGET_S`, estimates, not measurements): 335 s of sections on one GPU
+(under 7 minutes with the start-up); on 2+ GPUs the ``ranks``, ``tensor_parallel``, ``layouts``
+and ``ulysses`` sections add 350 s, 685 s in all, plus the start-up and the ranks' own start
+(at most :data:`RANKS_START_S`): under 14 minutes.  ``--budget-s`` overrides the sum.
+
+Never run on a GPU: no GPU was available where this script was written.  Its GPU paths (NCCL
+groups, ``cuda:<rank>`` devices, the peak-memory readings, the host-sync counts, the spawned CUDA
+profiler workers, flash-attn, offload on CUDA streams) and the time budgets have run only as the
+dry run's CPU/gloo stand-ins (``tests/packed_attention/test_attention_gpu_check.py``) and, for
+the package's collectives, under the fake-NCCL test tier (``tests/fake_nccl``).  The first GPU
+run is the first real test of this script: read its JSON, not only its exit status.
 """
 
 from __future__ import annotations
@@ -120,14 +150,41 @@ TOLERANCE = {"bfloat16": 3e-2, "float32": 1e-3, "float64": 1e-10}
 REFERENCE_TOLERANCE = {"out": 2e-2, "dq": 4e-2, "dk": 4e-2, "dv": 4e-2}
 LOCAL_MARGIN = 2.0
 GOAL_FRACTION_OF_LOCAL = 0.85
+# Each section's share of the run's time on one H200 at the GPU sizes, in seconds.  The run's budget
+# (--budget-s) is their sum over the sections this machine runs: on one GPU the 2+ GPU sections
+# record a skip at once, so the budget is the one-GPU sum, 335 s, which with the start-up (Python,
+# torch, Lightning, CUDA: well under a minute) keeps one GPU under 7 minutes; with two or more GPUs
+# the 2+ GPU sections add 350 s (685 s in all).  No subsection starts
+# after the run's budget (it is cut, and fails); a section past its own share is marked
+# ``over_budget`` in the JSON and printed; the 2+ GPU jobs not started within their sections'
+# shares are cut (and fail).  None of these has been measured on a GPU yet: the JSON records each
+# section's seconds next to its share.
+SECTION_BUDGET_S = {
+    # one GPU
+    "kernels": 15,
+    "ring": 60,
+    "host_syncs": 20,
+    "trainer": 90,
+    "mesh": 60,
+    "offload": 60,
+    "flash_attn": 30,
+    # two or more GPUs
+    "ranks": 180,  # the Trainer jobs of the next two (benchmarks/_layouts_check.py), one start of the ranks
+    "tensor_parallel": 20,
+    "layouts": 60,  # with bytescale-profile --tensor-parallel 2
+    "ulysses": 90,
+}
+MULTI_GPU_SECTIONS = ("ranks", "tensor_parallel", "layouts", "ulysses")
 
 
 # ----------------------------------------------------------------------------- the report
 class Report:
     """The JSON report: sections of subsections, rewritten after every subsection."""
 
-    def __init__(self, out: Path, header: dict, budget_s: float) -> None:
+    def __init__(self, out: Path, header: dict, budget_s: float, selected: list[str] | None = None) -> None:
         self.out, self.data, self.budget_s = out, dict(header), budget_s
+        self.selected = selected  # the sections this run was asked for (None: all)
+        self.cache: dict = {}  # what several sections share (the 2+ GPU ranks' run)
         self.start = time.perf_counter()
         out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -182,6 +239,12 @@ class Section:
         subs = [v for v in self.data.values() if isinstance(v, dict)]
         self.data["ok"] = all(s.get("ok", True) is not False for s in subs)
         self.data["seconds"] = time.perf_counter() - self.t0
+        budget = None if self.report.data.get("dry_run") else SECTION_BUDGET_S.get(self.name)
+        if (
+            budget is not None
+        ):  # the section's share of the run's budget (GPU seconds): recorded, an overrun named
+            self.data["budget_s"] = budget
+            self.data["over_budget"] = self.data["seconds"] > budget
         self.report.save()
 
 
@@ -795,7 +858,387 @@ def trainer_section(report: Report, device: torch.device, sizes: Sizes) -> None:
     section.run("mfu", mfu)
 
 
-# ----------------------------------------------------------------------------- tensor parallel
+# ----------------------------------------------------------------------------- mesh (one GPU)
+# The layouts of the torch floor on one GPU, where the strategy builds no mesh (it builds one only
+# with TP or PP > 1): this process is a world of one rank, and ParallelDims(1)'s mesh is built on
+# it.  On CUDA the group is NCCL, which refuses a host tensor in any collective whatever the world
+# size, so a host tensor on these paths fails here exactly as it would on eight GPUs; gloo, the
+# dry run's backend, takes host tensors, so the dry run runs the same code but cannot see that.
+HOST_TENSOR_ERROR = (
+    "No backend type associated with device type cpu"  # c10d's words (NCCL, any cuda-only backend)
+)
+SAVE_PEAK_TENSORS = 3  # a save may hold this many of the largest tensor on the device at once
+
+
+def _leave_world() -> None:
+    """Destroy this process's default process group, if any (the Trainer's group of one stays after a fit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _one_rank_world(device: torch.device) -> None:
+    """This process as a whole world of one rank: NCCL on CUDA, gloo in the dry run."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    _leave_world()
+    cuda = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+        timeout=timedelta(seconds=120), **({"device_id": device} if cuda else {}),
+    )  # fmt: skip
+
+
+def _host_tensor_refused(group=None) -> dict:
+    """All-reduce a host tensor on ``group``: refused with c10d's :data:`HOST_TENSOR_ERROR` on a cuda-only group."""
+    import torch.distributed as dist
+
+    try:
+        dist.all_reduce(torch.zeros(2), group=group)
+    except RuntimeError as err:
+        text = str(err).splitlines()[0][:200]
+        return {"host_tensor_refused": HOST_TENSOR_ERROR in text, "error": text}
+    return {"host_tensor_refused": False}
+
+
+def _cuda_only_canary() -> dict:
+    """Dry run: :func:`_host_tensor_refused` on a 1-rank group of torch's fake backend registered for ``cuda`` only.
+
+    What the GPU run shows on its NCCL group, on a CPU (the dry run's checks then run on gloo).
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
+
+    name = "gpu_check_cuda_only"
+    if name not in dist.Backend.backend_list:
+        dist.Backend.register_backend(name, _create_fake_pg, extended_api=True, devices=["cuda"])
+    _leave_world()
+    dist.init_process_group(name, store=FakeStore(), rank=0, world_size=1)
+    try:
+        return {"backend": name, **_host_tensor_refused()}
+    finally:
+        dist.destroy_process_group()
+
+
+def mesh_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    """One GPU, the torch floor, a 1-rank NCCL group: FSDP2, a pipeline, ZeRO-1 and checkpoints on ``ParallelDims(1)``'s mesh.
+
+    * ``host_tensor_refused``: the group refuses a host tensor (``dist.all_reduce(torch.zeros(2))``
+      raises c10d's :data:`HOST_TENSOR_ERROR`), so the subsections below fail where the package
+      sends one; the dry run shows it on a 1-rank group registered for ``cuda`` only;
+    * ``fsdp2``: ``fully_shard`` on every block and the root over ``pmesh.dp_mesh``,
+      ``FSDPStepDriver`` and ``run_parallel_step(..., fsdp=...)`` for ``steps`` steps in float64
+      (SGD with momentum) against the single-process float64 loop of ``trainer`` (1e-10);
+    * ``pipeline``: the model as one pipeline stage (``LlamaStage``; the pipeline group is the
+      world of one) through ``run_pipeline_step`` with ``StageSchedules``: float64 against the
+      same loop (1e-10), then ``steps`` steps under bf16 autocast with AdamW on batches of one
+      shape: the head's logits in bfloat16, finite losses, one stage built for every step, the
+      stage bubble, and on CUDA each step's peak ``max_memory_allocated`` flat from step
+      ``FLAT_FROM_STEP`` on (``_layouts_check.flat_peaks``);
+    * ``checkpoint_sharded`` / ``checkpoint_consolidated``: a float32 FSDP2 model with AdamW state
+      after two steps, saved as a sharded folder (``save_sharded``, the strategy's format) and as
+      one consolidated file (the strategy's ``model_state`` / ``optimizer_state``: whole tensors
+      on rank 0's host), each loaded back into the model and optimizer after zeroing them (bit for
+      bit what was saved); on CUDA the peak device memory of each save and load beyond what was
+      allocated before, a save's under :data:`SAVE_PEAK_TENSORS` of the largest tensor (gathering
+      everything on the device would need the whole state);
+    * ``zero1_consolidated``: ZeRO-1 on the mesh (``lane_zero``) after two steps: its consolidated
+      optimizer state (the owners broadcast their AdamW state, ``step`` included) saved and
+      loaded back, bit for bit, with the peaks (recorded, not judged: while it is gathered every
+      rank of a lane holds the lane's whole state on the device, by design).
+    """
+    import torch.distributed as dist
+    from _layouts_check import (  # benchmarks/_layouts_check.py: the state helpers the 2+ GPU jobs share
+        FLAT_FROM_STEP,
+        compare_states,
+        device_peak,
+        flat_peaks,
+        local_state,
+        state_sizes,
+        zero_state,
+    )
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lightning_bytescale import ByteScaleStrategy
+    from lightning_bytescale.engine.micro_batch import build_step
+    from lightning_bytescale.lightning import checkpoint as ckpt
+    from lightning_bytescale.lightning import mesh as mesh_
+    from lightning_bytescale.models import LlamaConfig, LlamaModel
+    from lightning_bytescale.parallel import (
+        FSDPStepDriver,
+        LlamaStage,
+        ParallelDims,
+        ParallelMesh,
+        StageSchedules,
+        build_pipeline_step,
+        run_parallel_step,
+        run_pipeline_step,
+    )
+    from lightning_bytescale.planner import make_plan
+
+    section = report.section("mesh")
+    cuda = device.type == "cuda"
+    canary = None if cuda else _cuda_only_canary()  # before this section's own group exists
+    _one_rank_world(device)
+    pmesh = ParallelDims(1).build(device.type)
+
+    class OneStageMesh(ParallelMesh):
+        """``ParallelDims(1)``'s mesh as the pipeline of one stage (it has no ``"pipeline"`` dimension)."""
+
+        @property
+        def pp_group(self):
+            return dist.group.WORLD
+
+    one_stage = OneStageMesh(pmesh.dims, pmesh.mesh, pmesh.rank)
+    cfg = LlamaConfig.preset(sizes.preset, tie_embeddings=False)  # a pipeline stage refuses tied embeddings
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in LlamaModel(cfg).state_dict().items()}
+    reference: list[torch.nn.Module] = []
+    to_device = ByteScaleStrategy().batch_to_device  # what the strategy does to a step's batch
+
+    def model(dtype: torch.dtype) -> LlamaModel:
+        m = LlamaModel(cfg)
+        m.load_state_dict(init)
+        return m.to(device=device, dtype=dtype)
+
+    def sharded(dtype: torch.dtype) -> tuple[LlamaModel, FSDPStepDriver]:
+        m = model(dtype)
+        for block in m.blocks:
+            fully_shard(block, mesh=pmesh.dp_mesh, reshard_after_forward=False)
+        fully_shard(m, mesh=pmesh.dp_mesh, reshard_after_forward=False)
+        return m, FSDPStepDriver(m, pmesh.dp_group)
+
+    def plan_of(seqs: list[torch.Tensor]):
+        return make_plan([len(s) for s in seqs], world_size=1, capacity=sizes.capacity)
+
+    def step_of(k: int, seqs: list[torch.Tensor]):
+        return to_device(
+            build_step(plan_of(seqs), 0, seqs.__getitem__, step=k, ring_ranks=pmesh.ring_ranks), device
+        )
+
+    def pipeline_batch(k: int, seqs: list[torch.Tensor]):
+        return build_pipeline_step(
+            plan_of(seqs), 0, seqs.__getitem__, stages=1, step=k, ring_ranks=pmesh.ring_ranks
+        )
+
+    def fixed_shape(k: int) -> list[torch.Tensor]:
+        """Step ``k``'s sequences: the same lengths every step (every step packs alike), learnable tokens."""
+        g = torch.Generator().manual_seed(10_000 + k)
+        c = sizes.capacity
+        out = []
+        for n in (c, 3 * c // 4, c // 2, c // 2, c // 4):
+            a, b = torch.randint(0, cfg.vocab, (2,), generator=g).tolist()
+            out.append((a + (b % 7 + 1) * torch.arange(n)) % cfg.vocab)
+        return out
+
+    def against_reference(out: dict, trained: torch.nn.Module, losses: list[float]) -> bool:
+        """``trained``'s parameters after ``steps`` float64 steps against the single-process loop's (1e-10)."""
+        if not reference:
+            reference.append(_reference_fit(cfg, init, sizes, device))
+        got = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for n, p in trained.named_parameters()
+        }
+        errs = {n: _max_err(got[n], p) for n, p in reference[0].named_parameters()}
+        worst = max(errs, key=errs.get)
+        change = max(_max_err(got[n], init[n].to(got[n])) for n in errs)
+        out.update(steps=len(losses), losses=losses, max_param_diff=errs[worst], worst_param=worst,
+                   max_param_change=change, tolerance=1e-10)  # fmt: skip
+        return bool(errs[worst] <= 1e-10 and change > 1e-4 and len(losses) == sizes.steps)
+
+    def host_tensor_refused(sub: Sub) -> None:
+        sub.out["group"] = {"backend": str(dist.get_backend(pmesh.dp_group)), "world": dist.get_world_size()}
+        if cuda:
+            sub.out.update(_host_tensor_refused(pmesh.dp_group))
+        else:
+            sub.out.update(canary=canary, note="dry run: the subsections below run on gloo, which takes host "
+                           "tensors; only a GPU run (or tests/fake_nccl) sees a host tensor reach a collective")  # fmt: skip
+            sub.out["host_tensor_refused"] = canary["host_tensor_refused"]
+        sub.out["ok"] = sub.out["host_tensor_refused"]
+
+    def fsdp2(sub: Sub) -> None:
+        m, driver = sharded(torch.float64)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for k in range(sizes.steps):
+            opt.zero_grad(set_to_none=True)
+            result = run_parallel_step(
+                m, step_of(k, _sequences(k, cfg.vocab, sizes.capacity)), pmesh, fsdp=driver
+            )
+            opt.step()
+            losses.append(result.loss)
+        sub.out["dtensor_params"] = sum(isinstance(p, DTensor) for p in m.parameters())
+        sub.out["units"] = len(driver.units)
+        sub.out["ok"] = against_reference(sub.out, m, losses) and sub.out["dtensor_params"] > 0
+
+    def pipeline(sub: Sub) -> None:
+        m = model(torch.float64)
+        stage = LlamaStage(m, 0, 1)
+        schedules = StageSchedules(stage, one_stage)
+        opt = torch.optim.SGD(stage.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for k in range(sizes.steps):
+            opt.zero_grad(set_to_none=True)
+            batch = pipeline_batch(k, _sequences(k, cfg.vocab, sizes.capacity))
+            losses.append(run_pipeline_step(stage, batch, one_stage, schedules=schedules).loss)
+            opt.step()
+        float64 = sub.out.setdefault("float64", {})
+        exact = float64["ok"] = against_reference(float64, m, losses)
+        # bf16 autocast (what the strategy enters from the precision plugin), AdamW, one batch shape
+        m = model(torch.float32)
+        stage = LlamaStage(m, 0, 1)
+        head_dtypes: set[str] = set()
+        stage.part("head").register_forward_hook(lambda mod, a, out: head_dtypes.add(str(out.dtype)))
+        schedules = StageSchedules(stage, one_stage)
+        opt = torch.optim.AdamW(stage.parameters(), lr=3e-3, weight_decay=0.1)
+        rows = []
+        for k in range(sizes.steps):
+            opt.zero_grad(set_to_none=True)
+            batch = pipeline_batch(k, fixed_shape(k))
+
+            def one_step(batch=batch):
+                return run_pipeline_step(
+                    stage, batch, one_stage, schedules=schedules,
+                    compute_context=lambda: torch.autocast(device.type, dtype=torch.bfloat16),
+                )  # fmt: skip
+
+            result, peak = device_peak(device, lambda: (one_step(), opt.step())[0])
+            rows.append({"loss": result.loss, "micro_batches": len(batch.micro_batches),
+                         "bubble": result.stage_bubble, "peak_bytes": peak})  # fmt: skip
+        flat = flat_peaks([r["peak_bytes"] for r in rows]) if cuda else None
+        losses = [r["loss"] for r in rows]
+        sub.out["bf16_mixed"] = {
+            "steps": len(rows), "rows": rows, "head_dtypes": sorted(head_dtypes), "stages_built": schedules.built,
+            "finite": all(math.isfinite(x) for x in losses), "peak_flat_from_step": FLAT_FROM_STEP,
+            "peak_flat": flat, "bubble_median": statistics.median(r["bubble"] for r in rows),
+        }  # fmt: skip
+        bf16 = sub.out["bf16_mixed"]
+        bf16["ok"] = bool(
+            bf16["head_dtypes"] == ["torch.bfloat16"] and bf16["finite"] and bf16["stages_built"] == 1
+            and len(rows) == sizes.steps and flat is not False
+        )  # fmt: skip
+        sub.out["ok"] = exact and bf16["ok"]
+
+    def trained_fsdp2() -> tuple[LlamaModel, torch.optim.Optimizer]:
+        m, driver = sharded(torch.float32)
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
+        for k in range(2):
+            opt.zero_grad(set_to_none=True)
+            run_parallel_step(m, step_of(k, _sequences(k, cfg.vocab, sizes.capacity)), pmesh, fsdp=driver)
+            opt.step()
+        return m, opt
+
+    def judged_peaks(
+        sub: Sub,
+        saved: dict[str, torch.Tensor],
+        save_peak: int | None,
+        load_peak: int | None,
+        judged: bool = True,
+    ) -> bool:
+        sizes_ = state_sizes(saved)
+        sub.out.update(sizes_, save_peak_bytes=save_peak, load_peak_bytes=load_peak)
+        if save_peak is None:
+            sub.out["peaks"] = "measured on CUDA only (dry run)"
+            return True
+        if not judged:  # ZeRO-1: the lane's whole optimizer state is on every rank while it is gathered
+            sub.out["peaks"] = (
+                "recorded: LaneZero.materialized gives every rank of a lane its whole state on the device"
+            )
+            return True
+        sub.out["save_peak_limit_bytes"] = SAVE_PEAK_TENSORS * sizes_["largest_tensor_bytes"]
+        return save_peak <= sub.out["save_peak_limit_bytes"]
+
+    def checkpoint_sharded(sub: Sub) -> None:
+        m, opt = trained_fsdp2()
+        saved = local_state(m, opt)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "sharded.ckpt")
+
+            def save() -> None:
+                state = {
+                    "state_dict": m.state_dict(),
+                    "optimizer_states": [ckpt.sharded_optimizer_state(opt, m)],
+                }
+                ckpt.save_sharded(state, path, rank=0, barrier=dist.barrier)
+
+            _, save_peak = device_peak(device, save)
+            zero_state(m, opt)
+
+            def load() -> None:
+                loaded = ckpt.load_sharded(path, m, [opt], keeps_state=mesh_.keeps_state)
+                opt.load_state_dict(loaded["optimizer_states"][0])
+
+            _, load_peak = device_peak(device, load)
+        sub.out.update(compare_states(saved, local_state(m, opt)))
+        within = judged_peaks(sub, saved, save_peak, load_peak)
+        sub.out["ok"] = bool(within and sub.out["max_abs_diff"] == 0 and not sub.out["only_one_side"])
+
+    def checkpoint_consolidated(sub: Sub, zero: bool = False) -> None:
+        if zero:  # ZeRO-1 on the mesh: plain parameters, each one's AdamW state kept by its owner
+            m = model(torch.float32)
+            opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
+            mesh_.lane_zero([opt], pmesh, 1)
+            for k in range(2):
+                opt.zero_grad(set_to_none=True)
+                run_parallel_step(m, step_of(k, _sequences(k, cfg.vocab, sizes.capacity)), pmesh)
+                opt.step()
+        else:
+            m, opt = trained_fsdp2()
+        saved = local_state(m, opt)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "consolidated.ckpt")
+
+            def save() -> None:
+                torch.save(
+                    {"state_dict": mesh_.model_state(m), "optimizer_states": [mesh_.optimizer_state(m, opt)]},
+                    path,
+                )
+
+            _, save_peak = device_peak(device, save)
+            zero_state(m, opt)
+
+            def load() -> None:
+                state = torch.load(path, weights_only=False)
+                mesh_.load_model_state(m, state["state_dict"], strict=True)
+                mesh_.load_optimizer_states(m, [opt], state["optimizer_states"])
+
+            _, load_peak = device_peak(device, load)
+        sub.out.update(compare_states(saved, local_state(m, opt)))
+        within = judged_peaks(sub, saved, save_peak, load_peak, judged=not zero)
+        sub.out["ok"] = bool(within and sub.out["max_abs_diff"] == 0 and not sub.out["only_one_side"])
+
+    try:
+        section.run("host_tensor_refused", host_tensor_refused)
+        section.run("fsdp2", fsdp2)
+        section.run("pipeline", pipeline)
+        section.run("checkpoint_sharded", checkpoint_sharded)
+        section.run("checkpoint_consolidated", checkpoint_consolidated)
+        section.run("zero1_consolidated", lambda sub: checkpoint_consolidated(sub, zero=True))
+    finally:
+        _leave_world()
+
+
+# ----------------------------------------------------------------------------- 2+ GPUs: one start of the ranks
+# The tensor_parallel and layouts sections judge Trainer jobs run in one start of the ranks
+# (benchmarks/_layouts_check.py, the ranks section): world = 4 with four GPUs or more, else 2; NCCL
+# on GPUs, gloo on 2 CPU ranks in the dry run.  A job that has not started within the ranks' share
+# of the budget (SECTION_BUDGET_S["ranks"]) is cut, and its subsection fails.
+SECTION_JOBS = {
+    "tensor_parallel": ("tp_bf16", "tp_float64"),
+    "layouts": ("pipelines", "fsdp2_tp", "tp_zero1_checkpoints", "tp_allreduce_count"),
+}
+JOB_TIMEOUT_S = 120.0  # a job's process-group timeout: a collective that waits longer fails the job
+RANKS_START_S = 60.0  # the ranks' start (imports, NCCL) and a rank's last report, on top of the budgets
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _gpus_or_skip(section: Section, subsections: tuple[str, ...]) -> int | None:
     """The GPUs visible, or ``None`` after recording a skip in every subsection when fewer than two are."""
     visible = torch.cuda.device_count()
@@ -807,89 +1250,359 @@ def _gpus_or_skip(section: Section, subsections: tuple[str, ...]) -> int | None:
     return None
 
 
+@dataclass
+class RanksRun:
+    """What the ranks wrote: each job's per-rank reports (``None`` where a rank wrote none) and rank 0's tensors."""
+
+    world: int
+    reports: dict[str, list[dict | None]]
+    tensors: dict[str, dict[str, torch.Tensor]]
+    problem: str | None  # how the ranks ended when not all of them finished every job
+    seconds: float
+
+    def job(self, name: str) -> list[dict]:
+        """The job's reports, every rank's; raises with the reason when a rank has none or one failed."""
+        reports = self.reports[name]
+        for rank, rep in enumerate(reports):
+            if rep is None:
+                why = self.problem or "a job before it failed or the budget was spent"
+                raise RuntimeError(f"rank {rank} did not run {name}: {why}")
+            if "error" in rep:
+                raise RuntimeError(
+                    f"{name} failed on rank {rank}: {rep['error']}\n{rep.get('traceback', '')}"
+                )
+        return reports  # type: ignore[return-value]
+
+
+def _ranks_run(report: Report, device: torch.device, sizes: Sizes, world: int, init: dict) -> RanksRun:
+    """The jobs of the selected 2+ GPU sections, once, in ``world`` spawned ranks (cached on the report)."""
+    import _layouts_check  # benchmarks/_layouts_check.py
+    import torch.multiprocessing as mp
+    from _common import free_port  # benchmarks/_common.py
+
+    if "ranks" in report.cache:
+        return report.cache["ranks"]
+    every = report.selected is None or "ranks" in report.selected
+    jobs = [job for s, names in SECTION_JOBS.items() if every or s in report.selected for job in names]
+    budget = SECTION_BUDGET_S["ranks"]
+    spec = {
+        "accelerator": "gpu" if device.type == "cuda" else "cpu", "preset": sizes.preset, "steps": sizes.steps,
+        "capacity": sizes.capacity, "init": init, "timeout_s": JOB_TIMEOUT_S, "deadline": time.time() + budget,
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    problem = None
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = mp.start_processes(
+            _layouts_check.rank_main, args=(world, free_port(), tmp, jobs, spec), nprocs=world,
+            start_method="spawn", join=False,
+        )  # fmt: skip
+        hard_stop = time.time() + budget + JOB_TIMEOUT_S + RANKS_START_S
+        try:
+            while not ranks.join(timeout=2):
+                if time.time() > hard_stop:
+                    problem = f"the ranks were still running {budget + JOB_TIMEOUT_S + RANKS_START_S:.0f} s after they started; ended"
+                    break
+        except Exception as err:  # a rank ended with an error (a store wait timed out: a peer is stuck)
+            problem = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}"
+        finally:
+            for proc in ranks.processes:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+        folder = Path(tmp)
+        reports = {
+            job: [
+                json.loads(p.read_text()) if (p := folder / f"{job}.rank{r}.json").exists() else None
+                for r in range(world)
+            ]
+            for job in jobs
+        }
+        tensors = {job: torch.load(folder / f"{job}.pt") for job in jobs if (folder / f"{job}.pt").exists()}
+    run = RanksRun(world, reports, tensors, problem, time.perf_counter() - t0)
+    report.cache["ranks"] = run
+    return run
+
+
+def ranks_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    """The jobs of ``tensor_parallel`` and ``layouts``, run once in 2 ranks (4 with four GPUs or more); those sections judge them.
+
+    ``run`` records the world, each job's outcome per rank (``ok``, its error, or ``not run``)
+    and how the ranks ended; it fails only when the ranks did not end by themselves (a job that
+    failed fails its own subsection).  With fewer than two GPUs a skip with the reason; the dry
+    run starts 2 gloo CPU ranks.
+    """
+    section = report.section("ranks")
+    if device.type == "cuda":
+        visible = _gpus_or_skip(section, ("run",))
+        if visible is None:
+            return
+        world = _mesh_world(visible)
+    else:
+        world = 2
+
+    def run(sub: Sub) -> None:
+        ranks = _ranks_run(report, device, sizes, world, _tp_init(sizes))
+
+        def outcome(rep: dict | None) -> str:
+            return "not run" if rep is None else rep["error"].splitlines()[0] if "error" in rep else "ok"
+
+        sub.out.update(
+            world=world, budget_s=SECTION_BUDGET_S["ranks"], ranks_seconds=ranks.seconds, problem=ranks.problem,
+            jobs={job: [outcome(rep) for rep in reps] for job, reps in ranks.reports.items()},
+            job_seconds={job: [None if rep is None else rep["seconds"] for rep in reps]
+                         for job, reps in ranks.reports.items()},
+        )  # fmt: skip
+        sub.out["ok"] = ranks.problem is None
+
+    section.run("run", run)
+
+
+def _mesh_world(visible: int) -> int:
+    """Ranks of the 2+ GPU runs: ``(2, 2)`` with four GPUs or more, else ``(1, 2)``."""
+    return 4 if visible >= 4 else 2
+
+
+def _tp_init(sizes: Sizes) -> dict[str, torch.Tensor]:
+    from lightning_bytescale.models import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in LlamaModel(LlamaConfig.preset(sizes.preset)).state_dict().items()}
+
+
+def _against_float64(
+    sub: Sub, cfg, init, sizes: Sizes, device: torch.device, got: dict[str, torch.Tensor]
+) -> bool:
+    """Rank 0's gathered parameters after ``steps`` float64 steps against the single-process loop (1e-10)."""
+    reference = _reference_fit(cfg, init, sizes, device)
+    errs = {n: _max_err(got[n].to(p), p) for n, p in reference.named_parameters()}
+    worst = max(errs, key=errs.get)
+    sub.out.update(
+        max_param_diff=errs[worst],
+        worst_param=worst,
+        max_param_change=max(_max_err(got[n], init[n].to(got[n])) for n in errs),
+        tolerance=1e-10,
+    )
+    return bool(errs[worst] <= 1e-10 and sub.out["max_param_change"] > 1e-4)
+
+
+def _ran_on_mesh(sub: Sub, reports: list[dict], world: int, sizes: Sizes, backend: str) -> bool:
+    """The Trainer ran on every rank of ``(world // 2, 2)`` on ``backend``, the lanes logged the same losses."""
+    losses = [[row["loss"] for row in rep["rows"]] for rep in reports]
+    seconds = [row["seconds"] for row in reports[0]["rows"]]
+    warm = seconds[2:] or seconds  # the first steps pay start-up costs
+    sub.out.update(
+        world=world,
+        mesh=reports[0]["mesh"],
+        backend=[rep["backend"] for rep in reports],
+        devices=[rep["device"] for rep in reports],
+        steps=len(losses[0]),
+        losses=losses[0],
+        lanes_agree=all(ls == losses[0] for ls in losses),
+        step_seconds=seconds,
+        step_seconds_median=statistics.median(warm) if warm else None,
+        dtensor_params=reports[0]["dtensor_params"],
+    )
+    return bool(
+        all(b == backend for b in sub.out["backend"])
+        and sub.out["mesh"] == [world // 2, 2]
+        and all(len(ls) == sizes.steps for ls in losses)
+        and sub.out["lanes_agree"]
+        and sub.out["dtensor_params"] > 0
+    )
+
+
 def tensor_parallel_section(report: Report, device: torch.device, sizes: Sizes) -> None:
     """``ByteScaleStrategy(tensor_parallel_size=2)`` on 2 GPUs (4 when visible: ``(2, 2)``), NCCL.
 
-    The run of ``benchmarks/_tp_check.py``: the reference Llama sharded by ``parallelize_llama`` in
-    ``configure_model``, under ``Trainer(strategy=ByteScaleStrategy(tensor_parallel_size=2))``, in
-    ``bf16-mixed`` (it ran on every rank, the lanes log the same finite losses, step time) and in
-    ``64-true`` against the single-process float64 loop (1e-10).  With fewer than two GPUs both
+    :mod:`_tp_check`'s module and data, run as the ``tp_bf16`` and ``tp_float64`` jobs of the
+    ranks (``benchmarks/_layouts_check.py``): the reference Llama sharded by ``parallelize_llama``
+    in ``configure_model`` under ``Trainer(strategy=ByteScaleStrategy(tensor_parallel_size=2))``,
+    in ``bf16-mixed`` (it ran on every rank, the lanes log the same finite losses, step time) and
+    in ``64-true`` against the single-process float64 loop (1e-10).  With fewer than two GPUs both
     subsections record a skip with the reason.  The dry run trains the same code on 2 gloo CPU
-    ranks through the same spawn launcher.
+    ranks.
     """
-    import _tp_check  # benchmarks/_tp_check.py
-
-    from lightning_bytescale.models import LlamaConfig, LlamaModel
+    from lightning_bytescale.models import LlamaConfig
 
     section = report.section("tensor_parallel")
     if device.type == "cuda":
         visible = _gpus_or_skip(section, ("bf16_mixed", "float64"))
         if visible is None:
             return
-        world, accelerator, backend = (4 if visible >= 4 else 2), "gpu", "nccl"
+        world, backend = _mesh_world(visible), "nccl"
     else:
-        world, accelerator, backend = 2, "cpu", "gloo"
+        world, backend = 2, "gloo"
     cfg = LlamaConfig.preset(sizes.preset)
-    torch.manual_seed(0)
-    init = {k: v.clone() for k, v in LlamaModel(cfg).state_dict().items()}
-
-    def train(precision: str) -> dict:
-        with tempfile.TemporaryDirectory() as tmp:
-            return _tp_check.fit(
-                Path(tmp), accelerator=accelerator, world=world, preset=sizes.preset, init=init,
-                steps=sizes.steps, capacity=sizes.capacity, precision=precision, start_method="spawn",
-            )  # fmt: skip
-
-    def ran(sub: Sub, result: dict) -> bool:
-        reports = result["reports"]
-        losses = [[row["loss"] for row in rep["rows"]] for rep in reports]
-        seconds = [row["seconds"] for row in reports[0]["rows"]]
-        warm = seconds[2:] or seconds  # the first steps pay start-up costs
-        sub.out.update(
-            world=world,
-            mesh=reports[0]["mesh"],
-            backend=[rep["backend"] for rep in reports],
-            devices=[rep["device"] for rep in reports],
-            steps=len(losses[0]),
-            losses=losses[0],
-            lanes_agree=all(ls == losses[0] for ls in losses),
-            step_seconds=seconds,
-            step_seconds_median=statistics.median(warm) if warm else None,
-            dtensor_params=reports[0]["dtensor_params"],
-        )
-        return bool(
-            all(b == backend for b in sub.out["backend"])
-            and sub.out["mesh"] == [world // 2, 2]
-            and all(len(ls) == sizes.steps for ls in losses)
-            and sub.out["lanes_agree"]
-            and sub.out["dtensor_params"] > 0
-        )
+    init = _tp_init(sizes)
 
     def bf16_mixed(sub: Sub) -> None:
-        result = train("bf16-mixed")
-        ok = ran(sub, result)
-        losses = sub.out["losses"]
-        sub.out["finite"] = all(math.isfinite(x) for x in losses)
+        reports = _ranks_run(report, device, sizes, world, init).job("tp_bf16")
+        ok = _ran_on_mesh(sub, reports, world, sizes, backend)
+        sub.out["finite"] = all(math.isfinite(x) for x in sub.out["losses"])
         sub.out["ran"] = True
         sub.out["ok"] = bool(ok and sub.out["finite"])
 
     def float64(sub: Sub) -> None:
-        result = train("64-true")
-        ok = ran(sub, result)
-        reference = _reference_fit(cfg, init, sizes, device)
-        got = result["params"]
-        errs = {n: _max_err(got[n].to(p), p) for n, p in reference.named_parameters()}
-        worst = max(errs, key=errs.get)
-        sub.out.update(
-            max_param_diff=errs[worst],
-            worst_param=worst,
-            max_param_change=max(_max_err(got[n], init[n].to(got[n])) for n in errs),
-            tolerance=1e-10,
-        )
-        sub.out["ok"] = bool(ok and errs[worst] <= 1e-10 and sub.out["max_param_change"] > 1e-4)
+        run = _ranks_run(report, device, sizes, world, init)
+        ok = _ran_on_mesh(sub, run.job("tp_float64"), world, sizes, backend)
+        sub.out["ok"] = _against_float64(sub, cfg, init, sizes, device, run.tensors["tp_float64"]) and ok
 
     section.run("bf16_mixed", bf16_mixed)
     section.run("float64", float64)
+
+
+def _profile_tp(device: torch.device, sizes: Sizes, out: Path) -> dict:
+    """``bytescale-profile --tensor-parallel 2`` started plainly (no torchrun variables): it starts its own two ranks."""
+    import subprocess
+
+    from lightning_bytescale.profiler import load_profile
+
+    cuda = device.type == "cuda"
+    lengths, budget = ("256,512,1024", "8GiB") if cuda else ("16,32,48", "64MiB")
+    args = ["--model", sizes.preset, "--lengths", lengths, "--device", device.type, "--memory-budget", budget,
+            "--tensor-parallel", "2", "--repeats", "1", "--warmup", "1" if cuda else "0",
+            "--timeout", str(int(JOB_TIMEOUT_S)), "-o", str(out)]  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+    }
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from lightning_bytescale.cli.profile import main; sys.exit(main())"
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+        timeout=JOB_TIMEOUT_S + RANKS_START_S,
+    )  # fmt: skip
+    result: dict = {"command": "bytescale-profile " + " ".join(args), "returncode": proc.returncode,
+                    "seconds": time.perf_counter() - t0}  # fmt: skip
+    if proc.returncode != 0:
+        result["output"] = (proc.stdout + proc.stderr)[-3000:]
+        return result
+    prof = load_profile(out)
+    result.update(tensor_parallel=prof.tensor_parallel, capacity=prof.capacity, lengths=list(prof.lengths))
+    return result
+
+
+def layouts_section(report: Report, device: torch.device, sizes: Sizes) -> None:
+    """The strategy's other layouts on 2 GPUs (4 when visible), NCCL: the jobs of ``benchmarks/_layouts_check.py``.
+
+    * ``pipelines_bf16``: ``pipeline_parallel_size=2`` (one pipeline of two stages per two GPUs)
+      in ``bf16-mixed`` for ``steps`` steps on one batch shape: the last stage's head computes in
+      bfloat16 (the strategy enters the precision plugin's context), the parameters stay float32,
+      every rank logs the same finite losses, each step's peak ``max_memory_allocated`` is flat
+      from step ``FLAT_FROM_STEP`` on (no stage or buffer outlives its step), and the measured
+      bubble of every pipeline per step (recorded);
+    * ``fsdp2_tp``: ``tensor_parallel_size=2`` with ``fully_shard`` over the data-parallel
+      dimension (on ``(1, 2)`` a group of one; ``(2, 2)`` with four GPUs) in ``64-true`` against
+      the single-process float64 loop (1e-10), the strategy's ``FSDPStepDriver`` in use;
+    * ``tp_zero1_checkpoints``: ``tensor_parallel_size=2, zero=1``: after three steps a
+      consolidated and a sharded checkpoint (peak device memory of each save recorded), each
+      resumed by a run that starts from zeros: every rank's parameters and optimizer state right
+      after the load equal, bit for bit, what it held at the save, and the resumed step's loss is
+      finite (load peaks recorded);
+    * ``tp_allreduce_count``: ``CommDebugMode`` over one forward and backward of the reference
+      Llama sharded by ``parallelize_llama``, 1 and 2 blocks: 2 all-reduces per block in the
+      backward, 2 per block plus the head's in all;
+    * ``profile_tp``: ``bytescale-profile --tensor-parallel 2`` started plainly (not under
+      torchrun), so it starts its two ranks itself (spawned on CUDA), and writes a cost model of
+      one tensor-parallel group of 2.
+
+    With fewer than two GPUs every subsection records a skip with the reason; the dry run runs
+    the same jobs on 2 gloo CPU ranks (no device memory to read) and the profiler on the CPU.
+    """
+    from _layouts_check import FLAT_FROM_STEP, finite
+
+    from lightning_bytescale.models import LlamaConfig
+
+    names = ("pipelines_bf16", "fsdp2_tp", "tp_zero1_checkpoints", "tp_allreduce_count", "profile_tp")
+    section = report.section("layouts")
+    if device.type == "cuda":
+        visible = _gpus_or_skip(section, names)
+        if visible is None:
+            return
+        world, backend = _mesh_world(visible), "nccl"
+    else:
+        world, backend = 2, "gloo"
+    cuda = device.type == "cuda"
+    init = _tp_init(sizes)
+
+    def ranks() -> RanksRun:
+        return _ranks_run(report, device, sizes, world, init)
+
+    def pipelines_bf16(sub: Sub) -> None:
+        reports = ranks().job("pipelines")
+        last = [r for r in reports if r["stage"] == 1]
+        losses = [[row["loss"] for row in r["rows"]] for r in reports]
+        bubbles = [row["pipeline_bubble"] for row in reports[0]["rows"]]
+        sub.out.update(
+            world=world, mesh=reports[0]["mesh"], backend=[r["backend"] for r in reports],
+            devices=[r["device"] for r in reports], steps=len(losses[0]), losses=losses[0],
+            head_dtypes=sorted({d for r in last for d in r["head_dtypes"]}),
+            param_dtypes=sorted({d for r in reports for d in r["param_dtypes"]}),
+            ranks_agree=all(ls == losses[0] for ls in losses),
+            micro_batches=[row["micro_batches"] for row in reports[0]["rows"]],
+            pipeline_bubble_per_step=bubbles,
+            pipeline_bubble_median=_median([b[0] for b in bubbles[1:] if b]),
+            peak_bytes_per_rank=[[row["peak_bytes"] for row in r["rows"]] for r in reports],
+            peak_flat_from_step=FLAT_FROM_STEP, peak_flat=[r["peak_flat"] for r in reports],
+        )  # fmt: skip
+        sub.out["ok"] = bool(
+            all(b == backend for b in sub.out["backend"]) and sub.out["mesh"] == [2, world // 2, 1]
+            and sub.out["head_dtypes"] == ["torch.bfloat16"] and sub.out["param_dtypes"] == ["torch.float32"]
+            and sub.out["ranks_agree"] and finite(losses[0]) and len(losses[0]) == sizes.steps
+            and (not cuda or all(sub.out["peak_flat"]))
+        )  # fmt: skip
+
+    def fsdp2_tp(sub: Sub) -> None:
+        run = ranks()
+        reports = run.job("fsdp2_tp")
+        ok = _ran_on_mesh(sub, reports, world, sizes, backend)
+        sub.out["fsdp_driver"] = all(r["fsdp_driver"] for r in reports)
+        exact = _against_float64(
+            sub, LlamaConfig.preset(sizes.preset), init, sizes, device, run.tensors["fsdp2_tp"]
+        )
+        sub.out["ok"] = bool(ok and exact and sub.out["fsdp_driver"])
+
+    def tp_zero1_checkpoints(sub: Sub) -> None:
+        reports = ranks().job("tp_zero1_checkpoints")
+        sub.out.update(world=world, state_bytes_per_rank=[r["state"] for r in reports])
+        ok = True
+        for fmt in ("consolidated", "sharded"):
+            rows = [r["saves"][fmt] for r in reports]
+            sub.append("saves", {"format": fmt, "per_rank": rows})
+            ok = ok and all(
+                row["max_abs_diff"] == 0 and not row["only_one_side"] and row["tensors"] > 0
+                and row["sharded_folder"] == (fmt == "sharded") and len(row["resumed_losses"]) == 1
+                and finite(row["resumed_losses"])
+                for row in rows
+            )  # fmt: skip
+        sub.out["ok"] = bool(ok)
+
+    def tp_allreduce_count(sub: Sub) -> None:
+        (first, *_) = reports = ranks().job("tp_allreduce_count")
+        counts = {int(k): v for k, v in first["counts"].items()}
+        per_block = counts[2]["backward"] - counts[1]["backward"]
+        sub.out.update(
+            mesh=first["mesh"], backend=first["backend"], counts=counts, backward_per_block=per_block,
+            expected_backward="2 per block + 1 (the untied head)",
+            lanes_agree=all(r["counts"] == first["counts"] for r in reports),
+        )  # fmt: skip
+        sub.out["ok"] = bool(
+            per_block == 2
+            and all(counts[n]["backward"] == 2 * n + 1 for n in (1, 2))
+            and sub.out["lanes_agree"]
+        )
+
+    def profile_tp(sub: Sub) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            sub.out.update(_profile_tp(device, sizes, Path(tmp, "cost_model.json")))
+        sub.out["ok"] = sub.out["returncode"] == 0 and sub.out.get("tensor_parallel") == 2
+
+    section.run("pipelines_bf16", pipelines_bf16)
+    section.run("fsdp2_tp", fsdp2_tp)
+    section.run("tp_zero1_checkpoints", tp_zero1_checkpoints)
+    section.run("tp_allreduce_count", tp_allreduce_count)
+    section.run("profile_tp", profile_tp)
 
 
 # ----------------------------------------------------------------------------- ulysses
@@ -1215,17 +1928,36 @@ SECTIONS: dict[str, Callable[[Report, torch.device, Sizes], None]] = {
     "ring": ring_section,
     "host_syncs": host_syncs_section,
     "trainer": trainer_section,
+    "mesh": mesh_section,
+    "ranks": ranks_section,
     "tensor_parallel": tensor_parallel_section,
+    "layouts": layouts_section,
     "ulysses": ulysses_section,
     "offload": offload_section,
     "flash_attn": flash_attn_section,
 }
 
 
-def run(dry_run: bool, out: Path, only: list[str] | None = None, budget_s: float = 360.0) -> Report:
+def default_budget(dry_run: bool, only: list[str] | None = None) -> float:
+    """The sum of :data:`SECTION_BUDGET_S` over the sections that run here (the 2+ GPU ones skip on one GPU).
+
+    A section that judges the ranks' jobs (:data:`SECTION_JOBS`) starts them itself when ``ranks``
+    is not selected, so their share counts too.
+    """
+    names = [s for s in SECTIONS if not only or s in only]
+    if "ranks" not in names and any(s in SECTION_JOBS for s in names):
+        names.append("ranks")
+    if not dry_run and torch.cuda.device_count() < 2:
+        names = [s for s in names if s not in MULTI_GPU_SECTIONS]
+    return float(sum(SECTION_BUDGET_S[s] for s in names))
+
+
+def run(dry_run: bool, out: Path, only: list[str] | None = None, budget_s: float | None = None) -> Report:
     """Run the sections in order; the JSON is rewritten after every subsection."""
     device = torch.device("cpu") if dry_run else torch.device("cuda", torch.cuda.current_device())
     sizes = DRY if dry_run else GPU
+    if budget_s is None:
+        budget_s = default_budget(dry_run, only)
     import lightning_bytescale
 
     header = {
@@ -1236,8 +1968,9 @@ def run(dry_run: bool, out: Path, only: list[str] | None = None, budget_s: float
         "package": str(Path(lightning_bytescale.__file__).resolve().parent),
         "sizes": asdict(sizes),
         "budget_s": budget_s,
+        "section_budget_s": SECTION_BUDGET_S,
     }
-    report = Report(out, header, budget_s)
+    report = Report(out, header, budget_s, only)
     for name, section in SECTIONS.items():
         if only and name not in only:
             continue
@@ -1251,6 +1984,9 @@ def run(dry_run: bool, out: Path, only: list[str] | None = None, budget_s: float
             report.data[name]["seconds"] = time.perf_counter() - t0
             report.save()
             print(f"[gpu_check] {name}: ok=False ({type(err).__name__}: {err})", flush=True)
+        if report.data.get(name, {}).get("over_budget"):
+            print(f"[gpu_check] {name} took {report.data[name]['seconds']:.0f} s, over its share of "
+                  f"{SECTION_BUDGET_S[name]} s (SECTION_BUDGET_S)", flush=True)  # fmt: skip
     report.data["ok"] = not report.failed()
     report.save()
     return report
@@ -1273,7 +2009,11 @@ def main(argv: list[str] | None = None) -> int:
         "--only", default="", help=f"comma-separated sections to run (default: all of {', '.join(SECTIONS)})"
     )
     ap.add_argument(
-        "--budget-s", type=float, default=360.0, help="skip subsections that would start after this"
+        "--budget-s",
+        type=float,
+        default=None,
+        help="skip (and fail) subsections that would start after this many seconds (default: the sum of "
+        "SECTION_BUDGET_S over the sections that run here; 335 s on one GPU)",
     )
     args = ap.parse_args(argv)
     problem = _package_problem()

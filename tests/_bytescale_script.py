@@ -7,8 +7,11 @@ of ours: the strategy brings its watchdog and preemption handling itself.  Every
 ``OUT/rank<r>.json`` (pid, step, its descendants) at every step.  Modes:
 
 * ``train``: many short steps, for a test to signal;
-* ``stuck``: rank 1 hangs in ``training_step`` in its first micro-batch without a ring from
-  step 2 on; its watchdog (``watchdog=4``) ends it.
+* ``stuck``: rank 1 hangs in ``training_step`` in its first micro-batch of step 2; its watchdog
+  (``watchdog=4``) ends it.  Samples are at most one rank's capacity long in this mode, so no
+  micro-batch has a ring and no peer waits on the stuck rank: its own watchdog is the one that
+  fires, at step 2 whatever the data (with rings, the first micro-batch without one came at a
+  step that depended on the data: step 255 in one run).
 
 The process-group timeout is 60 s: long enough for rank 1 to import Lightning on a busy machine.
 """
@@ -40,7 +43,7 @@ class LM(pl.LightningModule):
             report = {"pid": os.getpid(), "step": step, "descendants": proc.descendants()}
             (self.out / f"rank{rank}.json").write_text(json.dumps(report))
         if self.mode == "stuck" and rank == 1 and step >= 2 and mb.layout.ring is None:
-            time.sleep(3600)  # stuck in user code (a micro-batch without a ring: no peer waits on it)
+            time.sleep(3600)  # stuck in user code (no ring: no peer waits on it)
         time.sleep(0.05)
         return mb.loss(self.model(mb.input_ids, mb.position_ids))
 
@@ -55,7 +58,7 @@ def main() -> None:
         source="github",
         cache_dir=out / "cache",
         tokens_per_step=512,
-        context_length=256,
+        context_length=128 if mode == "stuck" else 256,
         num_workers=1,
         seed=3,
     )

@@ -46,6 +46,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from _fake_cuda import CUDA, FakeCuda, _wrapper, fake_cuda
+from _fake_pg import forget_sharding_propagation, leave
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -148,6 +149,12 @@ MODULES: dict[str, dict[str, frozenset[str]] | None] = {
         )
     },
 }
+
+
+# Calls that cut locally, with no communication, when a keyword is ``None``: not sites.
+# ``distribute_tensor(..., src_data_rank=None)``: "each rank uses its local data" (torch's docs),
+# neither scatter nor broadcast.
+LOCAL_WHEN_NONE = {"distribute_tensor": "src_data_rank"}
 
 
 def _communicates(module: str, name: str) -> frozenset[str] | None:
@@ -262,10 +269,31 @@ class _Scanner(ast.NodeVisitor):
             self._site(node.attr, node)
         self.generic_visit(node)
 
+    def _callee(self, func: ast.AST) -> str | None:
+        """The communicating function a call's callee names (``None``: another callee)."""
+        if isinstance(func, ast.Name) and isinstance(func.ctx, ast.Load):
+            return self.names.get(func.id)
+        if isinstance(func, ast.Attribute):
+            chain = _dotted(func.value)
+            module = self.modules.get(chain, chain) if chain else None
+            if module in MODULES and _communicates(module, func.attr):
+                return func.attr
+        return None
+
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
         if isinstance(func, ast.Attribute) and func.attr in METHODS:
             self._site(func.attr, node)
+        keyword = LOCAL_WHEN_NONE.get(self._callee(func) or "")
+        if keyword is not None and any(
+            k.arg == keyword and isinstance(k.value, ast.Constant) and k.value.value is None
+            for k in node.keywords
+        ):  # cuts locally: the callee is no site, its arguments may hold some
+            if isinstance(func, ast.Attribute):
+                self.visit(func.value)
+            for child in (*node.args, *node.keywords):
+                self.visit(child)
+            return
         self.generic_visit(node)
 
     def visit_Name(self, node: ast.Name) -> None:
@@ -278,7 +306,8 @@ def call_sites(root: Path = PACKAGE) -> dict[str, CallSite]:
 
     A site is a use of a ``torch.distributed`` collective (called or passed on), a DTensor
     ``full_tensor`` / ``redistribute`` call, or a ``torch.distributed.checkpoint`` state-dict
-    function, in the function that holds it.
+    function, in the function that holds it; not a call that cuts locally
+    (:data:`LOCAL_WHEN_NONE`: ``distribute_tensor(..., src_data_rank=None)``).
     """
     sites: dict[str, CallSite] = {}
     for path in sorted(root.rglob("*.py")):
@@ -380,6 +409,16 @@ class FakeNccl(FakeCuda):
             return torch.Tensor.tolist(t)
         self._record("a device-to-host copy", "Tensor.tolist")
         return v.tolist()
+
+    @staticmethod
+    def data_ptr(t: torch.Tensor) -> int:
+        """A fake tensor's address: its storage's own (the ``StorageImpl``'s) plus the view's byte offset.
+
+        torch gives every fake storage the address 0, so code that asks whether two tensors share
+        memory (the bucketed sync: is a gradient still its bucket's view, or did autograd hand
+        over a tensor of its own to copy in?) would find every pair aliased.
+        """
+        return t.untyped_storage()._cdata + t.storage_offset() * t.element_size()
 
     def twinned(self, t: torch.Tensor, twin: torch.Tensor) -> None:
         v = self.value(t)
@@ -542,12 +581,16 @@ def fake_nccl(world_size: int = 1, rank: int = 0) -> Iterator[FakeNccl]:
 
     Yields the :class:`FakeNccl` mode (``mode.cuda(t)`` makes a fake CUDA tensor of ``t``,
     ``mode.value(x)`` reads one's values).  The default process group is destroyed on the way
-    out; autograd is off inside (module docstring).
+    out and DTensor's sharding-propagation caches are emptied on the way in and out
+    (``tests/_fake_pg.py``: a cached result holds the mesh of the world that made it, and a later
+    world, or a rank forked later from this process, would get DTensors on it); autograd is off
+    inside (module docstring).
     """
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; fake_nccl makes its own")
     register_backend()
     mode = FakeNccl()
+    forget_sharding_propagation()  # no mesh of an earlier world serves this one
     dist.init_process_group(BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
     try:
         with ExitStack() as stack:
@@ -556,11 +599,12 @@ def fake_nccl(world_size: int = 1, rank: int = 0) -> Iterator[FakeNccl]:
             stack.enter_context(
                 mock.patch.object(FakeTensor, "tolist", lambda t: mode.tolist(t), create=True)
             )
+            stack.enter_context(mock.patch.object(FakeTensor, "data_ptr", mode.data_ptr, create=True))
             stack.enter_context(fake_cuda(mode=mode))
             stack.enter_context(torch.no_grad())
             yield mode
     finally:
-        dist.destroy_process_group()
+        leave()  # the group, and DTensor's cached meshes of it (tests/_fake_pg.py)
 
 
 __all__ = [

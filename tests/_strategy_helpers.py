@@ -9,6 +9,7 @@ that change ``global_batch`` or ``make_plan`` patch them here, where ``fit`` loo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -261,6 +262,21 @@ def quiet_trainer(out: Path, world: int, strategy, **options) -> pl.Trainer:
     os.environ.pop("MASTER_PORT", None)  # a port left by an earlier launcher in this process
     defaults = {"accelerator": "cpu", "precision": "64-true", "default_root_dir": out, **QUIET}
     return pl.Trainer(devices=world, strategy=strategy, **{**defaults, **options})
+
+
+@contextlib.contextmanager
+def in_this_process():
+    """A one-device ``trainer.fit`` in the test's own process, leaving no process group behind.
+
+    One device runs no launcher: the strategy joins a process group in this very process, which
+    the next test would find (and reuse with the wrong world) unless it is destroyed here.
+    """
+    had_group = torch.distributed.is_initialized()
+    try:
+        yield
+    finally:
+        if not had_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def step_checkpoints(out: Path, every: int | None) -> list[pl.Callback]:

@@ -64,6 +64,7 @@ from lightning_bytescale.errors import ConfigError
 # Modules of this floor that import Lightning are imported as modules: the first import of
 # Lightning imports this module (it registers the strategy names), maybe while one of them is
 # still being imported.
+from lightning_bytescale.lightning import auto_cost
 from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
 from lightning_bytescale.lightning import step as step_loop
@@ -120,6 +121,8 @@ class ByteScaleStrategy(ParallelStrategy):
             whole ``PlannerConfig`` (then leave the others at their defaults).  Here
             ``offload=False`` (off) is the default, an ``ActivationOffloader`` is used as it is,
             and ``pipeline_degree`` follows ``pipeline_parallel_size`` (leave it at 1).
+            ``cost_model="auto"`` measures the model on each rank's device at set-up, once, the
+            same on every rank, cached on disk (:mod:`~lightning_bytescale.lightning.auto_cost`).
         offloader_options: keyword arguments for the ``ActivationOffloader`` the strategy builds.
         zero: ZeRO level: ``0`` (default) nothing sharded; ``1`` optimizer state sharded with
             ``ZeroRedundancyOptimizer``; ``2`` gradients too, each reduced to the rank owning its
@@ -224,6 +227,7 @@ class ByteScaleStrategy(ParallelStrategy):
         )
         self._checkpoints = layout_checkpoints(self._layout_class, pipeline_parallel_size)
         self.checkpoint_format = self._checkpoints.check_format(checkpoint_format)
+        cost_model, self._cost_model_auto = auto_cost.split_auto(cost_model)  # "auto": measured in setup
         planner_config = options_.strategy_planner_config(
             planner, {k: p.default for k, p in signature.items()}, pipelines=pipeline_parallel_size,
             capacity=capacity, cp_size=cp_size, offload=offload, slack=slack, seed=seed,
@@ -255,6 +259,8 @@ class ByteScaleStrategy(ParallelStrategy):
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
         self.tensor_parallel_size: int = tensor_parallel_size
         check_cost_model_devices(planner_config, self.tensor_parallel_size)
+        if self._cost_model_auto:
+            auto_cost.check_auto(self._layout_class, self.tensor_parallel_size, pipeline_parallel_size)
         self.pipeline_parallel_size: int = pipeline_parallel_size
         self._mesh: Any = None  # the ParallelMesh (tensor or pipeline parallelism), built at set-up
         self._layout: Layout | None = None
@@ -500,6 +506,13 @@ class ByteScaleStrategy(ParallelStrategy):
         self._phase = "the broadcast of rank 0's parameters and buffers"
         self.fsdp = layout.fsdp_driver(self.model)  # fully_shard in configure_model
         layout.broadcast_state(self.model)
+        if self._cost_model_auto:  # once, on every rank, before any loader plans
+            self.planner_config = auto_cost.resolve_auto(
+                self.planner_config, module, device=self.root_device,
+                precision=str(self.precision_plugin.precision), world_size=self.world_size,
+            )  # fmt: skip
+            self._cost_model_auto = False
+            options_.check_cost_model_heads(self.planner_config, module, self.tensor_parallel_size)
         self._fitting = fitting
         if fitting:
             self.setup_optimizers(trainer)

@@ -160,6 +160,9 @@ class Layout:
     mesh: ParallelMesh | None = None
     """The run's mesh: ``None`` exactly for plain HDP (tensor and pipeline sizes 1), before it is built too."""
 
+    whole_layers = True
+    """Every rank holds whole layers of the model (no tensor-parallel shard, no pipeline stage): what one device measures."""
+
     def __init__(self, dims: ParallelDims, rank: int, mesh: ParallelMesh | None = None) -> None:
         self._dims, self.rank = dims, rank
 
@@ -278,6 +281,8 @@ class Layout:
 
 class MeshLayout(Layout):
     """HDP on the tensor-parallel mesh: an HDP rank is a TP group, with FSDP2 over ``"data_parallel"`` or not."""
+
+    whole_layers = False
 
     def __init__(self, dims: ParallelDims, rank: int, mesh: ParallelMesh | None = None) -> None:
         super().__init__(dims, rank)

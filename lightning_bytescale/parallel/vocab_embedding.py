@@ -200,7 +200,10 @@ class VocabParallelEmbedding(ParallelStyle):
 
     The weight is distributed as ``RowwiseParallel`` does (``Shard(0)`` over the vocabulary, rank
     ``src_data_rank``'s values), the ids are taken as they are on every lane (replicated), and
-    the output is a plain replicated tensor; the lookup is :func:`shard_embedding_lookup`'s.
+    the output is a plain replicated tensor; the lookup is :func:`shard_embedding_lookup`'s.  A
+    subclass's other tensors (Gemma's ``embed_scale`` buffer) get rank 0's values, as
+    ``RowwiseParallel`` gives them, but stay plain tensors, so its forward can combine them with
+    the plain lookup.
     ``parallelize_module(..., src_data_rank=None)`` makes every lane keep its own rows instead.
     """
 
@@ -222,7 +225,26 @@ class VocabParallelEmbedding(ParallelStyle):
                 f"VocabParallelEmbedding takes the 1-D tensor-parallel mesh, got {device_mesh!r}"
             )
         distribute_module(module, device_mesh, self._partition)
+        _plain_replicas(module)
         return shard_embedding_lookup(module)  # type: ignore[arg-type]
+
+
+def _plain_replicas(module: nn.Module) -> None:
+    """Every tensor of ``module`` but its weight back to a plain tensor: the replicated DTensor's local copy.
+
+    ``distribute_module`` makes the module's other parameters and buffers (Gemma's
+    ``embed_scale``) ``Replicate()`` DTensors of rank 0's values, as ``RowwiseParallel`` does; but
+    the lookup's output here is a plain tensor, and a forward that combines the two
+    (``lookup * self.embed_scale``) fails with mixed ``torch.Tensor`` and ``DTensor``.  Plain
+    replicas are what the model's other unsharded tensors (the norms) are.
+    """
+    for sub in module.modules():
+        for name, t in list(sub._parameters.items()):
+            if isinstance(t, DTensor) and not (sub is module and name == "weight"):
+                sub._parameters[name] = nn.Parameter(t.to_local().detach(), requires_grad=t.requires_grad)
+        for name, t in list(sub._buffers.items()):
+            if isinstance(t, DTensor):
+                sub._buffers[name] = t.to_local().detach()
 
 
 __all__ = ["VocabParallelEmbedding", "shard_embedding_lookup", "vocab_parallel_lookup"]

@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig, load_cost_model
+from lightning_bytescale.planner.cost_model import CostModel, OffloadConfig
+from lightning_bytescale.planner.cost_spec import resolve_cost_model
 from lightning_bytescale.planner.errors import PlanError, PlannerConfigError
 from lightning_bytescale.planner.modes import check_modes
 from lightning_bytescale.planner.registry import planner_names, planner_own_options
@@ -61,8 +62,12 @@ class PlannerConfig:
 
     cost_model: CostModel | None = None
     """The cost model the planner balances on: ``None`` (the paper's preset), a
-    :class:`CostModel`, its dict, or the path of a ``bytescale-profile`` JSON file (read once,
-    when the config is made, so every rank plans with the same numbers)."""
+    :class:`CostModel`, its dict, a preset name (``"paper"``: the same as ``None``;
+    ``"slow-link"``), or the path of a ``bytescale-profile`` JSON file (read once, when the config
+    is made, so every rank plans with the same numbers).  Names are a closed set matched exactly;
+    any other string is a file, which must exist (``planner/cost_spec.py``).  ``"auto"`` is
+    measured at set-up by the torch floor (:func:`lightning_bytescale.profiler.auto_cost_model`)
+    and refused here."""
 
     comm_aware: bool = True
     """Balance on ``linear + max(attention, ring transfer)``; ``False``: the paper's
@@ -263,23 +268,14 @@ def _offload(value: Any) -> bool | OffloadConfig | None:
 
 
 def _cost_model(value: Any) -> CostModel | None:
-    if value is None or isinstance(value, CostModel):
-        return value
     try:
-        if isinstance(value, (str, os.PathLike)):
-            return load_cost_model(value)
-        if isinstance(value, Mapping):
-            return CostModel.from_json_dict(dict(value))
+        return resolve_cost_model(value)
     except PlannerConfigError:
         raise
     except (PlanError, TypeError, ValueError) as err:
         raise PlannerConfigError(
             str(err) if isinstance(value, (str, os.PathLike)) else f"cost_model: {err}"
         ) from err
-    raise PlannerConfigError(
-        f"cost_model must be None, a CostModel, its dict or the path of a bytescale-profile file, "
-        f"got {type(value).__name__}"
-    )
 
 
 __all__ = ["PlannerConfig", "PlannerConfigError"]

@@ -27,3 +27,20 @@ class PlannerConfigError(PlanError, ConfigError):
     :class:`~lightning_bytescale.errors.ConfigError` (what the strategy raises); the message
     names the option, its value and the fix (the closest valid name for a typo).
     """
+
+
+class CostModelSpecError(PlannerConfigError):
+    """``cost_model=`` is a string that is neither a cost-model name nor an existing file, or a
+    name (``"auto"``) that only the torch floor can resolve.
+
+    The message lists the names (``auto``, ``paper``, ``slow-link``, matched exactly) with the
+    closest one, and says that anything else is read as a file that must exist.
+    """
+
+
+class CostRefitError(PlanError):
+    """The cost-model refit cannot do what was asked: a bad option, a saved state it cannot
+    read, or a step whose model is not known yet (the lag) or no longer kept.
+
+    The message names the option, the state's field or the step, and the fix.
+    """

@@ -13,7 +13,7 @@ site without such a test fails here, naming it; so does a mark or an allowance n
 no longer exists (moved or renamed: update the name).
 
 The scan itself can fail: a module written for it holds one site of every shape the package may
-use, and the qualified names the scan gives must be the ones the frames of those functions report
+use (and a ``distribute_tensor(..., src_data_rank=None)``, which cuts locally and is no site), and the qualified names the scan gives must be the ones the frames of those functions report
 at run time (how a collective is matched to its site).
 """
 
@@ -80,6 +80,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import all_gather_object as gather_objects
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import distribute_tensor
 
 
 def here():
@@ -118,6 +119,14 @@ def state(module=None, run=False):
     return get_model_state_dict(module) if run else here()
 
 
+def scattered(t=None, run=False):
+    return distribute_tensor(t, None, []) if run else here()
+
+
+def cut_locally(t=None, run=False):  # src_data_rank=None: each rank keeps its own data, no site (its argument is one)
+    return distribute_tensor(t.full_tensor(), None, [], src_data_rank=None) if run else here()
+
+
 handler = lambda t=None, run=False: dist.send(t, 1) if run else here()  # noqa: E731
 """
 
@@ -143,6 +152,8 @@ def test_the_scan_finds_every_shape_of_call_site_under_the_name_its_frame_report
         "mod.py:passed_on:barrier",
         "mod.py:imported_by_name:all_gather_object",
         "mod.py:state:get_model_state_dict",
+        "mod.py:scattered:distribute_tensor",
+        "mod.py:cut_locally:full_tensor",
         "mod.py:<lambda>:send",
     }
     # each site's function is what the frame at that call reports (a comprehension's folded into
@@ -155,6 +166,8 @@ def test_the_scan_finds_every_shape_of_call_site_under_the_name_its_frame_report
         module.passed_on(),
         module.imported_by_name(),
         module.state(),
+        module.scattered(),
+        module.cut_locally(),
         module.handler(),
     ]
     assert sorted(_fake_nccl._fold(f) for f in frames) == sorted(s.function for s in sites.values())

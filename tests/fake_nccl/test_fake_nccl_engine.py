@@ -6,16 +6,17 @@ not computed) and runs one piece of the step: ``sync_step`` with and without par
 FSDP2 case: every gradient reduced by FSDP, only the step's scalars left), with ZeRO-2 owners
 and with the bucketed sync; ZeRO-2's reduce to owners and its clipping; the broadcast of rank
 0's parameters and buffers at set-up; the plan-digest check and its data-divergence message;
-a ring transfer.  A host tensor in any of their collectives fails here as on NCCL.  The values
-are checked where the tier gives them (a reduction leaves this rank's values, a gather repeats
-them), and so is the number of device-to-host copies where a result comes back to the host.
+a ring transfer; a Ulysses exchange both ways.  A host tensor in any of their collectives fails
+here as on NCCL.  The values are checked where the tier gives them (a reduction leaves this
+rank's values, a gather repeats them), and so is the number of device-to-host copies where a
+result comes back to the host.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _fake_nccl import CUDA, fake_nccl
+from _fake_nccl import CUDA, RECORDED, fake_nccl
 from torch import nn
 
 from lightning_bytescale.engine.batch import StepBatch
@@ -197,3 +198,45 @@ def test_a_ring_transfer_is_a_gpu_exchange():
         transfer = Transfer(kv, dst=2, src=0, tag=7)
         recv = transfer.wait()
     assert transfer.done and recv.device == CUDA and recv.dtype == torch.bfloat16 and recv.shape == kv.shape
+
+
+@pytest.mark.covers(
+    "packed_attention/ulysses.py:p2p_exchange:P2POp",
+    "packed_attention/ulysses.py:p2p_exchange:isend",
+    "packed_attention/ulysses.py:p2p_exchange:irecv",
+    "packed_attention/ulysses.py:p2p_exchange:batch_isend_irecv",
+)
+def test_a_ulysses_exchange_is_a_gpu_exchange_both_ways():
+    """Tokens to heads and back between two members (global ranks 1 and 2 of 4), q's heads split, k's replicated.
+
+    Every send and receive buffer is on the GPU (the receive buffers are made on the inputs'
+    device, not the host): one ``batch_isend_irecv`` per exchange, one send to and one receive
+    from the other member per tensor.  The values are the gloo suite's
+    (``tests/packed_attention/test_attention_ulysses.py``): a receive buffer here keeps no value.
+    """
+    from lightning_bytescale.packed_attention.ulysses import to_heads, to_tokens
+    from lightning_bytescale.packed_attention.ulysses_plan import Exchange, sequence_rows
+
+    g = torch.Generator().manual_seed(0)
+    slots, seq_lens = 6, [5, 7]
+    q = torch.randn(slots, 4, 8, generator=g).to(torch.bfloat16)
+    k = torch.randn(slots, 1, 8, generator=g).to(torch.bfloat16)
+    ranges = [((0, 2), (2, 4)), ((0, 1), (0, 1))]  # q: 2 heads per member; k: its one head on both
+    rows = torch.from_numpy(sequence_rows(seq_lens, [0, 3], slots, 2))
+    with fake_nccl(world_size=4, rank=2) as mode:
+        ex = Exchange((1, 2), 1, slots, mode.cuda(rows))
+        RECORDED.clear()
+        heads = to_heads(ex, [mode.cuda(q), mode.cuda(k)], ranges, tag=7311)
+        forward = [(c.function, c.op) for c in RECORDED]
+        RECORDED.clear()
+        tokens = to_tokens(ex, heads, ranges, [q.shape, k.shape], tag=7312)
+        backward = [(c.function, c.op) for c in RECORDED]
+    exchange = [("p2p_exchange", "c10d.send.default")] * 2 + [("p2p_exchange", "c10d.recv_.default")] * 2
+    assert forward == exchange and backward == exchange
+    assert [h.shape for h in heads] == [(12, 2, 8), (12, 1, 8)] and [t.shape for t in tokens] == [
+        q.shape,
+        k.shape,
+    ]
+    assert {t.device for t in (*heads, *tokens)} == {CUDA} and {t.dtype for t in (*heads, *tokens)} == {
+        torch.bfloat16
+    }

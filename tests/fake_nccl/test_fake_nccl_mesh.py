@@ -7,9 +7,11 @@ Each test builds the strategy's ``(pipeline, data_parallel, tensor_parallel)`` m
 DTensor shards (with ZeRO-2's data-parallel group and over the stages of a pipeline), a
 gradient DTensor brought to its parameter's placements, the lanes' agreement after a step, the
 pipeline step of a pipeline without micro-batches (the gradient sum per stage and the loss the
-last stage broadcasts over its pipeline), ZeRO-1 on the mesh (its parameter broadcast after the
-step and the optimizer state it gathers for a consolidated checkpoint, AdamW's ``step`` on the
-host), the consolidated checkpoint's state functions and the parameter broadcast at set-up.
+last stage broadcasts over its pipeline), the bucketed sync on the mesh with a gradient DTensor
+in another placement than its parameter's (a TP partial sum, reduced over the lanes first),
+ZeRO-1 on the mesh (its parameter broadcast after the step and the optimizer state it gathers
+for a consolidated checkpoint, AdamW's ``step`` on the host), the consolidated checkpoint's
+state functions and the parameter broadcast at set-up.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 from _fake_nccl import CUDA, fake_nccl
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_bytescale.engine.batch import StepBatch
 from lightning_bytescale.errors import StepError
@@ -105,6 +107,52 @@ def test_a_partial_gradient_is_reduce_scattered_to_its_shard_on_the_gpu():
         ((name, proxy),) = shards.named
         placements = weight.grad.placements
     assert placements == (Shard(0),) and proxy.grad.shape == (3, 4) and proxy.grad.device == CUDA
+
+
+@pytest.mark.covers(
+    "engine/grad_sync.py:_local_grad:redistribute",
+    "engine/grad_sync.py:BucketedGradSync._launch:all_reduce",
+)
+def test_the_bucketed_sync_on_the_mesh_reduces_a_partial_gradient_over_the_lanes_on_the_gpu():
+    """A DTensor gradient in another placement than its parameter's (a TP partial sum) is reduced over the lanes first.
+
+    Then it is summed over the data-parallel group: in place for a parameter of a bucket of its
+    own, copied into its bucket's view for one that shares a bucket (autograd replaced the view).
+    """
+    from lightning_bytescale.engine.grad_sync import BucketedGradSync
+
+    g = torch.Generator().manual_seed(0)
+    whole, norm_sum = torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
+    with fake_nccl(world_size=4, rank=3) as mode:
+        pmesh = ParallelDims(4, tensor_parallel=2).build("cuda")
+        tp, lane = pmesh.tp_mesh, pmesh.tp_mesh.get_local_rank()
+
+        def param(t: torch.Tensor, placement) -> nn.Parameter:
+            return nn.Parameter(DTensor.from_local(mode.cuda(t), tp, [placement], run_check=False))
+
+        weight = param(torch.zeros(4, 8), Shard(0))  # 32 floats: a bucket of its own
+        norm = param(torch.zeros(8), Replicate())
+        bias = param(torch.zeros(2), Shard(0))
+        sync = BucketedGradSync(
+            [bias, norm, weight], group=pmesh.dp_group, bucket_bytes=100, first_bucket_bytes=100
+        )
+        sync.prepare()
+        weight.grad = DTensor.from_local(mode.cuda(whole), tp, [Partial()], run_check=False)
+        norm.grad = DTensor.from_local(mode.cuda(norm_sum), tp, [Partial()], run_check=False)
+        for p in (bias, norm, weight):
+            sync._produced.add(id(p))  # what the last backward would have recorded
+        sync.launch()
+        sync.finish()
+        sync.close()
+        grads = [p.grad for p in (weight, norm)]
+        values = [mode.value(gr.to_local()).clone() for gr in grads]
+        (shared,) = [b for b in sync.buckets if any(p is norm for p in b.params)]
+        in_bucket = norm.grad.to_local().data_ptr() in {v.data_ptr() for v in shared.views if v is not None}
+        devices = {gr.to_local().device for gr in grads}
+    assert [gr.placements for gr in grads] == [(Shard(0),), (Replicate(),)] and devices == {CUDA}
+    # the tier's other ranks add nothing: this lane's rows of its partial sum, and the norm's own
+    assert torch.equal(values[0], whole[4 * lane : 4 * lane + 4]) and torch.equal(values[1], norm_sum)
+    assert in_bucket  # the sum was copied into the bucket and the gradient is its view again
 
 
 @pytest.mark.covers("parallel/step.py:agree_across_lanes:all_reduce")

@@ -8,6 +8,10 @@ collective is recorded with the package function that called it.  And the device
 :func:`~lightning_bytescale.engine.comm_device.comm_device`: the host without a process group
 and on gloo (also a group with gloo for the host next to an accelerator backend), the current
 CUDA device on a backend registered for ``cuda`` only, for the default group and a sub-group.
+Two kinds of state must not outlive a fake world or lie about memory: DTensor's cached sharding
+propagation (a later world gets DTensors on its own mesh, not on the one before), and the
+addresses of fake tensors (distinct per storage, as on a GPU, so code that asks whether a tensor
+is a view of another gets the answer a GPU gives).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _fake_nccl import BACKEND, CUDA, RECORDED, fake_nccl, register_backend
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.parallel.dims import ParallelDims
@@ -92,3 +98,31 @@ def test_comm_device_is_the_current_gpu_on_a_backend_for_cuda_only():
         pmesh = ParallelDims(4, tensor_parallel=2).build("cuda")
         devices = {comm_device(), comm_device(pmesh.dp_group), comm_device(pmesh.tp_group)}
     assert devices == {CUDA}
+
+
+def test_a_later_world_builds_its_dtensors_on_its_own_mesh():
+    """A fake world's cached sharding propagation holds its mesh; leaving the world forgets it.
+
+    The first world's mesh is on a sub-group of its own (named ``"1"``), the second's, of the
+    same layout, on its world group (``"0"``): equal meshes to DTensor's cache.  Kept, the cache
+    would give the second world's op an output on the first world's mesh, whose group no longer
+    exists (and a rank forked later from this process would inherit it: ``tests/_fake_pg.py``).
+    """
+    names = ("tensor_parallel",)
+    with fake_nccl(world_size=2) as mode:
+        mesh = DeviceMesh.from_group(dist.new_group([0, 1]), "cuda", mesh_dim_names=names)
+        assert distribute_tensor(mode.cuda(torch.ones(4, 3)), mesh, [Shard(0)]).double().device_mesh is mesh
+    with fake_nccl(world_size=2) as mode:
+        mesh = init_device_mesh("cuda", (2,), mesh_dim_names=names)
+        out = distribute_tensor(mode.cuda(torch.ones(4, 3)), mesh, [Shard(0)]).double()
+        assert out.device_mesh is mesh and out.device_mesh.get_group() is dist.group.WORLD
+
+
+def test_fake_tensors_have_addresses_of_their_own():
+    """torch gives every fake storage the address 0; the tier gives each its own, views offset as on a GPU."""
+    with fake_nccl() as mode:
+        a, b = mode.cuda(torch.zeros(6)), torch.zeros(6, device=CUDA)
+        view = a[2:]
+        addresses = (a.data_ptr(), b.data_ptr(), view.data_ptr(), a.view(2, 3).data_ptr())
+    assert addresses[0] != addresses[1]
+    assert addresses[2] == addresses[0] + 2 * 4 and addresses[3] == addresses[0]

@@ -12,6 +12,8 @@ import pytest
 
 pytestmark = pytest.mark.multiprocess  # two ranks through Lightning's own launcher
 
+# timeout=60: rank 1 (started by Lightning's launcher) must import torch and Lightning before the
+# store's deadline, also on a loaded 2-core machine (20 s was missed there).
 SCRIPT = textwrap.dedent(
     """
     import lightning.pytorch as pl
@@ -26,7 +28,7 @@ SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         dm = Unreachable(source="github", cache_dir="cache", tokens_per_step=4096, capacity=1024,
                          context_length=1024, num_workers=0)
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ByteScaleStrategy(capacity=1024, timeout=20),
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ByteScaleStrategy(capacity=1024, timeout=60),
                              logger=False, enable_progress_bar=False, max_steps=1)
         trainer.fit(PretrainModule(preset="tiny", vocab=257), datamodule=dm)
     """

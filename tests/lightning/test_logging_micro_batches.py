@@ -27,6 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from _strategy_helpers import in_this_process
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader, Dataset
@@ -168,12 +169,8 @@ def logged() -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     """(per-step rows, epoch rows) of one epoch of STEPS steps on one CPU process."""
     logger = MemoryLogger()
     trainer = trainer_for(1, "popen", logger)  # one device: no launcher runs
-    had_group = torch.distributed.is_initialized()
-    try:
+    with in_this_process():
         trainer.fit(PerMicroBatchLogging(), datamodule=StepsModule())
-    finally:
-        if not had_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
     steps = [row for row in logger.rows if "last" in row]
     epochs = [row for row in logger.rows if "both_epoch" in row]
     return steps, epochs

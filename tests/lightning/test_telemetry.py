@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _strategy_helpers import in_this_process
 
 from lightning_bytescale.lightning.telemetry import (
     CPU_PEAK_TFLOPS,
@@ -278,12 +279,8 @@ def test_step_stats_count_sequences_from_the_plan_on_masked_data(tmp_path):
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[telemetry], default_root_dir=tmp_path,
     )  # fmt: skip
-    had_group = torch.distributed.is_initialized()
-    try:
+    with in_this_process():
         trainer.fit(module, train_dataloaders=DataLoader(Steps(), batch_size=None))
-    finally:
-        if not had_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
     assert telemetry.last_metrics["data/num_sequences"] == len(lengths)
     assert telemetry.last_metrics["data/seq_len_mean"] == pytest.approx(sum(lengths) / len(lengths))
     for stats in module.stats:

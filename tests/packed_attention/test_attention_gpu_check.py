@@ -6,11 +6,18 @@
   torchdata), imports the package from the repository and passes every section it can run
   on a CPU; its own checks hold (float64 Trainer run against the single-process reference,
   loopback rings against the dense reference, ring-flash-attention's varlen case within its
-  tolerances, a Ulysses item of 2 gloo ranks against local attention, bit-identical offload hooks);
+  tolerances, a Ulysses item of 2 gloo ranks against local attention, bit-identical offload hooks,
+  FSDP2, a one-stage pipeline and checkpoints on ``ParallelDims(1)``'s mesh against the float64
+  loop, and the 2+ GPU layouts on 2 gloo ranks: a bf16-mixed pipeline of two stages, FSDP2 with
+  TP against the float64 loop, TP ``zero=1`` checkpoints resumed bit for bit, 2 backward
+  all-reduces per block, ``bytescale-profile --tensor-parallel 2`` started plainly);
 * with the package unimportable (a broken copy first on the path, as a checkout without its
   dependencies would be) it exits 2 and says why, instead of recording the error and exiting 0;
 * a subsection that raises keeps what it recorded before the error, the report names the
-  failed section, and the exit status is 1.
+  failed section, and the exit status is 1;
+* with one GPU the 2+ GPU sections record a skip, and the run's budget is the one-GPU sum;
+* the pipelines' flat-memory rule (CUDA only in the run) holds a flat series and refuses a
+  growing one.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ def _run(args, cwd, timeout=240):
 
 def test_dry_run_from_the_repository_root_passes_every_section(tmp_path):
     out = tmp_path / "x.json"
-    proc = _run(["benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT)
+    proc = _run(["benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and report["device"] == "cpu" and report["ok"] is True
@@ -65,7 +72,10 @@ def test_dry_run_from_the_repository_root_passes_every_section(tmp_path):
         "ring",
         "host_syncs",
         "trainer",
+        "mesh",
+        "ranks",
         "tensor_parallel",
+        "layouts",
         "ulysses",
         "offload",
         "flash_attn",
@@ -112,6 +122,53 @@ def test_dry_run_from_the_repository_root_passes_every_section(tmp_path):
         assert tp[name]["dtensor_params"] > 0 and tp[name]["step_seconds_median"] > 0
     assert tp["bf16_mixed"]["ran"] and tp["bf16_mixed"]["finite"]
     assert tp["float64"]["max_param_diff"] <= 1e-10 and tp["float64"]["max_param_change"] > 1e-4
+
+    mesh = report["mesh"]  # ParallelDims(1)'s mesh on a 1-rank gloo group
+    assert mesh["host_tensor_refused"]["canary"]["host_tensor_refused"]  # a cuda-only group refuses
+    for fp64 in (mesh["fsdp2"], mesh["pipeline"]["float64"]):
+        assert fp64["max_param_diff"] <= 1e-10 and fp64["max_param_change"] > 1e-4
+    assert mesh["fsdp2"]["dtensor_params"] > 0
+    bf16 = mesh["pipeline"]["bf16_mixed"]
+    assert bf16["head_dtypes"] == ["torch.bfloat16"] and bf16["stages_built"] == 1 and bf16["finite"]
+    for name in ("checkpoint_sharded", "checkpoint_consolidated", "zero1_consolidated"):
+        assert mesh[name]["max_abs_diff"] == 0 and mesh[name]["tensors"] > 0, mesh[name]
+
+    ranks = report["ranks"]["run"]  # every 2+ GPU job ran on both gloo ranks
+    assert ranks["world"] == 2 and ranks["problem"] is None
+    assert ranks["jobs"] == {
+        job: ["ok", "ok"]
+        for job in (
+            "tp_bf16",
+            "tp_float64",
+            "pipelines",
+            "fsdp2_tp",
+            "tp_zero1_checkpoints",
+            "tp_allreduce_count",
+        )
+    }
+    layouts = report["layouts"]
+    pipe = layouts["pipelines_bf16"]
+    assert pipe["mesh"] == [2, 1, 1] and pipe["head_dtypes"] == ["torch.bfloat16"]
+    assert pipe["param_dtypes"] == ["torch.float32"] and pipe["steps"] == report["sizes"]["steps"]
+    assert pipe["pipeline_bubble_median"] is not None and pipe["ranks_agree"]
+    fsdp = layouts["fsdp2_tp"]
+    assert fsdp["fsdp_driver"] and fsdp["mesh"] == [1, 2] and fsdp["max_param_diff"] <= 1e-10
+    (consolidated, sharded) = layouts["tp_zero1_checkpoints"]["saves"]
+    assert [consolidated["format"], sharded["format"]] == ["consolidated", "sharded"]
+    assert all(
+        r["max_abs_diff"] == 0 and r["tensors"] > 0 for r in consolidated["per_rank"] + sharded["per_rank"]
+    )
+    count = layouts["tp_allreduce_count"]
+    assert count["backward_per_block"] == 2 and count["counts"] == {
+        "1": {"forward": 3, "backward": 3},
+        "2": {"forward": 5, "backward": 5},
+    }
+    profile = layouts["profile_tp"]
+    assert (
+        profile["returncode"] == 0
+        and profile["tensor_parallel"] == 2
+        and "torchrun" not in profile["command"]
+    )
 
     ulysses = report["ulysses"]  # the 2+ GPU section's code on 2 gloo ranks (spawned), bfloat16
     (item,) = ulysses["errors"]["items"]
@@ -196,12 +253,41 @@ def test_a_spent_budget_fails_the_subsections_it_cuts(tmp_path, monkeypatch):
     assert late["ok"] is False and "time budget" in late["skipped"]
 
 
-def test_tensor_parallel_section_records_a_skip_with_fewer_than_two_gpus(tmp_path, monkeypatch):
+def test_the_2_gpu_sections_record_a_skip_with_one_gpu_and_the_budget_is_the_one_gpu_sum(
+    tmp_path, monkeypatch
+):
     gpu_check = _load_script(monkeypatch)
     monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 1)
     report = gpu_check.Report(tmp_path / "x.json", {}, 60.0)
-    gpu_check.tensor_parallel_section(report, gpu_check.torch.device("cuda", 0), gpu_check.GPU)
-    tp = json.loads((tmp_path / "x.json").read_text())["tensor_parallel"]
-    assert tp["ok"] is True  # a skip is not a failure
-    for name in ("bf16_mixed", "float64"):
-        assert "needs two or more GPUs; 1 visible" in tp[name]["skipped"] and tp[name]["gpus_visible"] == 1
+    cuda = gpu_check.torch.device("cuda", 0)
+    for section in (gpu_check.ranks_section, gpu_check.tensor_parallel_section, gpu_check.layouts_section):
+        section(report, cuda, gpu_check.GPU)  # no rank starts, no CUDA call beyond the count
+    written = json.loads((tmp_path / "x.json").read_text())
+    subsections = {
+        "ranks": ("run",),
+        "tensor_parallel": ("bf16_mixed", "float64"),
+        "layouts": ("pipelines_bf16", "fsdp2_tp", "tp_zero1_checkpoints", "tp_allreduce_count", "profile_tp"),
+    }
+    for section, names in subsections.items():
+        assert written[section]["ok"] is True  # a skip is not a failure
+        for name in names:
+            sub = written[section][name]
+            assert "needs two or more GPUs; 1 visible" in sub["skipped"] and sub["gpus_visible"] == 1
+    one_gpu = sum(v for k, v in gpu_check.SECTION_BUDGET_S.items() if k not in gpu_check.MULTI_GPU_SECTIONS)
+    assert gpu_check.default_budget(dry_run=False) == one_gpu == 335  # the docstring's figure
+    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 2)
+    assert gpu_check.default_budget(dry_run=False) == sum(gpu_check.SECTION_BUDGET_S.values())
+    # a section judging the ranks' jobs starts them itself when "ranks" is not selected: their share counts
+    budget = gpu_check.SECTION_BUDGET_S
+    assert gpu_check.default_budget(dry_run=False, only=["layouts"]) == budget["layouts"] + budget["ranks"]
+
+
+def test_the_flat_memory_rule_holds_a_flat_series_and_refuses_a_growing_one(monkeypatch):
+    monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])
+    from _layouts_check import FLAT_FROM_STEP, flat_peaks
+
+    warm = [900, 950] + [1000] * FLAT_FROM_STEP  # the steps before FLAT_FROM_STEP may differ
+    mib = 2**20
+    assert flat_peaks(warm + [1000 + mib] * 15)  # within the slack
+    assert not flat_peaks(warm + [1000 + k * mib for k in range(1, 16)])  # a buffer kept every step
+    assert not flat_peaks(warm[:FLAT_FROM_STEP])  # nothing measured after the warm-up: not shown flat

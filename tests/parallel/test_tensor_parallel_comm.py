@@ -14,6 +14,9 @@ On torch's fake process group (``tests/_tp_comm.py``: collectives are issued but
   are the single-process rows of the ids it holds and zeros for the others (the all-reduce that
   sums them over the lanes moves no data here; the multi-process suites check the sum).
 * Its state dict keys the same ``embed.weight``, a ``Shard(0)`` DTensor, as before.
+* A subclass with tensors of its own (Gemma's scaled embedding: an ``embed_scale`` buffer, here
+  a parameter too) keeps them plain, so its forward combines them with the plain lookup; its
+  output and weight gradient are the single-process ones of the lane's rows.
 """
 
 from __future__ import annotations
@@ -98,6 +101,54 @@ def test_the_embedding_gradient_is_this_lanes_rows_of_one_process_gradient(lane)
         assert local.abs().sum() > 0 and ref.embed.weight.grad[start:stop].abs().sum() > 0
         # nothing the size of the whole [V, dim] gradient: at most this lane's rows
         assert largest.numel <= (stop - start) * ref.config.dim < VOCAB * ref.config.dim, largest.numel
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's scaled embedding (transformers' ``Gemma3TextScaledWordEmbedding``): a buffer times the lookup."""
+
+    def __init__(self, num: int, dim: int, scale: float) -> None:
+        super().__init__(num, dim, dtype=torch.float64)
+        self.register_buffer("embed_scale", torch.tensor(scale, dtype=torch.float64), persistent=False)
+        self.offset = nn.Parameter(torch.full((dim,), 0.25, dtype=torch.float64))  # a parameter of its own
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype) + self.offset
+
+
+@pytest.mark.parametrize("lane", range(TP))
+def test_a_subclass_with_tensors_of_its_own_keeps_them_plain_and_its_forward_runs(lane):
+    """``distribute_module`` replicates an embedding's other tensors as DTensors; the plain lookup could not mix with them."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_bytescale.parallel import VocabParallelEmbedding
+
+    torch.manual_seed(0)
+    ref = ScaledEmbedding(VOCAB, 8, scale=8**0.5)
+    ids = _ids()
+    grad_out = torch.randn(len(ids), 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ref_out = ref(ids)
+    ref_out.backward(grad_out)
+    chunk = -(-VOCAB // TP)
+    start, stop = lane * chunk, min((lane + 1) * chunk, VOCAB)
+    with fake_tp_mesh(lane) as mesh:
+        torch.manual_seed(0)
+        module = parallelize_module(ScaledEmbedding(VOCAB, 8, scale=8**0.5), mesh, VocabParallelEmbedding())
+        assert isinstance(module.weight, DTensor) and module.weight.placements == (Shard(0),)
+        assert not isinstance(module.embed_scale, DTensor) and not isinstance(module.offset, DTensor)
+        assert isinstance(module.offset, nn.Parameter) and module.offset.requires_grad
+        assert (
+            module.embed_scale.item() == ref.embed_scale.item()
+        )  # the fake group moved nothing: lane 0's own
+        with torch.no_grad():  # the fake group's scatter of rank 0's rows moved nothing
+            module.weight.to_local().copy_(ref.weight[start:stop])
+        out = module(ids)
+        mine = (ids >= start) & (ids < stop)
+        expected = torch.where(mine[:, None], ref.weight[ids] * ref.embed_scale, 0.0) + ref.offset
+        assert not isinstance(out, DTensor) and (out - expected).abs().max().item() <= 1e-12
+        out.backward(grad_out)
+        local = module.weight.grad.to_local()
+        assert (local - ref.weight.grad[start:stop]).abs().max().item() <= 1e-12
+        assert torch.equal(module.offset.grad, ref.offset.grad)
 
 
 def test_embeddings_the_sharded_lookup_cannot_serve_are_refused():

@@ -81,6 +81,7 @@ def test_the_planner_floor_imports_no_framework():
     assert not {m for m in names if m.split(".")[0] in ("torch", "lightning", "hydra", "omegaconf")}
     assert {m for m in names if m.startswith("lightning_bytescale")} <= {
         "lightning_bytescale.planner.cost_model",
+        "lightning_bytescale.planner.cost_spec",
         "lightning_bytescale.planner.errors",
         "lightning_bytescale.planner.modes",
         "lightning_bytescale.planner.registry",
