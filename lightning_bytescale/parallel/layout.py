@@ -279,6 +279,11 @@ class Layout:
         return HDPRunner(None, _sync_options(options, group))
 
 
+def _of_the_mesh(name: str) -> Any:
+    """A layout property read from its built mesh (:class:`~lightning_bytescale.parallel.dims.ParallelMesh`'s ``name``)."""
+    return property(lambda self: getattr(self._mesh, name), doc=f"The mesh's ``{name}``.")
+
+
 class MeshLayout(Layout):
     """HDP on the tensor-parallel mesh: an HDP rank is a TP group, with FSDP2 over ``"data_parallel"`` or not."""
 
@@ -296,33 +301,17 @@ class MeshLayout(Layout):
             )
         return self.mesh
 
-    @property
-    def dims(self) -> ParallelDims:
-        return self._mesh.dims
-
-    @property
-    def hdp_rank(self) -> int:
-        return self._mesh.hdp_rank
-
-    @property
-    def lane(self) -> int:
-        return self._mesh.lane
-
-    @property
-    def stage(self) -> int:
-        return self._mesh.stage
+    dims = _of_the_mesh("dims")
+    hdp_rank = _of_the_mesh("hdp_rank")
+    lane = _of_the_mesh("lane")
+    stage = _of_the_mesh("stage")
 
     @property
     def ring_ranks(self) -> tuple[int, ...] | None:
         return tuple(self._mesh.ring_ranks)
 
-    @property
-    def dp_group(self) -> Any:
-        return self._mesh.dp_group
-
-    @property
-    def tp_group(self) -> Any:
-        return self._mesh.tp_group
+    dp_group = _of_the_mesh("dp_group")
+    tp_group = _of_the_mesh("tp_group")
 
     @property
     def device_mesh(self) -> Any:
@@ -449,13 +438,8 @@ class PipelineLayout(MeshLayout):
     launch and at set-up), evaluation and prediction, a model on the meta device, ``fully_shard``.
     """
 
-    @property
-    def pp_group(self) -> Any:
-        return self._mesh.pp_group
-
-    @property
-    def pipeline_group(self) -> Any:
-        return self._mesh.pp_group
+    pp_group = _of_the_mesh("pp_group")
+    pipeline_group = _of_the_mesh("pp_group")
 
     @classmethod
     def check_before_launch(cls, *, scaler: Any, pipelines: int) -> None:
