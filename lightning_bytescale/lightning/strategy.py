@@ -300,15 +300,22 @@ class ByteScaleStrategy(ParallelStrategy):
 
     @property
     def layout(self) -> Layout:
-        """This rank's :class:`~lightning_bytescale.parallel.layout.Layout` (plain HDP: sizes 1, no mesh)."""
+        """This rank's :class:`~lightning_bytescale.parallel.layout.Layout` (plain HDP: sizes 1, no mesh).
+
+        Plain HDP's is known once the Trainer gave the strategy its devices (a ``ParallelDimsError`` before).
+        """
         if self._layout is None:
-            world = max(1, self.num_nodes * self.num_processes)
+            world = self.num_nodes * self.num_processes
             self._layout = self._layout_class.of(self._mesh, world_size=world, rank=self.global_rank)
         return self._layout
 
     @property
     def loader_view(self) -> LoaderView | None:
-        """What the data loader plans with (:class:`~lightning_bytescale.parallel.layout.LoaderView`); ``None`` before the mesh is built."""
+        """What the data loader plans with (:class:`~lightning_bytescale.parallel.layout.LoaderView`).
+
+        ``None`` before the mesh is built, or before a plain HDP strategy has its devices: the
+        data module then plans with its trainer's ranks.
+        """
         with contextlib.suppress(ParallelDimsError):
             return self.layout.loader_view
         return None

@@ -168,8 +168,12 @@ class Layout:
 
     @classmethod
     def of(cls, mesh: ParallelMesh | None, *, world_size: int, rank: int) -> Layout:
-        """This rank's layout: ``rank`` of ``world_size`` (a mesh layout reads both from its ``mesh``)."""
-        return cls(ParallelDims(max(1, world_size)), rank, mesh)
+        """This rank's layout: ``rank`` of ``world_size`` (a mesh layout reads both from its ``mesh``).
+
+        Plain HDP's place is its world: ``world_size=0`` (a strategy not given its devices yet) is
+        a ``ParallelDimsError``, not a world of one, so the data module plans with its trainer's ranks.
+        """
+        return cls(ParallelDims(world_size), rank, mesh)
 
     # ------------------------------------------------------------------ place and groups
     @property
@@ -292,6 +296,11 @@ class MeshLayout(Layout):
     def __init__(self, dims: ParallelDims, rank: int, mesh: ParallelMesh | None = None) -> None:
         super().__init__(dims, rank)
         self.mesh = mesh
+
+    @classmethod
+    def of(cls, mesh: ParallelMesh | None, *, world_size: int, rank: int) -> Layout:
+        """This rank's layout on ``mesh`` (``None`` until set-up builds it): its place and world are the mesh's."""
+        return cls(ParallelDims(max(1, world_size)), rank, mesh)
 
     @property
     def _mesh(self) -> ParallelMesh:
