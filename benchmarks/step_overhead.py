@@ -70,6 +70,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "bytescale_unchecked": {
         "check_finite": False,
         "check_loss_normalization": False,
+        "check_attention": False,
         "check_parameters_every_n_steps": 0,
         "log_loss": False,
         "watchdog": False,

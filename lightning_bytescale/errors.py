@@ -34,6 +34,16 @@ class LossNormalizationError(ConfigError):
     """
 
 
+class MissingPackedAttentionError(ConfigError):
+    """The model's forward did not call ``lightning_bytescale.attention`` on a packed micro-batch or a ring member.
+
+    Attention that ignores the micro-batch layout (``F.scaled_dot_product_attention(...,
+    is_causal=True)``) attends across packed sequences and, on a ring member, to its own shard
+    only; call ``lightning_bytescale.attention(q, k, v)``, or pass
+    ``ByteScaleStrategy(check_attention=False)`` for a model that handles packing itself.
+    """
+
+
 class GradientAccumulationError(ConfigError):
     """Gradient accumulation over Lightning batches (``accumulate_grad_batches`` or a
     ``GradientAccumulationScheduler``): one Lightning batch is already one optimizer step."""
@@ -107,6 +117,7 @@ __all__ = [
     "DivergentPlanError",
     "GradientAccumulationError",
     "LossNormalizationError",
+    "MissingPackedAttentionError",
     "NonFiniteError",
     "ParameterDivergenceError",
     "PeerFailureError",

@@ -18,9 +18,10 @@ tests after it (ranks forked from this process would inherit them).
 """
 
 import os
+import sys
 
 import pytest
-from _fake_pg import fake_world
+from _fake_pg import fake_world, forget_sharding_propagation
 from _proc import become_subreaper, command_line, is_descendant, wait_gone
 
 from lightning_bytescale import proc as process_tree
@@ -57,6 +58,19 @@ def fake_process_group():
     """``join(rank, world)``: this process as rank ``rank`` of a fake world, left clean after the test."""
     with fake_world() as join:
         yield join
+
+
+@pytest.fixture(autouse=True)
+def _forget_dtensor_meshes():
+    """After each test, DTensor's cached sharding propagation is emptied (microseconds).
+
+    A cached result holds the mesh of the world it was computed in; a rank a later test forks
+    from this process inherits it and fails on the dead world's group names (``tests/_fake_pg.py``).
+    Tests should leave their worlds through ``fake_world``; this is the net under the ones that do not.
+    """
+    yield
+    if "torch.distributed.tensor" in sys.modules:
+        forget_sharding_propagation()
 
 
 @pytest.fixture(autouse=True)

@@ -28,13 +28,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lightning_bytescale"
 MOST, MOST_LIGHTNING = 12, 2
 
 #: Left out of the layout-branch scan: the mesh's own module, the model side (the models, the HF
-#: module, the pipeline stage classes), the simulator and the profiler.
+#: module, the pipeline stage classes, the recipes' module that lays the reference model out on
+#: the mesh, as a user's ``configure_model`` does), the simulator and the profiler.
 OUTSIDE = (
     "parallel/dims.py",
     "models/",
     "hf/module.py",
     "parallel/pipeline_stage.py",
     "hf/pipeline.py",
+    "recipes/module.py",
     "sim/",
     "profiler/",
 )

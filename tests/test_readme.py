@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _recipe_helpers import LAUNCHER_VARS
+from _recipe_helpers import run_doc_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,13 +24,6 @@ def test_readme_example_trains(tmp_path):
     code = _readme_example()
     assert "max_steps=20" in code
     code = code.replace("max_steps=20", "max_steps=2, logger=False, enable_checkpointing=False")
-    script = tmp_path / "example.py"
     code += '    print("GLOBAL_STEP", trainer.global_step, flush=True)\n'
-    script.write_text(code)
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.update(OMP_NUM_THREADS="1", BYTESCALE_DATA_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_doc_script(code, tmp_path, timeout=280)
     assert "GLOBAL_STEP 2" in proc.stdout, proc.stdout[-3000:]

@@ -5,10 +5,12 @@ It loads Lightning: ``cli/train.py`` imports it only in the functions that build
 Every way a run ends prints its next step once, on rank 0: the summary of a finished run
 (``checkpoint:`` and ``resume with:`` lines), the preemption message of a run stopped by SIGTERM or
 Ctrl-C (:class:`ResumeHint`, given to the :class:`PreemptionCallback`), and the line of a run
-interrupted before it could save (a second Ctrl-C).  The command repeats the run's own
-command-line overrides with ``ckpt_path=`` (and ``trainer.max_steps=`` raised where the run
-used up its steps): it starts a new run folder, as every ``bytescale-train`` does, and
-trains on from the checkpoint.
+interrupted before it could save (a second Ctrl-C).  The command starts the way the user started
+this run (:func:`launch_prefix`: ``.venv/bin/bytescale-train``, ``python -m
+lightning_bytescale.cli.train``, ``torchrun ... -m ...``), repeats the run's own command-line
+overrides with ``ckpt_path=`` (and ``trainer.max_steps=`` raised where the run used up its
+steps), and names the run's folder (``hydra.run.dir=``): the resumed run writes beside the first
+one and, with W&B, logs into the same W&B run (:mod:`~lightning_bytescale.lightning.wandb_run`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import re
 import shlex
 import shutil
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,15 +44,96 @@ def _key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
-def resume_command(overrides: list[str], checkpoint: Path | str, max_steps: int | None = None) -> str:
-    """``bytescale-train <overrides> ckpt_path=<checkpoint> [trainer.max_steps=N]``, shell-quoted."""
+DEFAULT_PREFIX = ("bytescale-train",)
+
+
+def _runs_by_shebang(interpreter: str, script: str) -> bool:
+    """Whether ``script`` is an executable whose ``#!`` line names ``interpreter`` (a console script
+    the shell started through its shebang, not a script the user handed to Python)."""
+    try:
+        with open(script, "rb") as fh:
+            first = fh.readline(512)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and first[2:].strip().split(b" ")[0] == os.fsencode(interpreter)
+
+
+def _as_typed(program: str) -> str:
+    """``program`` by its bare name where the shell finds that same file on ``PATH``, else as given."""
+    name = os.path.basename(program)
+    found = shutil.which(name)
+    if found and os.path.realpath(found) == os.path.realpath(program):
+        return name
+    return program
+
+
+def _parent_command() -> list[str] | None:
+    """The command line of this process's parent (Linux ``/proc``), or None."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return None
+    parts = [os.fsdecode(p) for p in raw.split(b"\0") if p]
+    return parts or None
+
+
+def launch_prefix(
+    argv: Sequence[str] | None = None,
+    orig_argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    parent: Sequence[str] | None = None,
+) -> list[str]:
+    """The command that started this run, without its arguments: what a resume command starts with.
+
+    ``sys.orig_argv`` (the interpreter's own command line) minus the arguments after the script or
+    module (``sys.argv[1:]``): ``python -m lightning_bytescale.cli.train`` and ``python
+    recipes/pretrain.py`` as typed; a console script started through its ``#!`` line as the script
+    (``.venv/bin/bytescale-train``, or ``bytescale-train`` where ``PATH`` finds that file); under
+    torchrun (``TORCHELASTIC_RUN_ID``) the command line of the torchrun process that started this
+    rank (``torchrun --nproc-per-node 4 -m lightning_bytescale.cli.train``).  Falls back to
+    ``bytescale-train``.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    typed = list(getattr(sys, "orig_argv", []) if orig_argv is None else orig_argv)
+    environ = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in environ:
+        above = _parent_command() if parent is None else list(parent)
+        if above and len(above) > len(argv) - 1 and above[len(above) - len(argv) + 1 :] == argv[1:]:
+            typed = above
+    n = len(argv) - 1
+    if not typed or len(typed) <= n or typed[len(typed) - n :] != argv[1:]:
+        return list(DEFAULT_PREFIX)
+    prefix = typed[: len(typed) - n]
+    if len(prefix) >= 2 and _runs_by_shebang(prefix[0], prefix[1]):
+        prefix = prefix[1:]  # the shell ran the script; the interpreter came from its #! line
+    if prefix and "-c" in prefix:
+        return list(DEFAULT_PREFIX)  # python -c "...": nothing a user can type again
+    return [_as_typed(prefix[0]), *prefix[1:]]
+
+
+def resume_command(
+    overrides: list[str],
+    checkpoint: Path | str,
+    max_steps: int | None = None,
+    *,
+    prefix: Sequence[str] = DEFAULT_PREFIX,
+    run_dir: Path | str | None = None,
+) -> str:
+    """``<prefix> <overrides> ckpt_path=<checkpoint> [trainer.max_steps=N] [hydra.run.dir=<run_dir>]``, shell-quoted.
+
+    With ``run_dir`` the resumed run writes into the same folder (unless the overrides already
+    name one with ``hydra.run.dir=``).
+    """
     drop = {"ckpt_path"} | ({"trainer.max_steps"} if max_steps is not None else set())
     args = [o for o in overrides if _key(o) not in drop]
     path = str(Path(checkpoint).absolute()) if "://" not in str(checkpoint) else str(checkpoint)
     args.append(f"ckpt_path={path}" if _PLAIN.match(path) else f"ckpt_path='{path}'")  # Hydra's quotes
     if max_steps is not None:
         args.append(f"trainer.max_steps={max_steps}")
-    return shlex.join(["bytescale-train", *args])
+    if run_dir is not None and not any(_key(o) == "hydra.run.dir" for o in args):
+        folder = str(Path(run_dir).absolute())
+        args.append(f"hydra.run.dir={folder}" if _PLAIN.match(folder) else f"hydra.run.dir='{folder}'")
+    return shlex.join([*prefix, *args])
 
 
 @dataclass
@@ -61,9 +146,11 @@ class ResumeHint:
     overrides: list[str] = field(default_factory=list)
     run_dir: str = ""
     slurm: bool = False
+    prefix: list[str] = field(default_factory=lambda: list(DEFAULT_PREFIX))
 
     def __call__(self, checkpoint: Path | str) -> str:
-        text = f"Resume it with:\n  {resume_command(self.overrides, checkpoint)}"
+        command = resume_command(self.overrides, checkpoint, prefix=self.prefix, run_dir=self.run_dir or None)
+        text = f"Resume it with:\n  {command}"
         if self.slurm:
             text += (
                 "\n  (a requeued SLURM job resumes from it by itself only in the same run folder: "

@@ -7,6 +7,11 @@ Examples::
     bytescale-sim --scenario paper-7b-byted-1m --planners static,balance --steps 2 --json
     bytescale-sim --scenario paper-7b-github-2m --planners balance,balance_modes   # ring-only vs modes
     bytescale-sim --measured benchmarks/results/pipeline_balance.json   # measured vs simulated bubble
+    bytescale-sim --scenario paper-7b-github-2m --cost-model runs/last.ckpt  # a run's refined cost model
+
+``--cost-model`` takes what a run leaves behind (a checkpoint file or sharded folder, the
+telemetry's JSON or JSON-lines records, a saved refit or schedule) or a cost-model file, and
+simulates with the newest model in it in place of the one the scenario derives from its shape.
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.planner.cost_model import CostModel
+from lightning_bytescale.planner.cost_refit import refined_cost_model
 from lightning_bytescale.planner.modes import MODES
 from lightning_bytescale.sim.pipeline_bubble import compare_measured
 from lightning_bytescale.sim.run import SUMMARY_KEYS, VARIANTS, run_scenario
@@ -43,7 +52,48 @@ def _parser() -> argparse.ArgumentParser:
         help="a measured pipeline run's JSON (benchmarks/pipeline_balance.py): print its measured "
         "bubble per variant and pipeline next to the simulator's for the same plans",
     )
+    p.add_argument(
+        "--cost-model",
+        metavar="SOURCE",
+        help="simulate with the newest cost model in SOURCE: a run's checkpoint (.ckpt file or sharded "
+        "folder), its telemetry (.json or .jsonl records holding 'cost_refit'), a saved refit, or a "
+        "bytescale-profile / cost-model JSON file (default: the scenario's, from its shape)",
+    )
     return p
+
+
+def read_cost_source(source: str) -> CostModel:
+    """The newest cost model in ``source`` (see ``--cost-model``); :class:`ValueError` naming the fix."""
+    path = Path(source)
+    if path.is_dir():
+        meta = path / "meta.pt"  # a sharded checkpoint: everything but the tensors is in meta.pt
+        if not meta.is_file():
+            raise ConfigError(
+                f"--cost-model {source} is a folder without meta.pt: give a checkpoint file, a sharded "
+                "checkpoint folder, or a telemetry or cost-model JSON file"
+            )
+        path = meta
+    if not path.is_file():
+        raise ConfigError(f"--cost-model {source}: no such file")
+    data: Any
+    if path.suffix in (".ckpt", ".pt", ".pth"):
+        import torch  # only to read a checkpoint: the simulator itself runs without torch
+
+        # the user's own run's checkpoint, read as Lightning reads it to resume
+        data = torch.load(path, map_location="cpu", weights_only=False)
+    else:
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            try:  # JSON lines: one telemetry record a line
+                data = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError as err:
+                raise ConfigError(
+                    f"--cost-model {source} is neither JSON nor JSON lines ({err}); give a checkpoint or a "
+                    "telemetry or cost-model JSON file"
+                ) from err
+    return refined_cost_model(data)
 
 
 def _measured_table(rows: list[dict]) -> str:
@@ -166,8 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         planners = [p.strip() for p in args.planners.split(",") if p.strip()] if args.planners else None
         if args.steps is not None and args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-        result = run_scenario(scenario, planners=planners, steps=args.steps)
-    except ValueError as err:
+        cost_model = read_cost_source(args.cost_model) if args.cost_model else None
+        result = run_scenario(scenario, planners=planners, steps=args.steps, cost_model=cost_model)
+    except (ValueError, OSError) as err:
         print(f"bytescale-sim: error: {err}", file=sys.stderr)
         return 2
     if args.json:
@@ -175,8 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "scenario": result["scenario"],
             "planners": {n: {k: r[k] for k in SUMMARY_KEYS} for n, r in result["planners"].items()},
         }
+        if cost_model is not None:
+            out["cost_model"] = {"source": args.cost_model, **cost_model.to_json_dict()}
         print(json.dumps(out, indent=2))
     else:
+        if cost_model is not None:
+            print(
+                f"cost model: the newest in {args.cost_model} (a={cost_model.a:.4g}, b={cost_model.b:.4g}, g={cost_model.g:.4g})"
+            )
         print(_table(result))
     return 0
 

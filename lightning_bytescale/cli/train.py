@@ -63,11 +63,17 @@ def _devices_count(devices: Any) -> int:
     return 2  # "auto" and friends: assume more than one
 
 
+def _is_wandb(logger_cfg: Any) -> bool:
+    """Whether a logger config builds a W&B logger (Lightning's ``WandbLogger`` or a subclass of it)."""
+    target = str(logger_cfg.get("_target_", "")).rsplit(".", 1)[-1]
+    return target.startswith("Wandb") and target.endswith("Logger")
+
+
 def _prepare(cfg: DictConfig) -> None:
     """Decisions the YAML leaves open: W&B online/offline, the launcher in sweeps."""
     with open_dict(cfg):
         logger = cfg.get("logger")
-        if logger is not None and str(logger.get("_target_", "")).endswith("WandbLogger"):
+        if logger is not None and _is_wandb(logger):
             if logger.get("offline") is None:
                 logger.offline = wandb_offline_by_default()
             if logger.get("name") is None:
@@ -98,10 +104,12 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import WandbLogger
 
     from lightning_bytescale.cli._run_end import RunCheckpoint
     from lightning_bytescale.lightning.run_summary import RunSummary
     from lightning_bytescale.lightning.run_timer import RunTimer
+    from lightning_bytescale.lightning.wandb_run import WandbRunId
 
     _prepare(cfg)
     pl.seed_everything(cfg.seed, workers=True)
@@ -109,13 +117,17 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
 
     datamodule = instantiate(_plain(cfg.data))
-    model = instantiate(_model_for_data(_plain(cfg.model), datamodule))
+    strategy = instantiate(_plain(cfg.strategy))
+    model_cfg = _model_for_layout(_model_for_data(_plain(cfg.model), datamodule), strategy)
+    model = instantiate(model_cfg)
+    _check_layout(model, strategy, cfg.get("hf_export_dir"))  # before any process starts, as the data below
     if hasattr(datamodule, "model_vocab_size") and datamodule.model_vocab_size is None:
         # the vocabulary check before the first step compares the data with this
         datamodule.model_vocab_size = _model_vocab(model)
-    strategy = instantiate(_plain(cfg.strategy))
-    logger = instantiate(_plain(cfg.logger)) if cfg.get("logger") is not None else None
+    logger = instantiate(_logger_config(cfg)) if cfg.get("logger") is not None else None
     callbacks = [instantiate(_plain(cfg.telemetry)), RunSummary()]
+    if logger is not None and isinstance(logger, WandbLogger):
+        callbacks.append(WandbRunId())  # the run id in every checkpoint: a resumed run logs into the same run
     trainer_cfg = _plain(cfg.trainer)
     max_time = trainer_cfg.pop("max_time", None)
     if max_time is not None:
@@ -154,6 +166,17 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def _logger_config(cfg: DictConfig) -> dict[str, Any]:
+    """The logger's config; a W&B logger resuming a checkpoint logs into the W&B run the checkpoint names."""
+    from lightning_bytescale.lightning.wandb_run import checkpoint_wandb_run_id  # loads Lightning (see above)
+
+    logger = _plain(cfg.logger)
+    ckpt_path = cfg.get("ckpt_path")
+    if _is_wandb(logger) and logger.get("id") is None and ckpt_path not in (None, "hpc", "last"):
+        logger["id"] = checkpoint_wandb_run_id(str(ckpt_path))
+    return logger
+
+
 def _step_progress_bar() -> Any:
     """``Epoch 0 (to step 200)`` instead of Lightning's ``Epoch 0/-2``; None without ``rich``
     (Lightning's TQDM bar then, which shows no epoch limit)."""
@@ -174,7 +197,7 @@ def _stop_callback(strategy: Any, cfg: DictConfig) -> Any:
     """
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    from lightning_bytescale.cli._run_end import ResumeHint, command_overrides
+    from lightning_bytescale.cli._run_end import ResumeHint, command_overrides, launch_prefix
     from lightning_bytescale.lightning.preemption import PreemptionCallback, PreemptionHandler
 
     chosen = getattr(strategy, "preemption", False)
@@ -183,12 +206,71 @@ def _stop_callback(strategy: Any, cfg: DictConfig) -> Any:
     signals = ("SIGTERM",) if chosen is True else tuple(chosen)
     if chosen is True and getattr(strategy, "start_method", "popen") == "popen":
         signals += ("SIGINT",)
-    hint = ResumeHint(command_overrides(), str(Path(str(cfg.run_dir)).absolute()), SLURMEnvironment.detect())
+    hint = ResumeHint(
+        command_overrides(),
+        str(_output_dir(cfg).absolute()),
+        SLURMEnvironment.detect(),
+        prefix=launch_prefix(),
+    )
     return PreemptionCallback(PreemptionHandler(signals), resume_hint=hint)
 
 
+def _hdp_ranks(strategy: Any, world_size: int) -> int:
+    """The ranks the planner plans for: the world over each HDP rank's devices (TP lanes x pipeline stages)."""
+    per_rank = int(getattr(strategy, "tensor_parallel_size", 1)) * int(
+        getattr(strategy, "pipeline_parallel_size", 1)
+    )
+    return max(1, world_size // per_rank)
+
+
+def _model_for_layout(model_cfg: dict[str, Any], strategy: Any) -> dict[str, Any]:
+    """A Hugging Face model's ``tensor_parallel`` from the strategy's layout where the config leaves it open.
+
+    ``model.tensor_parallel: null`` (the default) shards the model with its own plan exactly when
+    ``strategy.tensor_parallel_size > 1``; ``false`` under tensor parallelism would have every
+    lane run the whole model, and ``true`` without it has no mesh to shard over: both are refused.
+    """
+    if "tensor_parallel" not in model_cfg:
+        return model_cfg
+    tp = int(getattr(strategy, "tensor_parallel_size", 1))
+    chosen = model_cfg["tensor_parallel"]
+    if chosen is None:
+        model_cfg["tensor_parallel"] = tp > 1
+    elif chosen and tp == 1:
+        raise ConfigError(
+            "model.tensor_parallel=true needs strategy.tensor_parallel_size > 1 (the mesh it shards over); set "
+            "strategy.tensor_parallel_size=2 (or more), or drop model.tensor_parallel"
+        )
+    elif not chosen and tp > 1:
+        raise ConfigError(
+            f"model.tensor_parallel=false with strategy.tensor_parallel_size={tp}: every lane of an HDP rank would "
+            "run the whole model on the same micro-batches; drop model.tensor_parallel (it follows the strategy) "
+            "or set strategy.tensor_parallel_size=1"
+        )
+    return model_cfg
+
+
+def _check_layout(model: Any, strategy: Any, hf_export_dir: str | None = None) -> None:
+    """The model's own check of the strategy's layout (``PretrainModule.check_layout``), before launch."""
+    sharded = int(getattr(strategy, "tensor_parallel_size", 1)) * int(
+        getattr(strategy, "pipeline_parallel_size", 1)
+    )
+    if hf_export_dir and sharded > 1:
+        raise ConfigError(
+            "hf_export_dir writes the trained model from one process, which holds only its shard or stage with "
+            "strategy.tensor_parallel_size or pipeline_parallel_size > 1; exporting a sharded model is not built "
+            "yet: drop hf_export_dir (the checkpoint keeps the model) or train with both sizes 1"
+        )
+    check = getattr(model, "check_layout", None)
+    if callable(check):
+        check(
+            tensor_parallel=int(getattr(strategy, "tensor_parallel_size", 1)),
+            pipeline=int(getattr(strategy, "pipeline_parallel_size", 1)),
+        )
+
+
 def _validate_data(datamodule: Any, strategy: Any, trainer: Any) -> None:
-    """Check the data options against the run's world size and planner before any process starts."""
+    """Check the data options against the run's HDP ranks and planner before any process starts."""
     validate = getattr(datamodule, "validate", None)
     if not callable(validate):
         return
@@ -196,7 +278,7 @@ def _validate_data(datamodule: Any, strategy: Any, trainer: Any) -> None:
     if config is None:
         options = getattr(strategy, "planner_options", None)
         config = options() if callable(options) else None
-    validate(world_size=trainer.world_size, planner_options=config)
+    validate(world_size=_hdp_ranks(strategy, int(trainer.world_size)), planner_options=config)
 
 
 def _before_launch_error(err: BaseException) -> str | None:
@@ -319,7 +401,9 @@ def _one_line_per_log_message() -> None:
 def _output_dir(cfg: DictConfig) -> Path:
     """The folder Hydra made for this run (``run_dir`` outside Hydra)."""
     if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir)
+        found = OmegaConf.select(HydraConfig.get(), "runtime.output_dir", throw_on_missing=False)
+        if found:
+            return Path(str(found))
     return Path(str(cfg.run_dir))
 
 
@@ -396,24 +480,61 @@ def _fit(cfg: DictConfig, parts: dict[str, Any]) -> float | None:
         raise
     except Exception as err:
         from lightning_bytescale.data.errors import DataError  # loads torch (see above)
+        from lightning_bytescale.lightning.launcher import EXIT_SAME_ERROR, printed_by_a_lower_rank
 
-        if not isinstance(err, DataError) or trainer.global_step > 0:
+        # A lower rank raised the same error and prints it: end without Hydra's report of it
+        # (its traceback and "Error executing job" line, once per rank otherwise).
+        silent = printed_by_a_lower_rank(err)
+        if not isinstance(err, (DataError, ConfigError)) or trainer.global_step > 0:
+            if silent:
+                raise SystemExit(EXIT_SAME_ERROR) from None
             raise
-        # the data cannot be used (found once the store is read): every rank found the same
+        # bad data or a setting the run cannot take, found at set-up (the store read, the model
+        # built on its ranks): one line, as before launch
+        if silent:
+            raise SystemExit(EXIT_SAME_ERROR) from None
         if trainer.is_global_zero:
             _discard_offline_wandb_run()
-            print(f"bytescale-train: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        print(f"bytescale-train: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
         if trainer.is_global_zero:
             _finish_wandb()
     loss = trainer.callback_metrics.get("train/loss")
     if trainer.is_global_zero:
-        _report(cfg, trainer, logger, loss, time.perf_counter() - start)
+        exported = _export_hf(cfg, parts)
+        _report(cfg, trainer, logger, loss, time.perf_counter() - start, exported)
     return float(loss) if loss is not None else None
 
 
-def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: float) -> None:
+def _export_hf(cfg: DictConfig, parts: dict[str, Any]) -> str | None:
+    """``hf_export_dir``: the trained Hugging Face model and the data's tokenizer as a ``from_pretrained``
+    folder (where this process holds the trained model: rank 0 of the default launcher); its path."""
+    folder = cfg.get("hf_export_dir")
+    model = parts["model"]
+    if (
+        not folder
+        or getattr(model, "model", None) is None
+        or not callable(getattr(model, "save_pretrained", None))
+    ):
+        return None
+    path = Path(str(folder)).absolute()
+    model.save_pretrained(str(path))
+    tokenizer = cfg.data.get("tokenizer")
+    if tokenizer and os.path.exists(str(tokenizer)):
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # the hf extra (model=hf has it)
+
+        if os.path.isdir(str(tokenizer)):
+            saved = AutoTokenizer.from_pretrained(str(tokenizer))
+        else:
+            saved = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer))
+        saved.save_pretrained(str(path))
+    return str(path)
+
+
+def _report(
+    cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: float, exported: str | None = None
+) -> None:
     # Under the spawn/fork launchers the fitted state stays in the workers: the step count and
     # tokens/s come back through callback_metrics (lightning/run_summary.py).
     from lightning_bytescale.lightning.run_summary import run_figures  # loads Lightning (see above)
@@ -421,20 +542,21 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
     figures = run_figures(trainer)
     ran = int(figures.get("run/steps", 0))
     steps = f"{ran} steps" if ran else "no step"
-    if ran and cfg.get("ckpt_path") and trainer.global_step:
-        steps += f" (resumed; step {trainer.global_step} now)"
+    now = int(figures.get("run/global_step") or trainer.global_step)  # spawn: the state stayed in the workers
+    if ran and cfg.get("ckpt_path") and now:
+        steps += f" (resumed; step {now} now)"
     lines = [f"[bytescale-train] {_job_label(cfg)}: {steps} in {seconds:.1f} s"]
     if "run/tokens_per_s" in figures:
         lines[0] += f", {figures['run/tokens_per_s']:,.0f} tokens/s"
+    if figures.get("run/first_loss") is not None:
+        lines[0] += f", first loss {figures['run/first_loss']:.4f}"
     if loss is not None:
         lines[0] += f", last loss {float(loss):.4f}"
     lines.append(f"  outputs: {cfg.run_dir}")
+    if exported is not None:
+        lines.append(f"  Hugging Face model: {exported} (AutoModelForCausalLM.from_pretrained loads it)")
     lines += _checkpoint_lines(cfg, trainer, ran)
-    if logger is not None and type(logger).__name__ == "WandbLogger":
-        runs = find_run_files(os.path.join(str(logger.save_dir), "wandb"))
-        if runs and "offline-run" in runs[-1].parent.name:
-            lines.append(f"  offline W&B run: {runs[-1].parent}")
-            lines.append(f"  upload it with:  wandb sync {runs[-1].parent}")
+    lines += _wandb_lines(logger)
     print("\n".join(lines), flush=True)
     write_job_summary(
         cfg.run_dir,
@@ -447,6 +569,23 @@ def _report(cfg: DictConfig, trainer: Any, logger: Any, loss: Any, seconds: floa
             **figures,
         },
     )
+
+
+def _wandb_lines(logger: Any) -> list[str]:
+    """Where the offline W&B run is and how to upload it (with the folders of the runs it resumes)."""
+    from lightning.pytorch.loggers import WandbLogger  # loads Lightning (see above)
+
+    if not isinstance(logger, WandbLogger):
+        return []
+    runs = find_run_files(os.path.join(str(logger.save_dir), "wandb"))
+    if not runs or "offline-run" not in runs[-1].parent.name:
+        return []
+    newest = runs[-1].parent
+    run_id = newest.name.rsplit("-", 1)[-1]
+    same = sorted({p.parent for p in runs if p.parent.name.rsplit("-", 1)[-1] == run_id})  # oldest first
+    lines = [f"  offline W&B run: {newest}" + (f" (W&B run {run_id}, continued)" if len(same) > 1 else "")]
+    lines.append(f"  upload it with:  wandb sync {' '.join(str(p) for p in same)}")
+    return lines
 
 
 def _job_overrides() -> str:
@@ -465,7 +604,12 @@ def _job_label(cfg: DictConfig) -> str:
 
 def _checkpoint_lines(cfg: DictConfig, trainer: Any, ran: int) -> list[str]:
     """Where the run's checkpoint is and the command that trains on from it."""
-    from lightning_bytescale.cli._run_end import checkpoint_step, command_overrides, resume_command
+    from lightning_bytescale.cli._run_end import (
+        checkpoint_step,
+        command_overrides,
+        launch_prefix,
+        resume_command,
+    )
 
     callback = trainer.checkpoint_callback
     if callback is None or callback.dirpath is None:
@@ -479,7 +623,10 @@ def _checkpoint_lines(cfg: DictConfig, trainer: Any, ran: int) -> list[str]:
     if step is not None and 0 < limit <= step:  # it used up its steps: resuming as it is would stop at once
         more = step + (ran or limit)
     where = f"  checkpoint: {last}" + (f" (step {step})" if step is not None else "")
-    lines = [where, f"  resume with:  {resume_command(command_overrides(), last, more)}"]
+    command = resume_command(
+        command_overrides(), last, more, prefix=launch_prefix(), run_dir=_output_dir(cfg)
+    )
+    lines = [where, f"  resume with:  {command}"]
     if more is not None:
         lines[-1] += f"   # to step {more}"
     return lines
@@ -487,7 +634,12 @@ def _checkpoint_lines(cfg: DictConfig, trainer: Any, ran: int) -> list[str]:
 
 def _report_interrupt(cfg: DictConfig, trainer: Any) -> None:
     """Rank 0's lines after Lightning's Ctrl-C handling: the newest checkpoint and its command."""
-    from lightning_bytescale.cli._run_end import command_overrides, newest_checkpoint, resume_command
+    from lightning_bytescale.cli._run_end import (
+        command_overrides,
+        launch_prefix,
+        newest_checkpoint,
+        resume_command,
+    )
 
     callback = trainer.checkpoint_callback
     found = newest_checkpoint(str(cfg.run_dir), getattr(callback, "dirpath", None))
@@ -496,7 +648,8 @@ def _report_interrupt(cfg: DictConfig, trainer: Any) -> None:
     ]
     if found is not None:
         lines.append(f"  newest checkpoint: {found}")
-        lines.append(f"  resume with:  {resume_command(command_overrides(), found)}")
+        command = resume_command(command_overrides(), found, prefix=launch_prefix(), run_dir=_output_dir(cfg))
+        lines.append(f"  resume with:  {command}")
     else:
         lines.append(
             "  no checkpoint in this run (one Ctrl-C while training saves one at the next step; a second stops at once)"
@@ -552,12 +705,96 @@ def override_typo(args: Sequence[str]) -> str | None:
     return None
 
 
+#: Layout keys that belong to another group than the one a user may first try (``+model.tensor_parallel_size``).
+LAYOUT_KEYS = {
+    "tensor_parallel": "strategy.tensor_parallel_size",
+    "tensor_parallel_size": "strategy.tensor_parallel_size",
+    "pipeline_parallel_size": "strategy.pipeline_parallel_size",
+    "fsdp": "model.fsdp",
+}
+#: The groups whose ``+group.key=value`` overrides are checked against the schema and the target's arguments.
+CHECKED_GROUPS = ("strategy", "model")
+
+
+def _target_parameters(target: str) -> tuple[set[str], bool]:
+    """The named arguments of a config's ``_target_`` and whether it takes any other keyword too
+    (a ``**kwargs`` of a class outside this package; this package's classes refuse unknown ones)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    try:
+        found = get_object(target)
+        signature = inspect.signature(found)
+    except Exception:  # noqa: BLE001 - a target that does not load fails later, with its own error
+        return set(), True
+    named = {
+        p.name
+        for p in signature.parameters.values()
+        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    }
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    own = str(getattr(found, "__module__", "")).startswith("lightning_bytescale.")
+    return named, open_ended and not own
+
+
+def added_key_error(args: Sequence[str]) -> str | None:
+    """The message for ``+strategy.<key>=...`` or ``+model.<key>=...`` naming a key that neither the
+    group's schema nor its target's constructor has (it would be refused later, or do nothing):
+    the same "did you mean" line as a misspelt key; None when every such key is taken."""
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in args):
+        return None
+    overrides = [a for a in args if not a.startswith("-")]
+    added = [a for a in overrides if a.startswith("+") and not a.startswith("++") and "=" in a]
+    checked = [
+        a for a in added if a[1:].split("=", 1)[0].split(".")[0] in CHECKED_GROUPS and "." in a.split("=")[0]
+    ]
+    if not checked:
+        return None
+    try:
+        cfg = compose_pretrain(overrides, hydra_config=False)
+    except ConfigError:
+        return None  # Hydra's message (or override_typo's) says why
+    for arg in checked:
+        key, value = arg[1:].split("=", 1)
+        group, name = key.split(".")[:2]
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        schema = OmegaConf.get_type(node)
+        fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else set()
+        if name in fields:
+            continue  # a key under a dict field (+model.config_overrides.vocab_size=...)
+        target = str(node["_target_"])
+        params, open_ended = _target_parameters(target)
+        if open_ended or name in params:
+            continue  # a constructor argument the schema does not list: the constructor checks it
+        names = sorted((fields | params) - {"_target_"})
+        where = f"the {group} config" + (f" ({schema.__name__})" if isinstance(schema, type) else "")
+        meant = LAYOUT_KEYS.get(name)
+        if meant is None:
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+            meant = f"{group}.{close[0]}" if close else None
+        if meant is None:
+            return (
+                f"{key} is not a key of {where} nor an argument of {target.rsplit('.', 1)[-1]}, so it would do "
+                f"nothing; the {group} keys are {', '.join(names)}"
+            )
+        if meant.endswith("_size") and value.lower() in ("true", "false"):
+            value = "2"  # +model.tensor_parallel=true: the strategy's key takes a size
+        meant_group, meant_name = meant.split(".", 1)
+        listed = meant_name in fields if meant_group == group else True
+        fixed = f"{'' if listed else '+'}{meant}={value}"
+        return f"{key} is not a key of {where}: did you mean {meant}? ({fixed})"
+    return None
+
+
 def main() -> None:
     """Console script ``bytescale-train``: Hydra's command line over the packaged
     ``conf/pretrain.yaml`` (``pkg://lightning_bytescale.recipes.conf``)."""
     try:
         entry = _hydra_main()
-        typo = override_typo(sys.argv[1:])
+        typo = override_typo(sys.argv[1:]) or added_key_error(sys.argv[1:])
     except ConfigError as err:
         print(f"bytescale-train: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,6 +1,7 @@
 """Data: sources, tokenizers, the verified memory-mapped token store, policies, sampler and step loader."""
 
 from lightning_bytescale.data.errors import (
+    ContextLengthError,
     CorruptIndexError,
     CorruptTokensError,
     DataError,
@@ -27,6 +28,7 @@ from lightning_bytescale.data.tokenizer import ByteTokenizer, JsonTokenizer, loa
 
 __all__ = [
     "ByteTokenizer",
+    "ContextLengthError",
     "CorruptIndexError",
     "CorruptTokensError",
     "DataError",

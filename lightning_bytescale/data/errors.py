@@ -36,6 +36,11 @@ class LongDocumentError(DataError):
     """A document is longer than the context length and the long-document policy is ``"error"``."""
 
 
+class ContextLengthError(DataError):
+    """``context_length`` is longer than the planner can place on the run's HDP ranks (capacity x ranks, or
+    what offload holds): longer documents would be cut short without the user asking."""
+
+
 class EmptyDatasetError(DataError):
     """No sample is left to train on."""
 

@@ -15,6 +15,12 @@ global batches follow after a resume (re-planned for the new world size).  Steps
 prepared ahead but that were not yet handed out are not counted.  (Lightning's fit loop does
 not fetch ahead of training for loaders with a length, so the consumed position is the
 trained position.)
+
+**A refined cost model** (``cost_schedule``, docs/cost-model.md "Refinement during training"):
+the training loader plans its ``i``-th step of the run (``stats["plan_index"]``, counted over
+epochs) with the model the rank's refit published for it in the schedule file at
+``cost_schedule``, waiting in a worker until the refit has seen step ``i - lag``; the file is
+the one channel from the training process to its workers, which plan ahead.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_bytescale.data.errors import DataError
@@ -35,6 +41,8 @@ from lightning_bytescale.data.store import TokenStore
 from lightning_bytescale.engine.batch import StepBatch
 from lightning_bytescale.engine.micro_batch import build_step
 from lightning_bytescale.parallel.pipeline_batch import PipelineStepBatch, build_pipeline_step
+from lightning_bytescale.planner.cost_features import plan_work_rows
+from lightning_bytescale.planner.cost_refit import wait_for_model
 from lightning_bytescale.planner.planners import make_plan
 from lightning_bytescale.proc import LoaderWorkerInit
 
@@ -68,7 +76,13 @@ class StepDataset(Dataset):
     # pipelines: every HDP rank is a pipeline of this many stages, and each item is its PipelineStepBatch
     # (every stage and lane of the pipeline builds the same one: docs/pipelines.md)
     pipeline_stages: int = 1
+    # the refined cost model: the schedule file of this rank's refit (None: plan_options' model)
+    cost_schedule: str | None = None
+    # every rank's micro-batches' cost features in stats["cost_work"] (the refit's and the telemetry's)
+    record_work: bool = False
+    schedule_timeout_s: float = 600.0  # how long a worker waits for a step's model
     _identity: str | None = field(default=None, init=False, repr=False)
+    _epoch_offsets: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -114,10 +128,26 @@ class StepDataset(Dataset):
         batch = xxhash.xxh3_64_hexdigest(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
         return f"{self._identity}, batch {batch}"
 
+    def plan_index(self, epoch: int, step: int) -> int:
+        """The step's position in the run, counted over epochs (what the cost schedule is keyed by)."""
+        if epoch not in self._epoch_offsets:
+            self._epoch_offsets[epoch] = sum(self.batching.num_steps(e) for e in range(epoch))
+        return self._epoch_offsets[epoch] + step
+
+    def plan_options_for(self, epoch: int, step: int) -> dict:
+        """``plan_options`` with the cost model the schedule gives this step (waiting for it in a
+        worker; inline, the training process publishes it before it asks)."""
+        if self.cost_schedule is None:
+            return self.plan_options
+        timeout = self.schedule_timeout_s if get_worker_info() is not None else 0.0
+        cost = wait_for_model(self.cost_schedule, self.plan_index(epoch, step), timeout_s=timeout)
+        return {**self.plan_options, "cost_model": cost}
+
     def plan(self, epoch: int, step: int):
         ids = self.sample_ids(epoch, step)
         lengths = tuple(int(n) for n in self.samples.length[ids])
-        plan = _make_plan(lengths, self.world_size, plan_seed(self.seed, epoch, step), self.plan_options)
+        options = self.plan_options_for(epoch, step)
+        plan = _make_plan(lengths, self.world_size, plan_seed(self.seed, epoch, step), options)
         if self.validate_plans and callable(getattr(plan, "validate", None)):
             plan.validate()
         return plan
@@ -141,15 +171,18 @@ class StepDataset(Dataset):
             pipeline = build_pipeline_step(
                 plan, self.rank, tokens, stages=self.pipeline_stages, **build_options
             )
-            self._add_stats(pipeline.step, epoch, plan_ms)
+            self._add_stats(pipeline.step, epoch, plan_ms, plan)
             return pipeline
         batch = build_step(plan, self.rank, tokens, **build_options)
-        self._add_stats(batch, epoch, plan_ms)
+        self._add_stats(batch, epoch, plan_ms, plan)
         return batch
 
-    def _add_stats(self, batch: StepBatch, epoch: int, plan_ms: float) -> None:
+    def _add_stats(self, batch: StepBatch, epoch: int, plan_ms: float, plan) -> None:
         stats = dict(batch.stats)
         stats.update(epoch=epoch, split=self.split, plan_ms=plan_ms, loss_tokens=batch.num_global_tokens)
+        stats["plan_index"] = self.plan_index(epoch, batch.step)
+        if self.record_work:
+            stats["cost_work"] = plan_work_rows(plan)
         batch.stats = stats
 
     def __len__(self) -> int:

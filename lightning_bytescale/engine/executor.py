@@ -13,7 +13,8 @@ the members of their ring, through attention's P2P calls.  Then every rank -- al
 no micro-batch at all -- joins exactly one all-reduce (sum, :func:`sync_step`) of all
 gradients, flattened into one buffer that also carries the step's scalars: the loss sum, the
 exact loss-token count, per-rank reports (busy time, ring traffic, the first non-finite
-micro-batch), stop requests, the verdict of the loss-normalisation probe and, every few
+micro-batch), stop requests, the verdict of the loss-normalisation probe, the attention check's
+counts (:mod:`~lightning_bytescale.engine.attention_check`) and, every few
 steps, parameter fingerprints.  Because every micro-batch's loss is already divided by the
 global token count (:func:`~lightning_bytescale.engine.loss.token_loss`), that sum is the
 gradient of the global token-mean loss.  With the bucketed sync (the strategy's default,
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bytescale.engine import fingerprint as fp
+from lightning_bytescale.engine.attention_check import AttentionVerdict, check_attention
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.comm_device import HOST, comm_device
 from lightning_bytescale.engine.finite import all_finite
@@ -126,6 +128,7 @@ def run_micro_batch(
     p2p_group: dist.ProcessGroup | None = None,
     probe: list[LossScaling] | None = None,
     forward_only: bool = False,
+    attention: AttentionVerdict | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Forward and backward (none with ``forward_only``) of one micro-batch inside its attention layout.
 
@@ -134,8 +137,10 @@ def run_micro_batch(
     ``p2p_group`` is the group ring attention sends on (default: the global group; ring peers
     are always global ranks).  When ``probe`` is a list, the loss-normalisation probe
     (:mod:`~lightning_bytescale.engine.loss_check`) runs first and its verdict is appended.
+    With ``attention`` the forward's packed attention calls are counted into it
+    (:mod:`~lightning_bytescale.engine.attention_check`).
     """
-    from lightning_bytescale.packed_attention import attention_context
+    from lightning_bytescale.packed_attention import attention_context, count_attention_calls
 
     forward = forward or default_forward
     outer = micro_batch_context(mb) if micro_batch_context is not None else contextlib.nullcontext()
@@ -145,7 +150,11 @@ def run_micro_batch(
     start = time.perf_counter()
     with outer, attention_context(mb.layout, group=p2p_group):
         probed = probe_forward(lambda x: forward(model, x), mb) if probe is not None else None
-        loss = forward(model, mb)
+        counting = count_attention_calls() if attention is not None else contextlib.nullcontext()
+        with counting as counted:
+            loss = forward(model, mb)
+        if attention is not None:
+            attention.add(mb, counted.calls)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ConfigError(
@@ -203,6 +212,7 @@ def run_micro_batches(
     plan_check: StepCheck | None = None,
     locate_non_finite: bool = False,
     forward_only: bool = False,
+    check_attention: bool = False,
 ) -> LocalResult:
     """This rank's micro-batches in order, gradients accumulating locally, no barriers.
 
@@ -221,7 +231,9 @@ def run_micro_batches(
     both cases (it is read anyway).  ``check_loss_scaling`` probes the first
     micro-batch without a ring whose loss is not zero (:mod:`~lightning_bytescale.engine.loss_check`;
     one extra forward without gradients and one host sync to read both losses) and records the
-    verdict in :attr:`LocalResult.loss_scaling`.  ``sync_timing`` measures each micro-batch's
+    verdict in :attr:`LocalResult.loss_scaling`.  ``check_attention`` counts the packed attention
+    calls of every micro-batch's forward (host integers, no synchronisation) into
+    :attr:`LocalResult.attention` (:mod:`~lightning_bytescale.engine.attention_check`).  ``sync_timing`` measures each micro-batch's
     device time: with CUDA events on a GPU (no host synchronisation inside the loop), with
     synchronised wall time elsewhere.  ``on_phase(text)`` is called before each micro-batch
     with where the rank is (for a watchdog and error messages).  ``grad_sync`` points the
@@ -244,8 +256,9 @@ def run_micro_batches(
         p2p_group=p2p_group, on_phase=on_phase, forward_only=forward_only,
     )  # fmt: skip
     checks = StepChecks(
-        finite_gradients=check_finite, loss_scaling=check_loss_scaling, locate_non_finite=locate_non_finite
-    )
+        finite_gradients=check_finite, loss_scaling=check_loss_scaling, locate_non_finite=locate_non_finite,
+        attention=check_attention,
+    )  # fmt: skip
     return micro_batch_loop(model, micro_batches, step, compute, checks, grad_sync, plan_check, params)
 
 
@@ -301,6 +314,7 @@ def micro_batch_loop(
     finite: list[torch.Tensor] = []  # gradient checks, after the micro-batches at finite_at
     finite_at: list[int] = []
     verdicts: list[LossScaling] = []
+    attention = AttentionVerdict() if checks.attention else None
     timers: list[tuple[int, tuple[torch.cuda.Event, torch.cuda.Event]]] = []
     sent0, wait0 = _comm_counters()
     if grad_sync is not None:
@@ -332,6 +346,7 @@ def micro_batch_loop(
             p2p_group=compute.p2p_group,
             probe=verdicts if probing else None,
             forward_only=forward_only,
+            attention=attention,
         )
         if events is not None:
             events[1].record()
@@ -351,8 +366,14 @@ def micro_batch_loop(
     confirm_plan()
     sent1, wait1 = _comm_counters()
     scaling = next((v for v in verdicts if v != LossScaling.UNCHECKED), LossScaling.UNCHECKED)
+    attention = attention or AttentionVerdict()
     if not losses:
-        return LocalResult(loss=torch.zeros((), dtype=torch.float64), loss_tokens=0, loss_scaling=scaling)
+        return LocalResult(
+            loss=torch.zeros((), dtype=torch.float64),
+            loss_tokens=0,
+            loss_scaling=scaling,
+            attention=attention,
+        )
     loss_values = torch.stack(losses).tolist()  # the loop's one host synchronisation
     token_values = torch.stack(counts).tolist()
     for i, (start, end) in timers:  # device time of each micro-batch, read after that sync
@@ -374,6 +395,7 @@ def micro_batch_loop(
         ring_wait_s=wait1 - wait0,
         loss_scaling=scaling,
         loss_dtype=loss_dtype,
+        attention=attention,
     )
 
 
@@ -531,9 +553,9 @@ def _group_shape(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 # The step buffer: floats [loss | world x SLOT reports | caller's extra], then exact integer
-# counts [loss tokens | stop requests | probe verdicts (3) | has-grad per parameter |
+# counts [loss tokens | stop requests | probe verdicts (3) | attention-check counts (4) | has-grad per parameter |
 # (fingerprint per parameter | model fingerprint per rank)].
-COUNT_HEAD = 5
+COUNT_HEAD = 9  # loss tokens, stop flag, 3 loss-probe verdicts, 4 attention-check counts
 
 
 def _fingerprint_counts(params: Sequence[nn.Parameter], world: int, rank: int) -> torch.Tensor:
@@ -609,6 +631,8 @@ def sync_step(
       fingerprints differ (naming the ranks and the first parameters);
     * :class:`LossNormalizationError` when a rank's loss-normalisation probe found a
       per-micro-batch mean;
+    * :class:`~lightning_bytescale.errors.MissingPackedAttentionError` when a micro-batch's
+      forward made no packed attention call on some rank (the attention check's counts);
     * :class:`NonFiniteError` when ``check_finite`` and a loss or gradient was not finite
       (naming ranks, micro-batches and sequences).
 
@@ -645,6 +669,7 @@ def sync_step(
     head[1] = int(bool(stop_request))
     if local.loss_scaling != LossScaling.UNCHECKED:
         head[1 + int(local.loss_scaling)] = 1
+    head[5:9] = torch.tensor(local.attention.as_counts(), dtype=torch.int64)
     produced = grad_sync.produced if grad_sync is not None else (lambda p: p.grad is not None)
     has_grad = torch.tensor([produced(p) for p in plist], dtype=torch.int64)
     counts = [head, has_grad]
@@ -687,6 +712,8 @@ def sync_step(
         _check_fingerprints(ints[start:].double(), mine, [n for n, _ in named], world, step.step)
     verdicts = {LossScaling(k): int(ints[1 + k]) for k in (1, 2, 3)}
     _check_loss_scaling(verdicts, step.step)
+    attention = AttentionVerdict(*(int(x) for x in ints[5:9].tolist()))
+    check_attention(attention, step.step)
     rank_reports = [
         RankReport.decode(row) for row in reduced[1 : 1 + world * SLOT].reshape(world, SLOT).tolist()
     ]
@@ -704,6 +731,7 @@ def sync_step(
         stop_requested=bool(int(ints[1])),
         loss_scaling=verdicts,
         allreduce_s=allreduce_s,
+        attention=attention,
     )
 
 

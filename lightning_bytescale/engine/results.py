@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightning_bytescale.engine.attention_check import AttentionVerdict
 from lightning_bytescale.engine.loss_check import LossScaling
 from lightning_bytescale.engine.step_checks import RankReport
 
@@ -41,6 +42,7 @@ class LocalResult:
     ring_wait_s: float = 0.0  # seconds blocked waiting for ring transfers during the loop
     loss_scaling: LossScaling = LossScaling.UNCHECKED
     loss_dtype: torch.dtype = torch.float32  # the dtype of the losses the forward returned
+    attention: AttentionVerdict = field(default_factory=AttentionVerdict)  # the attention check's
 
     @property
     def busy_seconds(self) -> float:
@@ -100,6 +102,7 @@ class StepResult:
     stop_requested: bool = False  # some rank asked to stop at this step boundary (e.g. SIGTERM)
     loss_scaling: dict[LossScaling, int] = field(default_factory=dict)  # probe verdicts: ranks each
     allreduce_s: float = 0.0
+    attention: AttentionVerdict = field(default_factory=AttentionVerdict)  # the attention check's, summed
     layout_stats: dict[str, Any] = field(default_factory=dict)  # figures only this layout measures
 
     @property

@@ -319,6 +319,9 @@ class StepChecks:
     parameters: bool = False
     """Compare parameter fingerprints in the sync (every few steps: it costs one pass over the parameters)."""
 
+    attention: bool = False
+    """Count every micro-batch forward's packed attention calls, refused in the sync where one made none (the first steps)."""
+
     @classmethod
     def of_flags(
         cls,

@@ -27,11 +27,11 @@ from lightning_bytescale.hf.attention import (
     ATTN_IMPLEMENTATION,
     bytescale_attention,
     bytescale_mask,
-    count_attention_calls,
     layout_from_positions,
     register,
 )
 from lightning_bytescale.hf.checks import check_config, check_model, config_problems, model_problems
+from lightning_bytescale.packed_attention.calls import count_attention_calls
 
 register()
 

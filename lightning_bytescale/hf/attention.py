@@ -24,10 +24,6 @@ change; :mod:`lightning_bytescale.hf.checks` refuses the same from the config be
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
@@ -39,32 +35,6 @@ from lightning_bytescale.packed_attention import AttentionLayout, attention, att
 from lightning_bytescale.packed_attention.context import current_scope
 
 ATTN_IMPLEMENTATION = "bytescale"
-
-
-@dataclass
-class AttentionCalls:
-    """How many times :func:`bytescale_attention` ran inside :func:`count_attention_calls`."""
-
-    calls: int = 0
-
-
-class _Counters(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[AttentionCalls] = []
-
-
-_COUNTERS = _Counters()
-
-
-@contextmanager
-def count_attention_calls() -> Iterator[AttentionCalls]:
-    """Count the ``"bytescale"`` attention calls of the forward inside the block (this thread)."""
-    counter = AttentionCalls()
-    _COUNTERS.stack.append(counter)
-    try:
-        yield counter
-    finally:
-        _COUNTERS.stack.remove(counter)
 
 
 def layout_from_positions(position_ids: torch.Tensor | None, num_tokens: int) -> AttentionLayout:
@@ -184,8 +154,6 @@ def bytescale_attention(
     sequences that ``position_ids`` delimit.
     """
     _check_call(module, query, key, value, attention_mask, dropout, kwargs)
-    for counter in _COUNTERS.stack:
-        counter.calls += 1
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D] views
     if current_scope() is not None:
         out = attention(q, k, v, scale=scaling)

@@ -33,7 +33,6 @@ from transformers import PretrainedConfig
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.hf.attention import (
     ATTN_IMPLEMENTATION,
-    count_attention_calls,
     layout_from_positions,
     register,
 )
@@ -43,6 +42,7 @@ from lightning_bytescale.hf.optim import OptimizerOptions
 from lightning_bytescale.lightning import compat
 from lightning_bytescale.lightning.strategy import ByteScaleStrategy
 from lightning_bytescale.packed_attention import attention_context
+from lightning_bytescale.packed_attention.calls import count_attention_calls
 from lightning_bytescale.packed_attention.context import current_scope
 from lightning_bytescale.parallel import DecoderStage
 

@@ -4,7 +4,7 @@
 have no public hook: initialising the process group the way Lightning's own strategies do,
 materialising a meta-device model, moving optimizer state, the launchers (and the module whose
 ``subprocess`` the popen launcher swaps while it starts ranks), calling hooks by name, reading
-a module's trainer without an error, keeping a probe forward's ``self.log`` calls out of
+a module's trainer without an error, the options a ``WandbLogger`` gives ``wandb.init``, keeping a probe forward's ``self.log`` calls out of
 the logged metrics, the running loop's logged metrics (which epoch-end reductions every rank
 must agree on), the running evaluation loop, and the loader ``load_from_checkpoint`` reads
 files with (so that a sharded checkpoint folder loads).  They are
@@ -60,6 +60,11 @@ def discarded_logging(trainer: pl.Trainer | None) -> Iterator[None]:
         yield
     finally:
         loop._results = saved
+
+
+def wandb_init_options(logger: Any) -> dict[str, Any]:
+    """The keyword arguments a Lightning ``WandbLogger`` will hand to ``wandb.init`` (a live dict)."""
+    return logger._wandb_init
 
 
 def module_trainer(module: Any) -> pl.Trainer | None:
@@ -194,5 +199,6 @@ __all__ = [
     "load_checkpoint_folders_with",
     "log_into_results",
     "module_trainer",
+    "wandb_init_options",
     "subprocess_script_module",
 ]

@@ -30,7 +30,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -38,9 +37,15 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 from filelock import Timeout
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from lightning_bytescale.data.errors import DataError, OutOfVocabularyError, StoreNotFoundError
+from lightning_bytescale.data.errors import (
+    ContextLengthError,
+    DataError,
+    OutOfVocabularyError,
+    StoreNotFoundError,
+)
 from lightning_bytescale.data.loader import PredictSteps, StepDataset, StepLoader
 from lightning_bytescale.data.policy import Samples, drop_untrained, make_samples
 from lightning_bytescale.data.prune import STORE_PREFIX, default_cache_dir, prune_cache
@@ -80,6 +85,32 @@ DEFAULT_CAPACITY = 4096
 def _plain(value: Any) -> Any:
     """An Enum option (as Hydra structured configs pass them) as its plain value."""
     return value.value if isinstance(value, Enum) else value
+
+
+class _validation_loader:  # noqa: N801 (used as a decorator)
+    """``ByteScaleDataModule.val_dataloader`` as a Trainer sees it.
+
+    Without a validation split (``val_fraction=0``) and under a LightningModule that has no
+    ``validation_step``, Lightning is shown the base class's method (not overridden), so it
+    neither looks for validation data nor warns that there is a ``val_dataloader`` but no
+    ``validation_step`` (there is no validation data to skip).  With a split, or a module that
+    validates, the method is the module's own: Lightning's warning then says something true.
+    """
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+        self.__doc__ = method.__doc__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is not None and obj.val_fraction <= 0 and not _validates(obj._trainer_or_none()):
+            return pl.LightningDataModule.val_dataloader.__get__(obj, owner)
+        return self.method.__get__(obj, owner)
+
+
+def _validates(trainer: Any) -> bool:
+    """Whether the trainer's LightningModule (if any) has a ``validation_step``; True when unknown."""
+    module = getattr(getattr(trainer, "strategy", None), "lightning_module", None)
+    return module is None or is_overridden("validation_step", module)
 
 
 class ByteScaleDataModule(pl.LightningDataModule):
@@ -145,6 +176,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
             ``"test"``; ``None``: the test split, else the validation split, else all training data.
         num_workers: loader worker processes that plan and pack the next steps (0: inline).
         prefetch_factor: steps each worker prepares ahead (default 2).
+        persistent_workers: keep the loader workers between epochs and validation passes (default:
+            starting a worker process costs seconds, which short epochs would pay again and again).
         rank, world_size: this process's rank and the world size, for use without a trainer.
         validate_plans: run ``Plan.validate()`` on every plan.
     """
@@ -180,6 +213,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         val_fraction: float = 0.0,
         num_workers: int = 1,
         prefetch_factor: int | None = None,
+        persistent_workers: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
         validate_plans: bool = True,
@@ -290,6 +324,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self.predict_split = predict_split
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
+        self.persistent_workers = bool(persistent_workers)
         self._rank, self._world_size = rank, world_size
         self.validate_plans = validate_plans
         self.store: TokenStore | None = None
@@ -402,11 +437,14 @@ class ByteScaleDataModule(pl.LightningDataModule):
             return int(trainer.global_rank) == 0
         return self.rank == 0
 
+    def _strategy(self) -> Any:
+        """The trainer's strategy (None without a trainer)."""
+        trainer = self._trainer_or_none()
+        return getattr(trainer, "strategy", None) if trainer is not None else None
+
     def _strategy_config(self) -> PlannerConfig | None:
         """The trainer's strategy's ``planner_config`` (``ByteScaleStrategy``'s), if it has one."""
-        trainer = self._trainer_or_none()
-        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-        config = getattr(strategy, "planner_config", None)
+        config = getattr(self._strategy(), "planner_config", None)
         return config if isinstance(config, PlannerConfig) else None
 
     @property
@@ -585,15 +623,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         if max_len is None:
             raise DataError("set context_length (or capacity, so the pool bounds the context)")
         if pool is not None and max_len > pool:
-            warnings.warn(
-                f"context_length {max_len} is more than the pool can hold (world_size "
-                f"{self.world_size} x capacity {self.planner_config.capacity}"
-                f"{', with offload' if self.planner_config.offload else ''}: {pool} tokens); "
-                f"samples are limited to {pool} tokens and longer documents follow "
-                f"long_document_policy={self.long_document_policy!r}",
-                stacklevel=2,
-            )
-            max_len = pool
+            raise self._context_error(int(max_len), pool)
         self.max_length = int(max_len)
         train_docs, val_docs, test_docs = self._split_documents()
         self.train_samples = self._samples(train_docs, "the training data")
@@ -619,6 +649,33 @@ class ByteScaleDataModule(pl.LightningDataModule):
             trainer, value = saved
             trainer.limit_val_batches = value
             self._restore_limit_val_batches = None
+
+    def _context_error(self, wanted: int, pool: int) -> ContextLengthError:
+        """The error for a ``context_length`` the planner cannot place whole, with the three fixes."""
+        config, ranks = self.planner_config, self.world_size
+        cap = config.capacity
+        with_offload = ""
+        if not config.offload:
+            saved = self._checking_config
+            self._checking_config = config.replace(offload=True)
+            try:
+                reach = self.pool_tokens(wanted)
+            finally:
+                self._checking_config = saved
+            enough = "enough" if reach >= wanted else f"up to {reach:,} tokens here, not enough alone"
+            with_offload = (
+                f"; or offload=True (strategy.offload=true: a long sequence needs fewer ranks; {enough})"
+            )
+        more_ranks = -(-wanted // cap)
+        return ContextLengthError(
+            f"context_length={wanted:,} is more than the planner can place on {ranks} HDP rank(s) with capacity "
+            f"{cap:,} tokens a rank{' and offload' if config.offload else ''}: at most {pool:,} tokens, so every "
+            f"longer document would be cut to {pool:,} tokens (long_document_policy="
+            f"{self.long_document_policy!r}). Lower context_length to {pool:,} (data.context_length={pool}); or "
+            f"raise capacity to {-(-wanted // ranks):,} (strategy.capacity, if a device holds that many tokens) "
+            f"or the HDP ranks to {more_ranks} (trainer.devices x trainer.num_nodes, over tensor_parallel_size x "
+            f"pipeline_parallel_size){with_offload}"
+        )
 
     def _check_budget(self, longest: int, world_size: int | None = None, capacity: Any = None) -> None:
         """Fail if a global batch's budget cannot hold the longest training sample."""
@@ -663,6 +720,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
             max_len = self.context_length if self.context_length is not None else pool
             if max_len is None:
                 raise DataError("set context_length (or capacity, so the pool bounds the context)")
+            if pool is not None and max_len > pool:
+                raise self._context_error(int(max_len), pool)
             if self.tokens_per_step < self.min_tokens:
                 raise DataError(
                     f"tokens_per_step={self.tokens_per_step} is below min_tokens={self.min_tokens}: no sample fits; "
@@ -699,9 +758,10 @@ class ByteScaleDataModule(pl.LightningDataModule):
         finally:
             if lock is not None:
                 lock.release()
-        log.info(
-            "rank %d: token store %s (content %s): %d documents, %d tokens",
-            self.rank, directory, store.content_hash, store.num_docs, store.num_tokens,
+        # once per run, not once per rank (TP lanes and pipeline stages share an HDP rank's share)
+        (log.info if self._reports_data_warnings else log.debug)(
+            "token store %s (content %s): %d documents, %d tokens",
+            directory, store.content_hash, store.num_docs, store.num_tokens,
         )  # fmt: skip
         return store
 
@@ -856,15 +916,22 @@ class ByteScaleDataModule(pl.LightningDataModule):
             samples.length, self.tokens_per_step, self.seed, shuffle, self.budget_mode,
             self.drop_last if drop_last is None else drop_last,
         )  # fmt: skip
+        # training under a strategy that refines its cost model: the features, the schedule file
+        refinement = getattr(self._strategy(), "cost_refinement", None) if split == "train" else None
         dataset = StepDataset(
             self.store, samples, batching, self.rank, self.world_size,
             self.planner_options(), self.plan_seed(), self.validate_plans, split,
             ring_ranks=(view := self._loader_view()).ring_ranks, pipeline_stages=view.pipeline_stages,
+            record_work=refinement is not None,
+            cost_schedule=None if refinement is None else refinement.loader_schedule(
+                self.num_workers, self.prefetch_factor
+            ),
         )  # fmt: skip
         sampler = token_budget_sampler(batching, self.world_size, self.rank)
         return StepLoader(
-            dataset, sampler, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor
-        )
+            dataset, sampler, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+            persistent_workers=self.persistent_workers,
+        )  # fmt: skip
 
     def train_dataloader(self) -> StepLoader:
         """This rank's steps of the training data: shuffled every epoch, unless the trainer overfits
@@ -878,6 +945,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         self._train_loader = loader
         return loader
 
+    @_validation_loader
     def val_dataloader(self) -> StepLoader | list:
         """Global batches of the held-out documents, in order, planned like training."""
         if self.val_samples is None:

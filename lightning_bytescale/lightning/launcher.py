@@ -73,6 +73,7 @@ _CLEAN_EXITS = (0, EXIT_PREEMPTED)
 _NOT_REPORTED = (*_CLEAN_EXITS, EXIT_SAME_ERROR)
 
 _FAILURE_KEY = "bytescale/failure/{rank}"
+_PRINTED_BELOW = "_bytescale_printed_by_a_lower_rank"
 
 _SIGNAL_CAUSES: dict[int, str] = {
     signal.SIGKILL: (
@@ -348,6 +349,9 @@ def print_once(err: BaseException, wait_s: float) -> bool:
             return False
     except Exception:  # noqa: BLE001 - the store is gone (rank 0 ended): print this rank's error
         return False
+    err.__dict__[_PRINTED_BELOW] = (
+        True  # for a caller that reports errors itself (bytescale-train under Hydra)
+    )
     previous = sys.excepthook
 
     def _silent_for_this_error(kind: type[BaseException], value: BaseException, tb: Any) -> None:
@@ -362,6 +366,12 @@ def print_once(err: BaseException, wait_s: float) -> bool:
 
     sys.excepthook = _silent_for_this_error
     return True
+
+
+def printed_by_a_lower_rank(err: BaseException) -> bool:
+    """Whether :func:`print_once` found ``err`` raised alike by a lower rank, which prints it: this rank
+    should end without printing it (exit code :data:`EXIT_SAME_ERROR`)."""
+    return bool(getattr(err, "__dict__", {}).get(_PRINTED_BELOW))
 
 
 class RankObserver(_ChildProcessObserver):

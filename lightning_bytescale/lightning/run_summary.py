@@ -4,8 +4,15 @@ The recipe's closing line and a sweep's table are printed by the process that ca
 ``trainer.fit``.  Under the spawn and fork launchers (``strategy=bytescale_spawn``, every
 sweep) the fitted state stays in the workers and ``trainer.global_step`` reads 0 in the caller;
 Lightning carries ``trainer.callback_metrics`` back.  :class:`RunSummary` therefore writes its
-figures there at the end of training (``run/steps``, ``run/tokens``, ``run/train_s``,
-``run/tokens_per_s``) and logs them once to the loggers.
+figures there at the end of training (``run/steps``, ``run/global_step``, ``run/tokens``,
+``run/train_s``, ``run/tokens_per_s``, ``run/first_loss``) and logs them once to the loggers.
+
+It also keeps what says *why* one planner's run is faster than another's (a sweep's table
+prints them): ``run/micro_batches_per_rank`` (the mean over steps of the mean number of
+micro-batches an HDP rank ran), ``run/ring_token_share`` (the share of the run's tokens in
+sequences sharded over a ring), ``run/busy_max_over_mean`` (the mean over steps of the slowest
+HDP rank's measured busy time over the mean: 1.0 is perfect balance) and, with pipelines,
+``run/pipeline_bubble`` (the mean measured bubble of the pipelines).
 
 ``run/tokens_per_s`` is the global tokens of the steps after the first, over the wall time from
 the end of the first step to the end of the last: it leaves out start-up and the first step
@@ -21,7 +28,23 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-RUN_KEYS = ("run/steps", "run/tokens", "run/train_s", "run/tokens_per_s")
+RUN_KEYS = (
+    "run/steps",
+    "run/global_step",
+    "run/tokens",
+    "run/train_s",
+    "run/tokens_per_s",
+    "run/first_loss",
+    "run/micro_batches_per_rank",
+    "run/ring_token_share",
+    "run/busy_max_over_mean",
+    "run/pipeline_bubble",
+)
+
+
+def _mean(values: Any) -> float | None:
+    values = [float(v) for v in values or []]
+    return sum(values) / len(values) if values else None
 
 
 class RunSummary(Callback):
@@ -35,11 +58,16 @@ class RunSummary(Callback):
         self._last_end: float | None = None
         self._first_tokens = 0
         self._seen_step: int | None = None
+        self.first_loss: float | None = None
+        self._per_step: dict[str, list[float]] = {}
+        self._ring_tokens = [0.0, 0.0]
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.steps, self.tokens, self._first_tokens = 0, 0, 0
         self._start, self._first_end, self._last_end = time.perf_counter(), None, None
         self._seen_step = int(trainer.global_step)
+        self.first_loss, self._per_step = None, {}
+        self._ring_tokens = [0.0, 0.0]  # tokens on rings, all tokens
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -54,7 +82,24 @@ class RunSummary(Callback):
         self.tokens += tokens
         if self._first_end is None:
             self._first_end, self._first_tokens = now, tokens
+            self.first_loss = _step_loss(trainer, outputs)
         self._last_end = now
+        self._keep(stats)
+
+    def _keep(self, stats: dict[str, Any]) -> None:
+        """This step's figures of why a planner is fast: micro-batches, ring tokens, balance, bubble."""
+        found = {
+            "run/micro_batches_per_rank": _mean(stats.get("num_micro_batches")),
+            "run/busy_max_over_mean": stats.get("max_over_mean_measured"),
+            "run/pipeline_bubble": _mean(stats.get("pipeline_bubble")),
+        }
+        lengths, degrees = stats.get("lengths") or [], stats.get("cp_degrees") or []
+        if lengths and len(degrees) == len(lengths):
+            self._ring_tokens[0] += sum(float(n) for n, d in zip(lengths, degrees) if int(d) > 1)
+            self._ring_tokens[1] += sum(float(n) for n in lengths)
+        for key, value in found.items():
+            if isinstance(value, (int, float)) and value == value:  # not NaN
+                self._per_step.setdefault(key, []).append(float(value))
 
     def figures(self) -> dict[str, float]:
         """This run's figures (empty before the first step)."""
@@ -66,12 +111,20 @@ class RunSummary(Callback):
             rate = (self.tokens - self._first_tokens) / (self._last_end - self._first_end)
         else:
             rate = self.tokens / max(train_s, 1e-9)
-        return {
+        figures = {
             "run/steps": float(self.steps),
+            "run/global_step": float(self._seen_step or 0),
             "run/tokens": float(self.tokens),
             "run/train_s": float(train_s),
             "run/tokens_per_s": float(rate),
         }
+        if self.first_loss is not None:
+            figures["run/first_loss"] = self.first_loss
+        for key, values in self._per_step.items():
+            figures[key] = sum(values) / len(values)
+        if self._ring_tokens[1] > 0:
+            figures["run/ring_token_share"] = self._ring_tokens[0] / self._ring_tokens[1]
+        return figures
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         figures = self.figures()
@@ -82,6 +135,20 @@ class RunSummary(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(figures, step=int(trainer.global_step))
+
+
+def _step_loss(trainer: Trainer, outputs: Any) -> float | None:
+    """The step's global loss: the strategy's logged loss, else what ``training_step`` returned."""
+    name = getattr(trainer.strategy, "loss_name", "train/loss")
+    value = trainer.callback_metrics.get(name)
+    if value is None and isinstance(outputs, dict):
+        value = outputs.get("loss")
+    if value is None and isinstance(outputs, torch.Tensor):
+        value = outputs
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def run_figures(trainer: Trainer) -> dict[str, float]:

@@ -43,6 +43,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_bytescale.engine.attention_check import AttentionCheckWindow
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.loss_check import LossScaling
 from lightning_bytescale.engine.results import LocalResult, StepResult
@@ -114,6 +115,11 @@ class StepHost(Protocol):
         ...
 
     @property
+    def cost_refinement(self) -> Any:
+        """The run's cost refinement (its micro-batch times ride in the step's sync), or ``None``."""
+        ...
+
+    @property
     def optimizer_in_step(self) -> Any:
         """The optimizer whose closure runs now (handed to the precision plugin's backward)."""
         ...
@@ -133,6 +139,9 @@ class LoopOptions:
 
     check_loss_normalization: bool = True
     """Probe the loss normalisation in the first steps."""
+
+    check_attention: bool = True
+    """Refuse, in the first steps, a micro-batch whose forward made no packed attention call."""
 
     check_parameters_every_n_steps: int = 100
     """Compare parameter fingerprints every N steps (and the first of a run); 0: off."""
@@ -237,6 +246,7 @@ class StepLoop:
         self.phase = "set-up"  # where this rank is, for errors
         self.steps_run = 0
         self.loss_probe_done = False
+        self.attention_window = AttentionCheckWindow()  # the first steps' attention check
         self.warned_partial_loss = False
         self.offloader: Any = None
         self.eval_loss: dict[tuple[str, int], EvalLoss] = {}
@@ -346,6 +356,7 @@ class StepLoop:
             locate_non_finite=options.locate_non_finite,
             loss_scaling=probing,
             parameters=every > 0 and (self.steps_run == 0 or step_number % every == 0),
+            attention=options.check_attention and self.attention_window.active,  # the first steps only
         )
         compute = Compute(
             forward=forward,
@@ -395,14 +406,21 @@ class StepLoop:
         if train_step.synced:
             return step.result  # type: ignore[return-value]
         preemption = self.host.preemption_handler
-        result = self.host.step_runner.sync(step)
+        # the cost refinement (plain HDP): every rank's micro-batch times travel in the step's all-reduce
+        refinement = self.host.cost_refinement
+        extra = None if refinement is None else refinement.extra(step.batch, step.local)
+        result = self.host.step_runner.sync(step, extra=extra)
         if preemption is not None:  # the preemption callback acts on it after this step
             preemption.record_agreement(result.stop_requested)
         self.steps_run += 1
         if train_step.probing:
             self._after_probe(result, step.batch.step)
+        if step.checks.attention:
+            self.attention_window.record(result.attention)
         train_step.synced = True
         train_step.stats = {**step_stats(step.batch, result), **result.layout_stats}
+        if refinement is not None:
+            train_step.stats.update(refinement.observe(step.batch, result))
         if self.options.log_loss:
             self._log(self.options.loss_name, result.loss_tensor, on_step=True, prog_bar=True)
         return result

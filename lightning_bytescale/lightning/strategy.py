@@ -64,9 +64,10 @@ from lightning_bytescale.errors import ConfigError
 # Modules of this floor that import Lightning are imported as modules: the first import of
 # Lightning imports this module (it registers the strategy names), maybe while one of them is
 # still being imported.
-from lightning_bytescale.lightning import auto_cost
+from lightning_bytescale.lightning import auto_cost, cost_refinement
 from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
+from lightning_bytescale.lightning import progress as progress
 from lightning_bytescale.lightning import step as step_loop
 from lightning_bytescale.lightning import strategy_options as options_
 from lightning_bytescale.lightning.checkpoint import (
@@ -123,6 +124,9 @@ class ByteScaleStrategy(ParallelStrategy):
             and ``pipeline_degree`` follows ``pipeline_parallel_size`` (leave it at 1).
             ``cost_model="auto"`` measures the model on each rank's device at set-up, once, the
             same on every rank, cached on disk (:mod:`~lightning_bytescale.lightning.auto_cost`).
+        refine_cost_model: refit the cost model from the run's micro-batch times while training
+            (:mod:`~lightning_bytescale.lightning.cost_refinement`): ``None`` (default) with
+            ``cost_model="auto"`` only, ``True``/``False``, or a ``RefitConfig``.
         offloader_options: keyword arguments for the ``ActivationOffloader`` the strategy builds.
         zero: ZeRO level: ``0`` (default) nothing sharded; ``1`` optimizer state sharded with
             ``ZeroRedundancyOptimizer``; ``2`` gradients too, each reduced to the rank owning its
@@ -146,6 +150,11 @@ class ByteScaleStrategy(ParallelStrategy):
         check_loss_normalization: in the first steps, probe one micro-batch per rank again with
             ``num_global_tokens`` doubled and stop with :class:`~lightning_bytescale.errors.LossNormalizationError`
             if the loss did not change (a per-micro-batch mean); warn if it did not halve.
+        check_attention: in the first step, count the ``lightning_bytescale.attention`` calls of every
+            micro-batch's forward, and stop with
+            :class:`~lightning_bytescale.errors.MissingPackedAttentionError` where one made none
+            (:mod:`~lightning_bytescale.engine.attention_check`); ``False`` for a model that mixes no
+            tokens or handles packed sequences and rings itself.
         check_parameters_every_n_steps: every N steps (and the first of each run) compare parameter
             fingerprints in the step's all-reduce (:class:`~lightning_bytescale.errors.ParameterDivergenceError`); ``0``: off.
         gradient_sync: ``"bucketed"`` (default): bucket all-reduces overlapped with the last
@@ -184,6 +193,7 @@ class ByteScaleStrategy(ParallelStrategy):
         slack: float = 0.05,
         seed: int | None = None,
         cost_model: Any = None,
+        refine_cost_model: Any = None,
         comm_aware: bool = True,
         ranks_per_node: int | None = None,
         num_buckets: int = 8,
@@ -198,6 +208,7 @@ class ByteScaleStrategy(ParallelStrategy):
         check_finite: bool = True,
         locate_non_finite: bool = False,
         check_loss_normalization: bool = True,
+        check_attention: bool = True,
         check_parameters_every_n_steps: int = 100,
         gradient_sync: Literal["bucketed", "flat"] = "bucketed",
         bucket_cap_mb: float = 25.0,
@@ -261,6 +272,11 @@ class ByteScaleStrategy(ParallelStrategy):
         check_cost_model_devices(planner_config, self.tensor_parallel_size)
         if self._cost_model_auto:
             auto_cost.check_auto(self._layout_class, self.tensor_parallel_size, pipeline_parallel_size)
+        cost_refinement.check_option(
+            refine_cost_model, self._layout_class, self.tensor_parallel_size, pipeline_parallel_size
+        )
+        self.refine_cost_model, self._refine_auto = refine_cost_model, self._cost_model_auto
+        self.cost_refinement: Any = None  # this rank's CostRefinement while fitting
         self.pipeline_parallel_size: int = pipeline_parallel_size
         self._mesh: Any = None  # the ParallelMesh (tensor or pipeline parallelism), built at set-up
         self._layout: Layout | None = None
@@ -271,6 +287,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.check_finite = bool(check_finite)
         self.locate_non_finite = bool(locate_non_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
+        self.check_attention = bool(check_attention)
         self.check_parameters_every_n_steps = check_parameters_every_n_steps
         self.gradient_sync = gradient_sync
         self.bucket_cap_mb = float(bucket_cap_mb)
@@ -348,6 +365,7 @@ class ByteScaleStrategy(ParallelStrategy):
         return step_loop.LoopOptions(
             check_finite=self.check_finite, locate_non_finite=self.locate_non_finite,
             check_loss_normalization=self.check_loss_normalization,
+            check_attention=self.check_attention,
             check_parameters_every_n_steps=self.check_parameters_every_n_steps, log_loss=self.log_loss,
             loss_name=self.loss_name, offload=self.offload, offloader_options=self.offloader_options,
             pg_seconds=self._pg_seconds(),
@@ -444,16 +462,25 @@ class ByteScaleStrategy(ParallelStrategy):
         Gradient accumulation over Lightning batches, a float16 ``GradScaler`` with pipelines, a
         cost model whose attention heads are not the model's (where the module already holds its
         model; set-up checks again after ``configure_model``), and a data module whose own planner
-        arguments contradict :attr:`planner_config`.
+        arguments contradict :attr:`planner_config` or whose options the HDP ranks cannot run
+        (``ByteScaleDataModule.validate``: a ``context_length`` longer than the planner can place).
         """
         step_loop.StepLoop.refuse_accumulation(trainer)
         options_.check_cost_model_heads(self.planner_config, self.lightning_module, self.tensor_parallel_size)
         scaler = getattr(self.precision_plugin, "scaler", None)
         self._layout_class.check_before_launch(scaler=scaler, pipelines=self.pipeline_parallel_size)
+        progress.prefer_step_bar(trainer)  # Lightning's default bar reads "Epoch 0/-2" on step-bounded runs
+        hdp_ranks = max(
+            1,
+            self.num_nodes * self.num_processes // (self.tensor_parallel_size * self.pipeline_parallel_size),
+        )
         for value in (*args, *kwargs.values()):
             check = getattr(value, "check_planner_config", None)
             if callable(check):
                 check(self.planner_config)
+                validate = getattr(value, "validate", None)
+                if callable(validate):
+                    validate(world_size=hdp_ranks, planner_options=self.planner_config)
 
     @override
     def setup_environment(self) -> None:
@@ -520,6 +547,10 @@ class ByteScaleStrategy(ParallelStrategy):
             )  # fmt: skip
             self._cost_model_auto = False
             options_.check_cost_model_heads(self.planner_config, module, self.tensor_parallel_size)
+        self.cost_refinement = cost_refinement.attach(
+            trainer, self.planner_config, self.refine_cost_model, auto=self._refine_auto,
+            rank=self.global_rank, whole_layers=layout.whole_layers,
+        )  # fmt: skip
         self._fitting = fitting
         if fitting:
             self.setup_optimizers(trainer)

@@ -7,7 +7,9 @@ gets the scalars every step: loss, tokens/s, estimated MFU, planned and measured
 time, max/mean imbalance, bubble fraction, ring bytes, measured (blocked) and planned exposed ring
 time, plan time and micro-batches per rank, and per attention mode of the plan's ring items
 (``ring``, ``ulysses``, ``hybrid``) their count and planned bytes (``comm/mode_counts/<mode>``,
-``comm/mode_bytes_planned/<mode>``, from ``Plan.mode_stats()``).  Under pipelines (``pipeline_parallel_size`` > 1)
+``comm/mode_bytes_planned/<mode>``, from ``Plan.mode_stats()``), and how well the cost model fits
+(:func:`cost_metrics`: the relative error of planned against measured micro-batch seconds, median
+and worst, under the model that planned the step and under the base model, and the coefficients).  Under pipelines (``pipeline_parallel_size`` > 1)
 also per pipeline (HDP rank) ``h``: its micro-batch count, its measured pipeline bubble and the
 simulator's bubble for the same executed order (``pipeline/bubble/<h>`` next to
 ``pipeline/bubble_sim/<h>``, :func:`pipeline_metrics`).
@@ -34,6 +36,7 @@ from lightning_bytescale.lightning.step_stats import plan_facts
 __all__ = [
     "TelemetryCallback",
     "merge_plan_stats",
+    "cost_metrics",
     "mode_metrics",
     "step_metrics",
     "pipeline_metrics",
@@ -138,6 +141,7 @@ def step_metrics(
             for rank, value in enumerate(values):
                 out[f"ranks/{name}/{rank}"] = value
     out.update(mode_metrics(stats))
+    out.update(cost_metrics(stats))
     out.update(pipeline_metrics(stats, per_rank_limit=per_rank_limit))
     waits = _floats(stats.get("ring_wait_s"))
     if waits:  # summed over ranks, like the plan's exposed_ring_time
@@ -171,6 +175,36 @@ def mode_metrics(stats: dict[str, Any]) -> dict[str, float]:
         if isinstance(values, dict):
             out.update({f"{prefix}/{mode}": float(v) for mode, v in values.items()})
     return out
+
+
+def cost_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """How well the cost model fits the step (``lightning/cost_refinement.py``'s statistics, the
+    same on every rank): ``cost/error_median`` and ``cost/error_worst``, the relative error
+    ``|planned - measured| / measured`` over every rank's micro-batches of the model that planned
+    the step; ``cost/base_error_*`` the same for the model the run started from (the profiled,
+    ``"auto"`` or preset one); ``cost/a``, ``cost/b``, ``cost/g`` and ``cost/comm`` (how many times
+    slower than the base model's its links are) of the model in force; and after each refit
+    ``cost/refit_updated`` (1 or 0), ``cost/refit_samples`` and ``cost/refit_clamped`` (coefficients
+    held to the bound)."""
+    out: dict[str, float] = {}
+    for key, prefix in (("cost_error", "cost/error"), ("cost_base_error", "cost/base_error")):
+        summary = stats.get(key)
+        if isinstance(summary, dict) and summary.get("count"):
+            out[f"{prefix}_median"] = float(summary["median"])
+            out[f"{prefix}_worst"] = float(summary["worst"])
+    coefficients = stats.get("cost_coefficients")
+    if isinstance(coefficients, dict):
+        out.update({f"cost/{name}": float(v) for name, v in coefficients.items()})
+    report = stats.get("cost_fit_report")
+    if isinstance(report, dict):
+        out["cost/refit_updated"] = float(bool(report.get("updated")))
+        out["cost/refit_samples"] = float(report.get("samples") or 0)
+        out["cost/refit_clamped"] = float(len(report.get("clamped") or ()))
+    return out
+
+
+#: Columns of the planned-against-measured chart (``charts/cost_fit``), one row per micro-batch.
+COST_FIT_COLUMNS = ["rank", "micro_batch", "planned_s", "measured_s", "tokens"]
 
 
 #: ``step_stats`` key -> metric prefix of the per-pipeline figures (one key per HDP rank ``h``).
@@ -451,6 +485,12 @@ class TelemetryCallback(Callback):
             payload["charts/plan"] = wandb.Table(columns=PLAN_COLUMNS, data=plan_rows(plan))
         elif rows:  # no plan object available: the per-rank summary of the plan
             payload["charts/plan"] = wandb.Table(columns=RANK_COLUMNS, data=rows)
+        fit_rows = stats.get("cost_fit_rows")
+        if fit_rows:
+            fit = wandb.Table(columns=COST_FIT_COLUMNS, data=[list(r) for r in fit_rows])
+            payload["charts/cost_fit"] = wandb.plot.scatter(
+                fit, "planned_s", "measured_s", title="planned vs measured micro-batch s"
+            )
         seq_rows = _sequence_rows(stats)
         if seq_rows:
             payload["charts/sequences"] = wandb.Table(columns=["seq", "length", "cp_degree"], data=seq_rows)

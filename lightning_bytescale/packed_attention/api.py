@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_bytescale.errors import ByteScaleError
+from lightning_bytescale.packed_attention.calls import record_attention_call
 from lightning_bytescale.packed_attention.context import current_scope
 from lightning_bytescale.packed_attention.input_dtype import kernel_inputs
 from lightning_bytescale.packed_attention.local import varlen_attention
@@ -45,9 +46,11 @@ def attention(
     says so (:mod:`.ulysses`).  Outside any context, the ``T`` tokens are one causal sequence.  ``scale``
     defaults to ``D ** -0.5``.  Under ``torch.autocast`` q, k and v are cast to the autocast
     dtype first, as ``scaled_dot_product_attention`` does (:mod:`.input_dtype`); outside it they
-    must share one dtype (:class:`~.input_dtype.AttentionDtypeError`).
+    must share one dtype (:class:`~.input_dtype.AttentionDtypeError`).  Each call is counted
+    inside :func:`~.calls.count_attention_calls` (the strategy's attention check of the first steps).
     """
     _check_shapes(q, k, v)
+    record_attention_call()
     q, k, v = kernel_inputs(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     scope = current_scope()

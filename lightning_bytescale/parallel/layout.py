@@ -543,10 +543,11 @@ def stage_of(module: nn.Module, pmesh: ParallelMesh) -> DecoderStage:
     stages = [m for m in module.modules() if isinstance(m, DecoderStage)]
     if len(stages) != 1:
         raise PipelineModelError(
-            f"with pipeline_parallel_size={pp} the LightningModule must hold exactly one LlamaStage or "
-            f"HFDecoderStage (it holds {len(stages)} pipeline stages): in configure_model replace the model by this "
-            'rank\'s stage, self.model = LlamaStage(model, self.device_mesh["pipeline"].get_local_rank(), '
-            f"{pp}) (HFCausalLM does this itself; docs/pipelines.md)"
+            f"with pipeline_parallel_size={pp} the LightningModule must hold exactly one pipeline stage, a "
+            f"lightning_bytescale.parallel.DecoderStage (it holds {len(stages)}): in configure_model replace the "
+            'model by this rank\'s stage, self.model = LlamaStage(model, self.device_mesh["pipeline"].get_local_rank(), '
+            f"{pp}) for the reference Llama (HFCausalLM does this itself with an HFDecoderStage; the recipes' model "
+            "too), or a DecoderStage subclass of your own for another decoder (docs/pipelines.md)"
         )
     stage = stages[0]
     if (stage.stage, stage.stages) != (pmesh.stage, pp):

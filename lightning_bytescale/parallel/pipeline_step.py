@@ -63,7 +63,7 @@ import contextlib
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -75,6 +75,13 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.utils.hooks import RemovableHandle
 
+from lightning_bytescale.engine.attention_check import (
+    AttentionVerdict,
+    check_attention,
+    kind_of,
+    pipeline_verdict,
+)
+from lightning_bytescale.engine.batch import PackedMicroBatch
 from lightning_bytescale.engine.comm_device import comm_device
 from lightning_bytescale.engine.executor import sync_step
 from lightning_bytescale.engine.finite import all_finite
@@ -93,6 +100,7 @@ from lightning_bytescale.engine.runner import (
 )
 from lightning_bytescale.engine.step_checks import StepChecks
 from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.packed_attention import count_attention_calls
 from lightning_bytescale.packed_attention.input_dtype import autocast_dtype
 from lightning_bytescale.parallel.dims import ParallelMesh
 from lightning_bytescale.parallel.errors import ParallelDimsError
@@ -463,7 +471,11 @@ class PipelineRunner:
         # the bucketed sync on the stage's data-parallel group (ZeRO-2's owners in it), or the flat one
         grad_sync = self.options.buckets([p for p in stage.parameters() if p.requires_grad])
         owners = self.options.owners if grad_sync is None else None
-        result = self._schedule_step(batch, checks, owners, grad_sync)
+        with count_attention_calls() if checks.attention else contextlib.nullcontext() as counted:
+            result = self._schedule_step(batch, checks, owners, grad_sync)
+        if checks.attention:  # the first steps: the pipelines' stages together called the packed attention
+            result.attention = agree_on_attention(counted.calls, batch.step.micro_batches, self.pmesh)
+            check_attention(result.attention, batch.step.step)  # every rank alike, before the optimizer step
         if self.options.stop_requested is not None:  # under the Trainer: one agreement over the world
             stop, times = agree_after_step(result, self.pmesh, self.options.stop())
             result.stop_requested = stop
@@ -660,6 +672,30 @@ def run_pipeline_step(
     return runner.sync(runner.run(module, batch, checks=checks))  # type: ignore[return-value]
 
 
+def agree_on_attention(
+    calls: int, micro_batches: Sequence[PackedMicroBatch], pmesh: ParallelMesh
+) -> AttentionVerdict:
+    """The attention check of a pipeline step: one all-reduce over the world of each stage's calls.
+
+    ``calls``: this stage's packed attention calls over the step; every rank learns every
+    stage's and applies the per-pipeline rule
+    (:func:`~lightning_bytescale.engine.attention_check.pipeline_verdict`), so all raise alike.
+    """
+    dims = pmesh.dims
+    values = torch.zeros(dims.world_size, 4, dtype=torch.int64)
+    kinds = [kind_of(mb) for mb in micro_batches]
+    values[dist.get_rank()] = torch.tensor([calls, *(kinds.count(k) for k in ("ring", "packed", "single"))])
+    values = values.to(comm_device())
+    dist.all_reduce(values)
+    per_rank = [tuple(row) for row in values.cpu().tolist()]  # one copy back
+    pipelines = [
+        dims.pipeline_ranks(h, lane)
+        for h in range(dims.data_parallel)
+        for lane in range(dims.tensor_parallel)
+    ]
+    return pipeline_verdict(per_rank, pipelines)
+
+
 def agree_after_step(
     result: PipelineStepResult, pmesh: ParallelMesh, stop_requested: bool
 ) -> tuple[bool, torch.Tensor]:
@@ -730,6 +766,7 @@ __all__ = [
     "arm_for_last_backward",
     "build_schedule",
     "agree_after_step",
+    "agree_on_attention",
     "logits_dtype",
     "pipeline_stats",
     "refuse_evaluation",

@@ -383,10 +383,10 @@ class CostRefit:
             )
             self._prune()
             return report
-        model, clamped = refit_model(previous, self.base, pool, cfg)
+        win = _Window(pool, previous.num_layers)
+        model, clamped = _refit_window(previous, self.base, pool, win, cfg)
         self.versions.append(Version(step + cfg.lag, step, model))
         self._prune()
-        win = _Window(pool, previous.num_layers)
         measured = win.y.tolist()
         report.updated, report.reason = True, "fitted"
         report.applies_from = step + cfg.lag
@@ -538,8 +538,14 @@ def refit_model(
     Three passes: ``a``, ``b``, ``g`` on the measured times less the exposed communication of
     ``current``; the communication factor on what the new compute leaves; ``a``, ``b``, ``g``
     again under the new factor."""
+    return _refit_window(current, base, pool, _Window(pool, current.num_layers), config)
+
+
+def _refit_window(
+    current: CostModel, base: CostModel, pool: Sequence[Sample], win: _Window, config: RefitConfig
+) -> tuple[CostModel, dict[str, tuple[float, float]]]:
+    """:func:`refit_model` on ``pool`` already laid out as ``win``."""
     F = float(config.max_change)
-    win = _Window(pool, current.num_layers)
     base_w = 1.0 / (win.y * win.y)  # relative residuals
 
     def compute_fit(model: CostModel) -> tuple[CostModel, float, dict[str, tuple[float, float]]]:
@@ -591,7 +597,7 @@ def _clamped(
     clamped: dict[str, tuple[float, float]],
 ) -> CostModel:
     """``current`` with ``a``, ``b``, ``g`` moved to ``fitted``, each within a factor ``F``."""
-    old_pred = _median(_dot(X, (current.a, current.b, current.g)).tolist())
+    old_pred = _median(_dot(X, (current.a, current.b, current.g)))
     kept = []
     for k, (name, new) in enumerate(zip(COEFFICIENTS, fitted)):
         old = getattr(current, name)
@@ -648,12 +654,14 @@ def _comm_search(model: CostModel, win: _Window, scale: float, F: float) -> floa
     return best
 
 
-def _median(values: Sequence[float]) -> float:
-    v = sorted(values)
+def _median(values: Sequence[float] | np.ndarray) -> float:
+    """The median (the mean of the two middle values for an even count): a sort, exact, so the
+    same bits on every machine, for a list or a float64 array."""
+    v = np.sort(values) if isinstance(values, np.ndarray) else sorted(values)
     n = len(v)
     if n == 0:
         return math.nan
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+    return float(v[n // 2]) if n % 2 else (float(v[n // 2 - 1]) + float(v[n // 2])) / 2
 
 
 def _robust_nnls(
@@ -670,11 +678,11 @@ def _robust_nnls(
     starts = [t for t in (_nnls(X, target, base_w), _nnls(X, target, base_w * y * y)) if t is not None]
     if not starts:
         return None, 1.0
-    theta = min(starts, key=lambda t: _median(np.abs((target - _dot(X, t)) / y).tolist()))
+    theta = min(starts, key=lambda t: _median(np.abs((target - _dot(X, t)) / y)))
     scale = 1.0
     for _ in range(ROBUST_ITERATIONS):
         rel = (target - _dot(X, theta)) / y
-        scale = max(MAD_TO_SIGMA * _median(np.abs(rel).tolist()), MIN_SCALE)
+        scale = max(MAD_TO_SIGMA * _median(np.abs(rel)), MIN_SCALE)
         v = np.abs(rel) / scale / TUKEY_C
         t = 1.0 - v * v
         robust = np.where(v < 1.0, t * t, 0.0)

@@ -91,7 +91,7 @@ class PlannerSchema:
     ranks_per_node: int | None = None  # topology for ring placement (None: from the cost model)
     seed: int = "${seed}"  # type: ignore[assignment]  # planning seed, the same on every rank
     num_buckets: int = 8  # the balance scheduler's buckets of about equal work
-    pipeline_degree: int = 1  # must be 1 for the recipes (they run no pipeline stages)
+    pipeline_degree: int = 1  # leave 1: the strategy sets it from pipeline_parallel_size
     max_micro_batches: int | None = None  # pipelines only: the most micro-batches one pipeline runs in a step
     options: dict[str, Any] = field(default_factory=dict)  # the planner's own, e.g. {pp_reading: round_robin}
 
@@ -102,6 +102,13 @@ class StrategyConfig(PlannerSchema):
     (`PlannerSchema`, docs/planner.md) and the strategy's own."""
 
     _target_: str = "lightning_bytescale.lightning.strategy.ByteScaleStrategy"
+    # refit the cost model from the run's micro-batch times (docs/cost-model.md): None refines
+    # cost_model=auto only and keeps an explicit model pinned; true/false force it
+    refine_cost_model: bool | None = None
+    # The layout (docs/recipes.md#layouts-tensor-parallelism-pipelines-fsdp2): the recipe's model
+    # shards itself over the mesh these build (parallelize_llama / LlamaStage, HFCausalLM's own).
+    tensor_parallel_size: int = 1  # N > 1: an HDP rank is N devices (TP inside a node); 1: no TP
+    pipeline_parallel_size: int = 1  # P > 1: an HDP rank is a pipeline of P stages; 1: no pipelines
     zero: int = 0  # ZeRO level: 0 none, 1 optimizer state sharded, 2 optimizer state and gradients sharded
     zero1: bool | None = None  # the older spelling of zero=1 (True); leave None and set zero
     timeout: float = 300.0  # seconds before a collective or P2P wait fails
@@ -140,6 +147,7 @@ class DataConfig:
     predict_split: Split | None = None  # what trainer.predict reads; None: test, else val, else train
     num_workers: int = 1  # loader workers that plan and pack the next steps (0: inline)
     prefetch_factor: int | None = None
+    persistent_workers: bool = True  # keep the workers between epochs (a restart costs seconds)
     validate_plans: bool = True
     loss_on: LossOn | None = None  # trained tokens; None: assistant for chats, all for text
     chat_template: str | None = None  # chats: None (the tokenizer's), "chatml", a .jinja file or the text
@@ -178,6 +186,7 @@ class ModelConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+    fsdp: bool = False  # FSDP2 over the HDP ranks (data_parallel), around strategy.tensor_parallel_size > 1
 
 
 @dataclass
@@ -203,6 +212,8 @@ class HFModelConfig:
     warmup_steps: int = 0
     schedule: LRSchedule = LRSchedule.constant
     min_lr_ratio: float = 0.0
+    # shard the model with its own TP plan (parallelize_hf); None: when strategy.tensor_parallel_size > 1
+    tensor_parallel: bool | None = None
 
 
 @dataclass
@@ -234,9 +245,11 @@ class TrainerConfig:
 
 @dataclass
 class WandbLoggerConfig:
-    """`lightning.pytorch.loggers.WandbLogger`; ``offline: null`` = offline unless an API key is set."""
+    """`lightning_bytescale.lightning.wandb_run.WandbRunLogger` (Lightning's ``WandbLogger`` without W&B's
+    stale warnings); ``offline: null`` = offline unless an API key is set; ``id: null`` = a new run, or
+    the run a resumed checkpoint names."""
 
-    _target_: str = "lightning.pytorch.loggers.WandbLogger"
+    _target_: str = "lightning_bytescale.lightning.wandb_run.WandbRunLogger"
     project: str = "lightning-bytescale"
     name: str | None = None
     group: str | None = None
@@ -246,6 +259,7 @@ class WandbLoggerConfig:
     save_dir: str = "${run_dir}"
     log_model: bool = False
     job_type: str = "pretrain"
+    id: str | None = None  # the W&B run to log into; null: a new one, or the one ckpt_path's checkpoint names
 
 
 @dataclass
@@ -293,3 +307,6 @@ class PretrainConfig:
     checkpoint_every_n_steps: int | None = None  # None: a checkpoint at the end of training only
     float32_matmul_precision: str | None = None  # "high" on recent GPUs
     print_config: bool = False
+    # a Hugging Face model (model=hf): write the trained model (and the data's tokenizer) here as a
+    # from_pretrained folder at the end of the run; null: none
+    hf_export_dir: str | None = None

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from lightning_bytescale.planner import distributions
+from lightning_bytescale.planner.cost_model import CostModel
 from lightning_bytescale.planner.plan import Plan
 from lightning_bytescale.planner.planners import make_plan
 from lightning_bytescale.sim import costs
@@ -183,15 +184,19 @@ def run_scenario(
     planners: Sequence[str] | None = None,
     steps: int | None = None,
     keep_steps: bool = False,
+    cost_model: CostModel | None = None,
 ) -> dict:
-    """Simulate ``steps`` global batches with each planner; JSON-ready summary."""
+    """Simulate ``steps`` global batches with each planner; JSON-ready summary.
+
+    ``cost_model`` (default: the scenario's, :func:`~lightning_bytescale.sim.costs.cost_model_for`)
+    plans and charges every step: a measured or refined model of one HDP rank."""
     scenario.validate()
     names = list(planners or scenario.planners)
     unknown = [p for p in names if p not in VARIANTS]
     if unknown:
         raise SimulationError(f"unknown planner(s) {unknown}; choose from {sorted(VARIANTS)}")
     steps = steps or scenario.steps
-    cost_model = costs.cost_model_for(scenario)
+    cost_model = costs.cost_model_for(scenario) if cost_model is None else cost_model
     per: dict[str, list[StepResult]] = {n: [] for n in names}
     for step in range(steps):
         lengths = draw_batch(scenario, step)

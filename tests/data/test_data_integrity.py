@@ -168,7 +168,8 @@ _TWO_RANKS = textwrap.dedent(
                      tokens_per_step=128, num_workers=0)
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         strategy=ByteScaleStrategy(capacity=32, start_method="fork", timeout=30))
+                         strategy=ByteScaleStrategy(capacity=32, start_method="fork", timeout=30,
+                                                    check_attention=False))  # LM has no attention
     trainer.fit(LM(), datamodule=dm)
     print("TRAINED TO THE END")
     """

@@ -41,9 +41,11 @@ def corpus(tmp_path_factory):
 def make_dm(corpus, **kw) -> ByteScaleDataModule:
     opts = dict(
         source=corpus.path, cache_dir=corpus.cache, capacity=CAP, tokens_per_step=700, seed=3,
-        num_workers=0, world_size=1, rank=0, context_length=2 * CAP,
+        num_workers=0, world_size=1, rank=0,
     )  # fmt: skip
     opts.update(kw)
+    # two ranks' capacity where there are two ranks (the longest samples need a ring), else one
+    opts.setdefault("context_length", min(2, opts["world_size"] or 1) * CAP)
     dm = ByteScaleDataModule(**opts)
     dm.prepare_data()
     dm.setup("fit")
@@ -190,11 +192,10 @@ def test_planner_options_come_from_the_strategy(corpus):
     from lightning_bytescale.lightning.strategy import ByteScaleStrategy
 
     strategy = ByteScaleStrategy(planner="naive", capacity=32, slack=0.1, seed=11)
-    dm = ByteScaleDataModule(source=corpus.path, cache_dir=corpus.cache, num_workers=0, context_length=10_000)
+    dm = ByteScaleDataModule(source=corpus.path, cache_dir=corpus.cache, num_workers=0, context_length=None)
     dm.trainer = SimpleNamespace(global_rank=1, world_size=3, strategy=strategy)
     dm.prepare_data()
-    with pytest.warns(UserWarning, match="pool"):
-        dm.setup("fit")
+    dm.setup("fit")  # the context is the pool: 3 ranks x the strategy's capacity
     assert (
         dm.planner_config is strategy.planner_config
         and dm.rank == 1
@@ -217,17 +218,12 @@ def test_planner_options_come_from_the_strategy(corpus):
 @pytest.mark.parametrize("policy", ["split", "truncate", "drop", "error"])
 def test_documents_longer_than_the_pool_follow_the_policy(corpus, policy):
     pool = 2 * CAP  # world 2 x capacity
-    kw = dict(world_size=2, context_length=10_000, long_document_policy=policy)
+    kw = dict(world_size=2, context_length=pool, long_document_policy=policy)
     if policy == "error":
-        with (
-            pytest.raises(LongDocumentError, match="long_document_policy='error'"),
-            warnings.catch_warnings(),
-        ):
-            warnings.simplefilter("ignore")
+        with pytest.raises(LongDocumentError, match="long_document_policy='error'"):
             make_dm(corpus, **kw)
         return
-    with pytest.warns(UserWarning, match=f"limited to {pool} tokens"):
-        dm = make_dm(corpus, **kw)
+    dm = make_dm(corpus, **kw)
     s = dm.train_samples
     assert s.length.max() <= pool and s.report["long_documents"] > 0
     doc_len = dm.store.lengths[s.doc]

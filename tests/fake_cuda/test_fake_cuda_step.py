@@ -28,6 +28,7 @@ import torch
 from _fake_cuda import CUDA, EchoExchange, fake_cuda, fake_p2p
 
 from lightning_bytescale import ByteScaleStrategy
+from lightning_bytescale.engine.attention_check import AttentionVerdict
 from lightning_bytescale.engine.executor import run_micro_batch
 from lightning_bytescale.engine.micro_batch import build_step
 from lightning_bytescale.models import LlamaConfig, LlamaModel
@@ -81,8 +82,12 @@ class LightningLlama(pl.LightningModule):
 
 
 def _run_step(mode, model, step, rank):
-    """Each micro-batch through run_micro_batch under bf16 autocast; (ring?, syncs, ops, sent, exchanges) per micro-batch."""
+    """Each micro-batch through run_micro_batch under bf16 autocast; (ring?, syncs, ops, sent, exchanges) per micro-batch.
+
+    The attention check counts every micro-batch's calls (host integers: no synchronisation).
+    """
     rows = []
+    counted = AttentionVerdict()
     with fake_p2p(rank, 2) as sent:
         for mb in step.micro_batches:
             mode.syncs.clear()
@@ -90,7 +95,7 @@ def _run_step(mode, model, step, rank):
             sent.clear()
             EchoExchange.OPS.clear()
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss, _ = run_micro_batch(model, mb, backward=lambda loss: None)
+                loss, _ = run_micro_batch(model, mb, backward=lambda loss: None, attention=counted)
             assert loss.shape == () and loss.device == CUDA
             rows.append(
                 (
@@ -101,6 +106,7 @@ def _run_step(mode, model, step, rank):
                     list(EchoExchange.OPS),
                 )
             )
+    assert counted == AttentionVerdict(checked=len(step.micro_batches))  # every forward called attention
     return rows
 
 

@@ -93,6 +93,17 @@ def test_the_pipeline_strategy_agrees_after_the_step_and_names_every_stage_on_th
     )  # every stage's names (the same here)
 
 
+@pytest.mark.covers("parallel/pipeline_step.py:agree_on_attention:all_reduce")
+def test_the_pipeline_attention_check_agrees_on_the_gpu():
+    from lightning_bytescale.engine.attention_check import AttentionVerdict
+    from lightning_bytescale.parallel.pipeline_step import agree_on_attention
+
+    with fake_nccl(world_size=4, rank=3):
+        pmesh = ParallelDims(4, pipeline=2).build("cuda")
+        verdict = agree_on_attention(0, [], pmesh)  # a fake group moves no data: no values checked
+    assert isinstance(verdict, AttentionVerdict)
+
+
 @pytest.mark.covers("hf/module.py:HFCausalLM._check_same_structure:all_gather_object")
 def test_hf_module_checks_every_rank_built_the_same_model_on_the_gpu():
     transformers = pytest.importorskip("transformers")

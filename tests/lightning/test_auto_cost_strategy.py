@@ -72,6 +72,8 @@ def test_auto_is_measured_at_set_up_then_read_back(tmp_path, monkeypatch, caplog
     assert module.configs_seen and all(
         c == cost for c in module.configs_seen
     )  # every micro-batch after set-up
+    refinement = trainer.strategy.cost_refinement  # refine_cost_model=None refines an "auto" model ...
+    assert refinement is not None and refinement.enabled and refinement.refit.base == cost
     files = list((tmp_path / "cache").glob("auto-*.json"))
     assert len(files) == 1
     assert any(
@@ -82,6 +84,8 @@ def test_auto_is_measured_at_set_up_then_read_back(tmp_path, monkeypatch, caplog
     with caplog.at_level("INFO"):
         again = _fit(tmp_path, LM(), cost_model="auto", capacity=64)
     assert again.strategy.planner_config.cost_model == cost
+    pinned = _fit(tmp_path, LM(), cost_model=cost, capacity=64)  # ... and keeps an explicit one pinned
+    assert not pinned.strategy.cost_refinement.enabled
     assert any("read back, nothing measured" in r.getMessage() for r in caplog.records)
 
 

@@ -57,8 +57,8 @@ def test_a_fit_without_a_validation_split_skips_validation_and_gives_the_trainer
     dm = _dm(tmp_path)
     dm.prepare_data()
     dm.trainer = SimpleNamespace(
-        global_rank=0, world_size=1, strategy=None, overfit_batches=0, limit_val_batches=0.5
-    )
+        global_rank=0, world_size=2, strategy=None, overfit_batches=0, limit_val_batches=0.5
+    )  # 2 ranks hold the context of 2 x CAP
     dm.setup("fit")
     assert dm.trainer.limit_val_batches == 0
     dm.teardown("fit")

@@ -388,7 +388,9 @@ def test_sharded_checkpoint_resumes_exactly_on_2x2(tmp_path, zero):
 def test_a_module_without_a_stage_is_refused(tmp_path):
     # the fork launcher re-raises a rank's error with its traceback: the class and the fix are named there
     with pytest.raises(
-        Exception, match=f"{PipelineModelError.__name__}: .*exactly one LlamaStage.*configure_model"
+        Exception,
+        match=f"{PipelineModelError.__name__}: .*exactly one pipeline stage, a lightning_bytescale.parallel.DecoderStage"
+        ".*configure_model.*a DecoderStage subclass of your own",
     ):
         _fit(tmp_path, 2, 1, module=PipelineLM(split=False))
 

@@ -20,6 +20,7 @@ end of each micro-batch's backward.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -70,10 +71,13 @@ class Recorder:
         for name in self.NAMES:
             original = getattr(dist, name)
 
-            def wrapped(tensor, *args, __name=name, __original=original, **kwargs):
-                ranks = tuple(dist.get_process_group_ranks(kwargs.get("group") or dist.group.WORLD))
+            def wrapped(*args, __name=name, __original=original, **kwargs):
+                # torch calls these by position or by keyword (2.11's FSDP2 passes output=, input=)
+                bound = inspect.signature(__original).bind(*args, **kwargs).arguments
+                tensor = next(iter(bound.values()))  # tensor / output: the first parameter
+                ranks = tuple(dist.get_process_group_ranks(bound.get("group") or dist.group.WORLD))
                 self.events.append((__name, tensor.numel(), ranks))
-                return __original(tensor, *args, **kwargs)
+                return __original(*args, **kwargs)
 
             monkeypatch.setattr(dist, name, wrapped)
 

@@ -52,7 +52,9 @@ def test_the_second_start_measures_nothing_and_gets_the_same_model(tmp_path, mea
     assert "read back, nothing measured" in second.line and str(second.cache_path) in second.line
     assert "measured at lengths 32,64,128,256" in first.line and str(first.cache_path) in first.line
     cm = first.cost_model
-    assert cm.num_layers == 2 and cm.layer_time(256) > cm.layer_time(32) > 0
+    # the refit clamps its coefficients to be non-negative, so time never falls with length; on a
+    # loaded machine the tiny model's times may be all noise, so strict growth is not promised
+    assert cm.num_layers == 2 and cm.layer_time(256) >= cm.layer_time(32) > 0
     assert (cm.attention_heads, cm.kv_heads) == (4, 2)
     assert cm.kv_bytes_per_token_per_layer == 2 * 2 * 8 * 4  # 2 x kv_heads x head_dim x float32
     assert first.offload.layers_per_rank == 2 and first.offload.bandwidth_d2h > 0

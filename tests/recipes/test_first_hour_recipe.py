@@ -104,3 +104,17 @@ def test_a_misspelt_key_is_answered_with_the_key_meant_not_with_plus(monkeypatch
     for args in (["strategy.planner=static"], ["-m", "strategy.planner=static,naive"], ["+strategy.plannr=1"],
                  ["strategy.zzzzq=1"]):  # fmt: skip
         assert override_typo(args) is None, args
+
+
+def test_a_context_the_ranks_cannot_hold_is_one_line_before_launch(tmp_path):
+    """Issue 37, item 4: 1,024 tokens on 2 ranks of capacity 256 used to train on 512-token pieces."""
+    proc = _fail(["experiment=cpu_smoke", "data.context_length=1024", "trainer.max_steps=1"], tmp_path)
+    line = _one_error_line(proc)
+    assert line.startswith(
+        "bytescale-train: ContextLengthError: context_length=1,024 is more than the planner can place on 2 HDP "
+        "rank(s) with capacity 256 tokens a rank: at most 512 tokens"
+    ), line
+    assert (
+        "data.context_length=512" in line and "strategy.capacity" in line and "strategy.offload=true" in line
+    )
+    assert "call.py" not in proc.stderr  # nothing attributed to Lightning's hook caller

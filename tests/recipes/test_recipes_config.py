@@ -51,7 +51,7 @@ def test_default_is_the_cpu_quickstart(tmp_path):
     cfg = _compose(tmp_path)
     assert cfg.name == "cpu_quickstart"
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2
-    assert cfg.logger._target_.endswith("WandbLogger") and cfg.logger.offline is None
+    assert cfg.logger._target_.endswith("WandbRunLogger") and cfg.logger.offline is None
     assert cfg.data.source is None  # Python's stdlib sources
     assert cfg.strategy.planner == "balance"
 
@@ -120,10 +120,11 @@ def test_sweep_preset_uses_spawn_and_all_planners(tmp_path):
 
 def test_overrides_reach_the_strategy_and_trainer(tmp_path):
     cfg = _compose(
-        tmp_path, "strategy.planner=static", "strategy.cp_size=4", "trainer.devices=4", "logger=csv"
-    )
+        tmp_path, "strategy.planner=static", "strategy.cp_size=4", "trainer.devices=4", "logger=csv",
+        "strategy.refine_cost_model=false",
+    )  # fmt: skip
     strategy = instantiate(_plain(cfg.strategy))
-    assert (strategy.planner, strategy.cp_size) == ("static", 4)
+    assert (strategy.planner, strategy.cp_size, strategy.refine_cost_model) == ("static", 4, False)
     assert cfg.trainer.devices == 4 and cfg.logger._target_.endswith("CSVLogger")
 
 

@@ -96,6 +96,17 @@ def test_the_preset_fine_tunes_on_two_processes(tmp_path):
     loss_tokens = [float(r["data/loss_tokens"]) for r in rows if r.get("data/loss_tokens")]
     tokens = [float(r["data/tokens"]) for r in rows if r.get("data/tokens")]
     assert loss_tokens and all(0 < a < b for a, b in zip(loss_tokens, tokens))  # only the answers train
+    # issue 37, item 9: the run leaves a folder transformers loads, with the trained weights
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = out / "hf_model"
+    assert f"  Hugging Face model: {folder}" in proc.stdout, proc.stdout[-2000:]
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+    assert loaded.config.num_hidden_layers == 2 and loaded.config.vocab_size == 875
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    ids = torch.tensor([tokenizer("Hello there")["input_ids"]])
+    assert torch.isfinite(loaded(input_ids=ids).logits).all()
 
 
 @pytest.mark.multiprocess
@@ -138,3 +149,23 @@ def _documented_commands() -> list[list[str]]:
 def test_the_documented_hf_command_lines_compose(tmp_path, args):
     cfg = _compose(tmp_path, *args)
     assert cfg.model._target_.endswith("HFCausalLM") and cfg.data.source.kind == "chat"
+
+
+@pytest.mark.multiprocess
+def test_a_set_up_error_every_rank_raises_is_printed_once(tmp_path):
+    """Issue 37, item 7: a model that cannot be split into stages (tied embeddings) fails in
+    ``configure_model`` on every rank; the run prints one line, not a traceback and a Hydra line per rank."""
+    proc = _run(
+        ["experiment=hf_sft_cpu_smoke", "strategy.pipeline_parallel_size=2", "data.context_length=256",
+         "hf_export_dir=null", "trainer.max_steps=1", "~logger", f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("bytescale-train:")]
+    assert len(lines) == 1, out[-4000:]
+    assert lines[0].startswith("bytescale-train: PipelineModelError: the model ties its input embedding")
+    assert "Traceback" not in out and "Error executing job" not in out, out[-4000:]
+    assert "[ByteScale] rank 1" not in out, out[
+        -4000:
+    ]  # the other rank ends quietly (its error was the same)

@@ -22,17 +22,26 @@ SMOKE = ["experiment=cpu_smoke", "logger=csv", "trainer.enable_checkpointing=tru
 
 
 def _resume_args(text: str, max_steps: int | None = None) -> list[str]:
-    """The arguments of the printed ``bytescale-train ...`` command (one line)."""
-    lines = [line for line in text.splitlines() if line.strip().startswith("bytescale-train ")]
+    """The arguments of the printed resume command (one line), which starts as the test started the
+    run: ``train_command()`` (or ``bytescale-train`` where ``PATH`` finds that same script)."""
+    typed = train_command()[0]
+    starts = ("bytescale-train ", f"{typed} ")
+    lines = [line for line in text.splitlines() if line.strip().startswith(starts)]
     lines += [line.split("resume with:", 1)[1] for line in text.splitlines() if "resume with:" in line]
     assert len(lines) == 1, text[-3000:]
     args = shlex.split(lines[0], comments=True)
-    assert args[0] == "bytescale-train"
+    assert args[0] in ("bytescale-train", typed), args
     if max_steps is not None:
         args = [a for a in args if not a.startswith("trainer.max_steps=")] + [
             f"trainer.max_steps={max_steps}"
         ]
     return args[1:]
+
+
+def _elsewhere(args: list[str], folder: Path) -> list[str]:
+    """The printed command's arguments resumed into another folder than the one it names."""
+    assert sum(a.startswith("hydra.run.dir=") for a in args) == 1, args  # it names the run's folder
+    return [a for a in args if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={folder}"]
 
 
 def test_the_resume_command_repeats_the_overrides_and_quotes_for_the_shell(tmp_path):
@@ -63,7 +72,7 @@ def test_a_finished_run_prints_the_command_that_trains_on_from_its_checkpoint(tm
     assert f"  checkpoint: {last} (step 2)" in first.stdout, first.stdout[-2000:]
     args = _resume_args(first.stdout)
     assert f"ckpt_path={last}" in args and "trainer.max_steps=4" in args  # it used up its steps: 2 more
-    second = run_train([*args, f"hydra.run.dir={tmp_path / 'b'}"], tmp_path)
+    second = run_train(_elsewhere(args, tmp_path / "b"), tmp_path)
     assert "cpu_smoke: 2 steps (resumed; step 4 now)" in second.stdout, second.stdout[-2000:]
     # item 6: the bar names the step limit, and no "dirpath has changed" warning per rank on resume
     assert "Epoch 0/-2" not in first.stdout and "(to step 2)" in first.stdout, first.stdout[-2000:]
@@ -115,7 +124,7 @@ def test_a_stopped_run_saves_and_prints_the_command_that_resumes_it(tmp_path, si
     assert ("Ctrl-C (SIGINT)" in stopped.stderr) is (sig == signal.SIGINT)
     args = _resume_args(stopped.stderr, max_steps=step + 1)
     assert f"ckpt_path={path}" in args
-    resumed = run_train([*args, f"hydra.run.dir={tmp_path / 'b'}"], tmp_path)
+    resumed = run_train(_elsewhere(args, tmp_path / "b"), tmp_path)
     assert f"cpu_smoke: 1 steps (resumed; step {step + 1} now)" in resumed.stdout, resumed.stdout[-2000:]
 
 
