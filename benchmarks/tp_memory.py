@@ -18,7 +18,7 @@ planned by the balance planner for the HDP ranks of each layout:
 * ``2x2_tp_fsdp2`` and ``4x1_fsdp2``: the same with ``fully_shard`` per block and at the root over
   ``"data_parallel"``, driven by ``parallel.FSDPStepDriver``.
 * ``2x2_tp_zero1`` / ``2x2_tp_zero2``: ``2x2_tp`` with the strategy's ZeRO on the mesh
-  (``lightning.mesh.LaneZero`` around AdamW: each parameter's optimizer state on one HDP rank of
+  (``parallel.zero.LaneZero`` around AdamW: each parameter's optimizer state on one HDP rank of
   the lane, owners broadcast their updated shards); ZeRO-2 also reduces each gradient to its owner
   (``run_parallel_step(..., grad_owners=...)``) and clips with
   ``parallel.clip_grad_norm_(..., group=pmesh.dp_group)``.
@@ -33,7 +33,7 @@ is what this machine has; the same accounting holds for device memory.
 
 After the steps, the tensor-parallel layouts gather the model's and the optimizer's state for a
 consolidated checkpoint twice, each time reporting the peak resident memory above its start and
-the bytes it leaves the rank holding: as the strategy saves (``lightning.mesh.model_state`` /
+the bytes it leaves the rank holding: as the strategy saves (``parallel.full_state.model_state`` /
 ``optimizer_state``: one tensor at a time onto global rank 0's host, ``consolidated_save_*``) and
 with the options it used before (``full_state_dict=True, cpu_offload=False``: every rank keeps
 every whole tensor, ``consolidated_save_gathered_everywhere_*``).  On a GPU the first keeps the
@@ -98,10 +98,10 @@ def _consolidated_saves(model, opt) -> dict:
     )
     from torch.utils._pytree import tree_leaves
 
-    from lightning_bytescale.lightning import mesh
+    from lightning_bytescale.parallel import full_state
 
     def as_the_strategy_saves():
-        return mesh.model_state(model), mesh.optimizer_state(model, opt)
+        return full_state.model_state(model), full_state.optimizer_state(model, opt)
 
     def gathered_everywhere():  # the strategy's options before issue 35, item 6
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)
@@ -174,7 +174,6 @@ def _worker(rank: int, port: int, layout: str, preset: str, out: str) -> None:
     from lightning_bytescale.engine.grad_sync import BucketedGradSync
     from lightning_bytescale.engine.zero import clip_grad_norm_ as zero_clip
     from lightning_bytescale.engine.zero import owner_ranks
-    from lightning_bytescale.lightning.mesh import LaneZero
     from lightning_bytescale.models import LlamaConfig, LlamaModel
     from lightning_bytescale.parallel import (
         FSDPStepDriver,
@@ -183,6 +182,7 @@ def _worker(rank: int, port: int, layout: str, preset: str, out: str) -> None:
         parallelize_llama,
         run_parallel_step,
     )
+    from lightning_bytescale.parallel.zero import LaneZero
     from lightning_bytescale.planner import make_plan
 
     torch.set_num_threads(1)

@@ -191,6 +191,38 @@ def test_no_two_modules_import_each_other():
         )
 
 
+def typed_graph(folder: str) -> dict[str, set[str]]:
+    """The import graph of the modules under ``folder`` (a package subfolder), ``TYPE_CHECKING`` imports included."""
+    prefix = f"{PACKAGE}.{folder}."
+    graph: dict[str, set[str]] = {}
+    for path in module_files():
+        me = module_name(path)
+        if me.startswith(prefix):
+            targets = {target_file(module) for _, module in imported_modules(path)}
+            graph[me] = {module_name(t) for t in targets if t is not None} - {me}
+    return {m: {t for t in deps if t.startswith(prefix)} for m, deps in graph.items()}
+
+
+def test_no_cycle_in_the_lightning_floor_even_through_type_checking_imports():
+    """Inside ``lightning/`` an import for annotations counts too: a step loop typed with the strategy
+    that imports it is one concept split over two modules (the loop declares a Protocol instead)."""
+    try:
+        graphlib.TopologicalSorter(typed_graph("lightning")).prepare()
+    except graphlib.CycleError as err:
+        pytest.fail(
+            "an import cycle in lightning/ (TYPE_CHECKING imports included): " + " -> ".join(err.args[1])
+        )
+
+
+def test_the_typed_cycle_check_sees_a_type_checking_cycle():
+    graph = typed_graph("lightning")
+    step, strategy = f"{PACKAGE}.lightning.step", f"{PACKAGE}.lightning.strategy"
+    assert step in graph[strategy]
+    graph[step].add(strategy)  # what `if TYPE_CHECKING: from ...strategy import ByteScaleStrategy` made
+    with pytest.raises(graphlib.CycleError):
+        graphlib.TopologicalSorter(graph).prepare()
+
+
 def test_the_cycle_check_sees_a_cycle():
     graph = import_graph()
     graph[f"{PACKAGE}.planner.plan"].add(f"{PACKAGE}.planner.registry")

@@ -236,7 +236,7 @@ class StepLoader(StatefulDataLoader):
         batches = super().__iter__()
         try:
             for batch in batches:
-                step = batch.step.step if isinstance(batch, PipelineStepBatch) else batch.step
+                step = batch.step_batch.step  # a pipeline's batch holds its StepBatch
                 sampler.mark_consumed(epoch, step)
                 yield batch
         except BaseException:

@@ -2,6 +2,7 @@
 
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
 from lightning_bytescale.engine.executor import (
+    HDPRunner,
     LocalResult,
     StepResult,
     allreduce_gradients,
@@ -22,11 +23,19 @@ from lightning_bytescale.engine.micro_batch import (
     count_loss_tokens,
     plan_digest,
 )
+from lightning_bytescale.engine.runner import Compute, InFlight, StepRunner, SyncOptions
 from lightning_bytescale.engine.state_sync import broadcast_module_state
+from lightning_bytescale.engine.step_checks import StepChecks
 from lightning_bytescale.errors import DivergentPlanError, NonFiniteError, PlanDivergenceError, StepError
 
 __all__ = [
+    "Compute",
     "DivergentPlanError",
+    "HDPRunner",
+    "InFlight",
+    "StepChecks",
+    "StepRunner",
+    "SyncOptions",
     "EmptyBatchError",
     "LocalResult",
     "PackedMicroBatch",

@@ -21,7 +21,7 @@ message, before the optimizer step, even when only some ranks saw it.  Afterward
 counted.
 
 Pipelines check per pipeline instead (:func:`pipeline_verdict`, agreed by one all-reduce over
-the world in :mod:`lightning_bytescale.lightning.pipeline`): torch's schedule runs a stage's
+the world in :func:`lightning_bytescale.parallel.pipeline_step.agree_on_attention`): torch's schedule runs a stage's
 micro-batches in one call, and a stage may hold no attention layer (a head-only last stage), so
 the calls of a pipeline's stages over the step are added before the rule applies: a pipeline
 whose stages made no packed attention call in a step with micro-batches is refused.

@@ -54,3 +54,8 @@ class StepBatch:
     step: int = 0  # global step index in the epoch (sampler position)
     stats: dict = field(default_factory=dict)  # plan statistics for telemetry (planned times, ...)
     data_identity: str = ""  # what the step reads, by content (folded into ``digest``); "" if unknown
+
+    @property
+    def step_batch(self) -> StepBatch:
+        """The step's :class:`StepBatch`: itself (a pipeline's batch holds one, :class:`~lightning_bytescale.parallel.PipelineStepBatch`)."""
+        return self

@@ -36,9 +36,8 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,14 +51,30 @@ from lightning_bytescale.engine.finite import all_finite
 from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
 from lightning_bytescale.engine.loss_check import LossScaling, is_probe_candidate, probe_forward, verdict
+from lightning_bytescale.engine.results import LocalResult, MicroBatchResult, StepResult
+from lightning_bytescale.engine.runner import (
+    DEFAULT_CHECKS,
+    DEFAULT_COMPUTE,
+    FLAT_SYNC,
+    BackwardFn,
+    Compute,
+    ContextFactory,
+    ForwardFn,
+    InFlight,
+    NamedParams,
+    PhaseFn,
+    SyncOptions,
+    trained,
+)
 from lightning_bytescale.engine.step_checks import (
     SLOT,
     PlanAgreement,
     RankReport,
+    StepChecks,
     describe_non_finite,
     start_plan_agreement,
 )
-from lightning_bytescale.engine.zero import reduce_gradients_to_owners
+from lightning_bytescale.engine.zero import drop_unowned_gradients, reduce_gradients_to_owners
 from lightning_bytescale.errors import (
     ConfigError,
     LossNormalizationError,
@@ -68,11 +83,6 @@ from lightning_bytescale.errors import (
     PlanDivergenceError,
     PlanWorldSizeError,
 )
-
-ForwardFn = Callable[[nn.Module, PackedMicroBatch], torch.Tensor]
-BackwardFn = Callable[[torch.Tensor], None]
-ContextFactory = Callable[[PackedMicroBatch], AbstractContextManager]
-PhaseFn = Callable[[str], None]
 
 
 def default_forward(model: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:
@@ -92,99 +102,6 @@ def move_micro_batch(mb: PackedMicroBatch, device: torch.device | str) -> Packed
         labels=mb.labels.to(device, non_blocking=True),
         position_ids=mb.position_ids.to(device, non_blocking=True),
     )
-
-
-@dataclass
-class MicroBatchResult:
-    index: int
-    loss: float  # this micro-batch's contribution to the global loss (already / global tokens)
-    loss_tokens: int
-    seconds: float
-    ring_size: int
-    seq_ids: tuple[int, ...] = ()
-    grads_finite: bool | None = None  # accumulated gradients finite after it (None: not checked)
-
-
-@dataclass
-class LocalResult:
-    """What one rank's micro-batch loop produced, before the all-reduce."""
-
-    loss: torch.Tensor  # 0-d, detached: sum of this rank's loss contributions
-    loss_tokens: int
-    micro_batches: list[MicroBatchResult] = field(default_factory=list)
-    ring_bytes: float = 0.0  # bytes this rank sent to ring peers during the loop
-    ring_wait_s: float = 0.0  # seconds blocked waiting for ring transfers during the loop
-    loss_scaling: LossScaling = LossScaling.UNCHECKED
-    attention: AttentionVerdict = field(default_factory=AttentionVerdict)  # the attention check's
-
-    @property
-    def busy_seconds(self) -> float:
-        return sum(m.seconds for m in self.micro_batches)
-
-    @property
-    def first_non_finite_loss(self) -> MicroBatchResult | None:
-        return next((m for m in self.micro_batches if not math.isfinite(m.loss)), None)
-
-    @property
-    def first_non_finite_gradient(self) -> MicroBatchResult | None:
-        """The first checked micro-batch after which the accumulated gradients held a NaN or inf."""
-        return next((m for m in self.micro_batches if m.grads_finite is False), None)
-
-    def _non_finite_gradient_span(self) -> list[MicroBatchResult]:
-        """The micro-batches the failed gradient check covers: after the last check that passed.
-
-        Gradients accumulate, and a NaN or inf stays in a sum, so the first failed check blames
-        one of the micro-batches since the previous passed check (just one when every
-        micro-batch is checked).  Empty when no check failed.
-        """
-        start = 0
-        for position, m in enumerate(self.micro_batches):
-            if m.grads_finite is True:
-                start = position + 1
-            elif m.grads_finite is False:
-                return self.micro_batches[start : position + 1]
-        return []
-
-    def report(self) -> RankReport:
-        """This rank's slot of the step buffer: busy time, traffic, the first non-finite micro-batch."""
-        rep = RankReport(
-            busy_s=self.busy_seconds,
-            ring_bytes=self.ring_bytes,
-            num_micro_batches=len(self.micro_batches),
-            ring_wait_s=self.ring_wait_s,
-        )
-        bad_loss, span = self.first_non_finite_loss, self._non_finite_gradient_span()
-        if bad_loss is not None and (not span or bad_loss.index <= span[-1].index):
-            rep.bad_micro_batch, rep.bad_kind, rep.bad_seq_ids = bad_loss.index, 1, bad_loss.seq_ids
-        elif span:
-            rep.bad_micro_batch, rep.bad_kind = span[-1].index, 2
-            rep.bad_seq_ids = tuple(dict.fromkeys(s for m in span for s in m.seq_ids))
-            rep.bad_from = span[0].index if len(span) > 1 else None
-        return rep
-
-
-@dataclass
-class StepResult:
-    """One step's outcome on one rank (the reduced values are identical on every rank)."""
-
-    loss: float  # global token-mean loss
-    loss_tensor: torch.Tensor  # 0-d, the same value
-    local: LocalResult  # this rank's own part
-    reports: list[RankReport]  # every rank's report (index = group rank)
-    extra: torch.Tensor | None = None  # the caller's extra values, summed over ranks
-    stop_requested: bool = False  # some rank asked to stop at this step boundary (e.g. SIGTERM)
-    loss_scaling: dict[LossScaling, int] = field(default_factory=dict)  # probe verdicts: ranks each
-    allreduce_s: float = 0.0
-    attention: AttentionVerdict = field(default_factory=AttentionVerdict)  # the attention check's, summed
-
-    @property
-    def num_micro_batches(self) -> int:
-        return len(self.local.micro_batches)
-
-    @property
-    def busy_seconds(self) -> list[float]:
-        """Measured forward+backward time of every rank (index = group rank)."""
-        return [r.busy_s for r in self.reports]
 
 
 def describe_micro_batch(mb: PackedMicroBatch, step: int | None = None) -> str:
@@ -334,6 +251,35 @@ def run_micro_batches(
     loop: no P2P transfer or gradient collective of this rank runs on a divergent plan, and the
     check's round trip overlaps the local micro-batches before that point.
     """
+    compute = Compute(
+        forward=forward, backward=backward, micro_batch_context=micro_batch_context, sync_timing=sync_timing,
+        p2p_group=p2p_group, on_phase=on_phase, forward_only=forward_only,
+    )  # fmt: skip
+    checks = StepChecks(
+        finite_gradients=check_finite, loss_scaling=check_loss_scaling, locate_non_finite=locate_non_finite,
+        attention=check_attention,
+    )  # fmt: skip
+    return micro_batch_loop(model, micro_batches, step, compute, checks, grad_sync, plan_check, params)
+
+
+def micro_batch_loop(
+    model: nn.Module,
+    micro_batches: Sequence[PackedMicroBatch],
+    step: int | None,
+    compute: Compute,
+    checks: StepChecks,
+    grad_sync: BucketedGradSync | None,
+    plan_check: StepCheck | None,
+    params: Iterable[nn.Parameter] | None,
+) -> LocalResult:
+    """:func:`run_micro_batches` with its inputs as records: how a micro-batch runs, what the step checks.
+
+    The runners call this; :func:`run_micro_batches` says what each part does (``step``: the
+    step's number, for phases; ``params``: the parameters whose gradients are checked).
+    """
+    forward, backward, on_phase = compute.forward, compute.backward, compute.on_phase
+    forward_only, check_finite = compute.forward_only, checks.finite_gradients
+    check_loss_scaling, locate_non_finite = checks.loss_scaling, checks.locate_non_finite
     if forward_only and (grad_sync is not None or check_loss_scaling):
         raise ConfigError("forward_only runs no backward: pass neither grad_sync nor check_loss_scaling")
     checked = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
@@ -368,7 +314,7 @@ def run_micro_batches(
     finite: list[torch.Tensor] = []  # gradient checks, after the micro-batches at finite_at
     finite_at: list[int] = []
     verdicts: list[LossScaling] = []
-    attention = AttentionVerdict() if check_attention else None
+    attention = AttentionVerdict() if checks.attention else None
     timers: list[tuple[int, tuple[torch.cuda.Event, torch.cuda.Event]]] = []
     sent0, wait0 = _comm_counters()
     if grad_sync is not None:
@@ -383,7 +329,7 @@ def run_micro_batches(
             mb.probe_ring  # every member of this ring probes it: their exchanges must match
             or (is_probe_candidate(mb) and all(v == LossScaling.UNCHECKED for v in verdicts))
         )
-        events = _device_events(mb.input_ids.device) if sync_timing else None
+        events = _device_events(mb.input_ids.device) if compute.sync_timing else None
         if events is not None:
             events[0].record()
         loss, sec = run_micro_batch(
@@ -395,9 +341,9 @@ def run_micro_batches(
                 if last and grad_sync is not None
                 else backward
             ),
-            micro_batch_context=micro_batch_context,
-            sync_timing=sync_timing and events is None,
-            p2p_group=p2p_group,
+            micro_batch_context=compute.micro_batch_context,
+            sync_timing=compute.sync_timing and events is None,
+            p2p_group=compute.p2p_group,
             probe=verdicts if probing else None,
             forward_only=forward_only,
             attention=attention,
@@ -406,6 +352,7 @@ def run_micro_batches(
             events[1].record()
             timers.append((len(seconds), events))
         losses.append(loss.to(torch.float64))
+        loss_dtype = loss.dtype
         counts.append((mb.labels != IGNORE_INDEX).sum())
         seconds.append(sec)
         if check_finite and not forward_only and (last or locate_non_finite):
@@ -447,6 +394,7 @@ def run_micro_batches(
         ring_bytes=sent1 - sent0,
         ring_wait_s=wait1 - wait0,
         loss_scaling=scaling,
+        loss_dtype=loss_dtype,
         attention=attention,
     )
 
@@ -852,6 +800,89 @@ def check_step(
     return check
 
 
+class HDPRunner:
+    """Plain HDP's step runner: every rank is one HDP rank of ``group`` (``None``: the default group, the world).
+
+    :meth:`run` starts the plan check (:func:`check_step`, waited for before the first ring
+    exchange or gradient bucket), runs this rank's micro-batches (:func:`run_micro_batches`)
+    and leaves the gradients on the parameters; :meth:`sync` is :func:`sync_step` over
+    ``group``, once (a second call returns the first result).  ``sync`` (:class:`SyncOptions`):
+    the bucketed sync for the trained parameters (``buckets``), ZeRO-2's owners for the flat sync
+    (every gradient all-reduced, then each rank keeps the ones it owns), and the stop request the
+    sync carries.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, sync: SyncOptions = FLAT_SYNC) -> None:
+        self.group, self.options = group, sync
+
+    def run(
+        self,
+        model: nn.Module,
+        batch: StepBatch,
+        *,
+        compute: Compute = DEFAULT_COMPUTE,
+        checks: StepChecks = DEFAULT_CHECKS,
+        params: NamedParams | None = None,
+    ) -> InFlight:
+        """The plan check started, then this rank's micro-batches, forward and backward."""
+        named = trained(model, params)
+        compute.waits(f"the plan digest check of step {batch.step}")
+        plan_check = check_step(batch, self.group, check_plan=checks.plan, wait=False)
+        grad_sync = self.options.buckets([p for _, p in named if p.requires_grad])
+        local = micro_batch_loop(
+            model,
+            batch.micro_batches,
+            batch.step,
+            compute,
+            checks,
+            grad_sync,
+            plan_check,
+            [p for _, p in named],
+        )
+        step = InFlight.started(batch, named, local, checks, compute)
+        step.grad_sync = grad_sync
+        return step
+
+    def sync(self, step: InFlight, *, extra: torch.Tensor | None = None) -> StepResult:
+        """The step's one all-reduce (or its buckets and the scalars) and its checks, on every rank."""
+        if step.synced:
+            return step.result  # type: ignore[return-value]
+        checks, batch = step.checks, step.batch
+        step.compute.waits(f"the gradient all-reduce of step {batch.step}")
+        result = sync_step(
+            step.named, batch, step.local, group=self.group, extra=extra, check_tokens=checks.tokens,
+            check_finite=checks.finite, check_parameters=checks.parameters, stop_request=self.options.stop(),
+            grad_sync=step.grad_sync,
+        )  # fmt: skip
+        owners = self.options.owners
+        if (
+            owners is not None and step.grad_sync is None
+        ):  # ZeRO-2 after the flat all-reduce: keep what it owns
+            drop_unowned_gradients([p for _, p in step.named], owners, dist.get_rank())
+        return step.finish(result)
+
+    def evaluate(
+        self, model: nn.Module, batch: StepBatch, *, compute: Compute, name: str = "evaluation"
+    ) -> LocalResult:
+        """The plan check, then ``compute.forward`` on each micro-batch of this rank, no backward."""
+        plan_check = check_step(batch, self.group, wait=False)
+        return micro_batch_loop(
+            model,
+            batch.micro_batches,
+            batch.step,
+            compute,
+            StepChecks(finite_gradients=False),
+            None,
+            plan_check,
+            None,
+        )
+
+    def close(self) -> None:
+        close = getattr(self.options.buckets, "close", None)
+        if callable(close):
+            close()
+
+
 def run_step(
     model: nn.Module,
     step: StepBatch,
@@ -877,36 +908,18 @@ def run_step(
     Gradients accumulate into ``p.grad`` (zero them before the step).  See the three functions
     for the checks (plan and data agreement before any P2P; token count, parameter
     fingerprints, loss normalisation and finiteness in the one all-reduce, raised on every
-    rank together) and for ``extra`` (the caller's values, summed over ranks).
+    rank together) and for ``extra`` (the caller's values, summed over ranks).  It is
+    :class:`HDPRunner`'s ``run`` then ``sync``.
     """
     named = (
         list(model.named_parameters()) if params is None else [(f"param{i}", p) for i, p in enumerate(params)]
     )
-    plan_check = check_step(step, group, check_plan=check_plan, wait=False)
-    local = run_micro_batches(
-        model,
-        step.micro_batches,
-        forward=forward,
-        backward=backward,
-        micro_batch_context=micro_batch_context,
-        sync_timing=sync_timing,
+    runner = HDPRunner(group, SyncOptions(buckets=lambda _params: grad_sync))
+    compute = Compute(
+        forward=forward, backward=backward, micro_batch_context=micro_batch_context, sync_timing=sync_timing,
         p2p_group=p2p_group,
-        check_finite=check_finite,
-        params=[p for _, p in named],
-        check_loss_scaling=check_loss_scaling,
-        step=step.step,
-        grad_sync=grad_sync,
-        plan_check=plan_check,
-        locate_non_finite=locate_non_finite,
+    )  # fmt: skip
+    checks = StepChecks.of_flags(
+        check_plan, check_tokens, check_finite, locate_non_finite, check_loss_scaling, check_parameters
     )
-    return sync_step(
-        named,
-        step,
-        local,
-        group=group,
-        extra=extra,
-        check_tokens=check_tokens,
-        check_finite=check_finite,
-        check_parameters=check_parameters,
-        grad_sync=grad_sync,
-    )
+    return runner.sync(runner.run(model, step, compute=compute, checks=checks, params=named), extra=extra)

@@ -287,3 +287,50 @@ def describe_non_finite(reports: Sequence[RankReport], step: int) -> str:
             else ""
         )
     )
+
+
+@dataclass(frozen=True)
+class StepChecks:
+    """What one step checks, in one record instead of flags forwarded through every layer.
+
+    A runner (:mod:`~lightning_bytescale.engine.runner`) hands it to its pieces: the plan check
+    before the loop, the loop's own checks, and the checks of the step's sync, each of which
+    raises on every rank together.
+    """
+
+    plan: bool = True
+    """Before any ring exchange the ranks agree on the plan and the data (an all-gather of the digests)."""
+
+    tokens: bool = True
+    """The ranks' loss tokens add up to the global batch's (in the sync; off only for tests of pieces)."""
+
+    finite: bool = True
+    """A non-finite loss, or gradient where one was checked, stops the step in the sync (``NonFiniteError``)."""
+
+    finite_gradients: bool = True
+    """The loop checks the accumulated gradients too (off while a float16 ``GradScaler`` judges them)."""
+
+    locate_non_finite: bool = False
+    """Check the gradients after every micro-batch instead of once, to name the first bad one."""
+
+    loss_scaling: bool = False
+    """Probe the loss normalisation on one micro-batch (the first steps of a run)."""
+
+    parameters: bool = False
+    """Compare parameter fingerprints in the sync (every few steps: it costs one pass over the parameters)."""
+
+    attention: bool = False
+    """Count every micro-batch forward's packed attention calls, refused in the sync where one made none (the first steps)."""
+
+    @classmethod
+    def of_flags(
+        cls,
+        plan: bool,
+        tokens: bool,
+        finite: bool,
+        locate_non_finite: bool,
+        loss_scaling: bool,
+        parameters: bool,
+    ) -> StepChecks:
+        """The checks the public step functions' flags ask for (their ``check_finite`` covers losses and gradients)."""
+        return cls(plan, tokens, finite, finite, locate_non_finite, loss_scaling, parameters)

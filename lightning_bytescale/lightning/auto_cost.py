@@ -27,6 +27,7 @@ from torch import nn
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.models.heads import config_heads
 from lightning_bytescale.offload.blocks import find_blocks
+from lightning_bytescale.parallel.layout import Layout
 from lightning_bytescale.planner.config import PlannerConfig
 from lightning_bytescale.planner.cost_spec import is_auto
 from lightning_bytescale.profiler.errors import ProfileError
@@ -38,9 +39,9 @@ def split_auto(cost_model: Any) -> tuple[Any, bool]:
     return (None, True) if is_auto(cost_model) else (cost_model, False)
 
 
-def check_auto(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-    """Refuse ``"auto"`` where a rank does not hold whole layers of the model."""
-    if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
+def check_auto(layout: type[Layout], tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Refuse ``"auto"`` where a rank of the run's ``layout`` does not hold whole layers of the model."""
+    if not layout.whole_layers:
         raise ConfigError(
             f"cost_model='auto' measures a whole layer on one device, but with tensor_parallel_size="
             f"{tensor_parallel_size} and pipeline_parallel_size={pipeline_parallel_size} a rank holds a shard or a "

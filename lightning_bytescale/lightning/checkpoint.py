@@ -54,6 +54,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_bytescale.errors import CheckpointError, ConfigError
+from lightning_bytescale.parallel import full_state
+from lightning_bytescale.parallel.layout import Layout, MeshLayout, PipelineLayout
+from lightning_bytescale.parallel.zero import state_sharded_over_hdp_ranks
 
 CHECKPOINT_FORMATS = ("auto", "sharded", "consolidated")
 META_FILE = "meta.pt"  # Lightning's name for a sharded checkpoint's metadata file
@@ -417,6 +420,166 @@ def load_sharded(
         states.append(_indexed(state, layouts[i]["param_groups"], order))
     checkpoint["optimizer_states"] = states
     return checkpoint
+
+
+# ------------------------------------------------------------------------------- per layout
+class LayoutCheckpoints:
+    """How plain HDP saves and loads; :func:`layout_checkpoints` chooses each run's once.
+
+    ``default`` is Lightning's own step (the strategy's parent class's method), used where the
+    layout needs nothing else: a consolidated save of plain HDP is Lightning's, a ZeRO
+    optimizer's state gathered on rank 0 by ``consolidate_state_dict``.
+    """
+
+    stage_only = False
+    """The model is one pipeline stage: a folder's keys of the other stages are not unexpected."""
+
+    def __init__(self, pipelines: int = 1) -> None:
+        self.pipelines = pipelines
+
+    def check_format(self, value: Any) -> str:
+        """``checkpoint_format`` as given, or a ``ConfigError`` naming the valid values."""
+        return validate_format(value)
+
+    def sharded(self, fmt: str, optimizers: Sequence[Optimizer], fsdp: Any) -> bool:
+        """Whether a save writes a sharded folder now: ``"auto"`` is sharded when ZeRO splits the optimizer state."""
+        if fmt == "auto":
+            return any(is_zero(opt) for opt in optimizers)
+        return fmt == "sharded"
+
+    def optimizer_state(
+        self, optimizer: Optimizer, module: Module, *, sharded: bool, layout: Any, default: Callable[..., Any]
+    ) -> dict[str, Any]:
+        """Sharded: this rank's own state by parameter name (no gather); else Lightning's."""
+        return sharded_optimizer_state(optimizer, module) if sharded else default(optimizer)
+
+    def model_state(self, module: Module, *, sharded: bool, default: Callable[[], Any]) -> dict[str, Any]:
+        """The module's state as it is (Lightning's)."""
+        return default()
+
+    def load_model_state(
+        self, module: Module, checkpoint: Any, strict: bool, *, from_folder: bool, default: Callable[..., Any]
+    ) -> None:
+        """Lightning's load (a folder's state is already read into the module in place)."""
+        default(checkpoint, strict=strict)
+
+    def load_optimizer_states(
+        self,
+        module: Module,
+        optimizers: Sequence[Optimizer],
+        checkpoint: Any,
+        *,
+        from_folder: bool,
+        default: Callable[..., Any],
+    ) -> None:
+        default(checkpoint)
+
+    def whole_state(self, module: Module) -> dict[str, Any]:
+        """The module's state as one process holds it (what a spawned run hands back to the main process)."""
+        return module.state_dict()
+
+
+class MeshCheckpoints(LayoutCheckpoints):
+    """The tensor-parallel mesh: a consolidated save holds every DTensor whole, gathered one tensor at a time.
+
+    Saved on global rank 0's host and loaded back as each rank's shards, on any mesh
+    (:mod:`~lightning_bytescale.parallel.full_state`); ``"auto"`` is sharded exactly when the HDP
+    ranks hold different parts of the optimizer state (ZeRO on the mesh, FSDP2).
+    """
+
+    def sharded(self, fmt: str, optimizers: Sequence[Optimizer], fsdp: Any) -> bool:
+        if fmt == "auto":
+            return state_sharded_over_hdp_ranks(list(optimizers), fsdp)
+        return fmt == "sharded"
+
+    def optimizer_state(
+        self, optimizer: Optimizer, module: Module, *, sharded: bool, layout: Any, default: Callable[..., Any]
+    ) -> dict[str, Any]:
+        """Sharded: this rank's own state; else the DTensors whole (every rank gathers, rank 0 keeps)."""
+        return (
+            sharded_optimizer_state(optimizer, module)
+            if sharded
+            else full_state.optimizer_state(module, optimizer)
+        )
+
+    def model_state(self, module: Module, *, sharded: bool, default: Callable[[], Any]) -> dict[str, Any]:
+        """Sharded: the local shards as they are; else the DTensors whole (every rank gathers, rank 0 keeps)."""
+        return default() if sharded else full_state.model_state(module)
+
+    def load_model_state(
+        self, module: Module, checkpoint: Any, strict: bool, *, from_folder: bool, default: Callable[..., Any]
+    ) -> None:
+        """A folder is read into the module already; a file's whole tensors give each rank its shards."""
+        if from_folder:
+            default(checkpoint, strict=strict)
+            return
+        full_state.load_model_state(module, checkpoint["state_dict"], strict)
+
+    def load_optimizer_states(
+        self,
+        module: Module,
+        optimizers: Sequence[Optimizer],
+        checkpoint: Any,
+        *,
+        from_folder: bool,
+        default: Callable[..., Any],
+    ) -> None:
+        """A folder's states hold this rank's shards; a file's whole tensors give each rank its shards."""
+        if from_folder:
+            default(checkpoint)
+            return
+        full_state.load_optimizer_states(module, list(optimizers), checkpoint["optimizer_states"])
+
+    def whole_state(self, module: Module) -> dict[str, Any]:
+        """Every DTensor gathered whole (a collective: every rank calls it)."""
+        return full_state.full_state_dict(module)
+
+
+class PipelineCheckpoints(MeshCheckpoints):
+    """Pipelines: every stage holds other parameters, so every save is a sharded folder naming every stage's."""
+
+    stage_only = True
+
+    def check_format(self, value: Any) -> str:
+        """``"consolidated"`` is refused: rank 0 alone cannot write the model."""
+        if value == "consolidated":
+            raise ConfigError(
+                f"checkpoint_format='consolidated' is not supported with pipeline_parallel_size={self.pipelines}: "
+                "every stage holds other parameters, so rank 0 alone cannot write the model. Use "
+                "checkpoint_format='sharded' (or 'auto', which is sharded with pipelines)"
+            )
+        return validate_format(value)
+
+    def sharded(self, fmt: str, optimizers: Sequence[Optimizer], fsdp: Any) -> bool:
+        return True
+
+    def optimizer_state(
+        self, optimizer: Optimizer, module: Module, *, sharded: bool, layout: Any, default: Callable[..., Any]
+    ) -> dict[str, Any]:
+        """This rank's state by parameter name, with each group's parameter names of every stage (a pipeline collective).
+
+        Rank 0 writes the groups into ``meta.pt``; with them merged over the pipeline every stage
+        finds its own parameters there on load.
+        """
+        state = sharded_optimizer_state(optimizer, module)
+        names = [[*g["params"]] for g in state["param_groups"]]
+        every: list[Any] = [None] * layout.dims.pipeline
+        dist.all_gather_object(every, names, group=layout.pp_group)
+        for g, group in enumerate(state["param_groups"]):
+            group["params"] = [n for stage in every for n in stage[g]]
+        return state
+
+
+def layout_checkpoints(layout: type[Layout], pipelines: int = 1) -> LayoutCheckpoints:
+    """How a run of ``layout`` saves and loads, chosen once (``pipelines``: its pipeline size, for messages)."""
+    return _CHECKPOINTS[layout](pipelines)
+
+
+_CHECKPOINTS: dict[type[Layout], type[LayoutCheckpoints]] = {
+    Layout: LayoutCheckpoints,
+    MeshLayout: MeshCheckpoints,
+    PipelineLayout: PipelineCheckpoints,
+}
 
 
 def read_consolidated(

@@ -52,6 +52,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.parallel.layout import Layout
 from lightning_bytescale.planner.config import PlannerConfig
 from lightning_bytescale.planner.cost_features import Work, predict_seconds, relative_errors
 from lightning_bytescale.planner.cost_model import CostModel
@@ -71,9 +72,12 @@ RUN_SCHEDULE_FILE = "cost_schedule.json"
 MAX_FIT_ROWS = 2000
 
 
-def check_option(option: Any, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+def check_option(
+    option: Any, layout: type[Layout], tensor_parallel_size: int, pipeline_parallel_size: int
+) -> None:
     """Refuse a ``refine_cost_model`` value the strategy cannot honour (a ``ConfigError``; a bad
-    ``RefitConfig`` dict: a ``CostRefitError``), before any rank starts."""
+    ``RefitConfig`` dict: a ``CostRefitError``), before any rank starts (``layout``: the run's layout;
+    the sizes name it in the message)."""
     if option is not None and not isinstance(option, (bool, RefitConfig, Mapping)):
         raise ConfigError(
             f"refine_cost_model must be None (refine a cost_model='auto'), True, False, a RefitConfig or its "
@@ -82,7 +86,7 @@ def check_option(option: Any, tensor_parallel_size: int, pipeline_parallel_size:
     if isinstance(option, Mapping):
         option = RefitConfig.from_json_dict(option)  # a bad setting: a CostRefitError now, not on every rank
     wanted = option is True or (isinstance(option, RefitConfig) and option.enabled)
-    if wanted and (tensor_parallel_size > 1 or pipeline_parallel_size > 1):
+    if wanted and not layout.whole_layers:  # a rank times a shard or a stage, not whole layers
         raise ConfigError(
             f"refine_cost_model refits from every rank's micro-batch times, which tensor_parallel_size="
             f"{tensor_parallel_size} and pipeline_parallel_size={pipeline_parallel_size} do not gather yet: pass "
@@ -282,12 +286,13 @@ class CostRefinementCallback(Callback):
 
 
 def attach(
-    trainer: pl.Trainer, config: PlannerConfig, option: Any, *, auto: bool, rank: int, mesh: Any
+    trainer: pl.Trainer, config: PlannerConfig, option: Any, *, auto: bool, rank: int, whole_layers: bool
 ) -> CostRefinement | None:
-    """The rank's refinement for a fit (None when not fitting or on a tensor/pipeline mesh),
+    """The rank's refinement for a fit (None when not fitting or where a rank does not hold whole layers:
+    the layout's ``whole_layers``, false on a tensor/pipeline mesh),
     its callback added to the trainer; call it on every rank in the strategy's ``setup``, after
     the cost model is final and before any loader is built."""
-    if trainer.state.fn != TrainerFn.FITTING or mesh is not None:
+    if trainer.state.fn != TrainerFn.FITTING or not whole_layers:
         return None
     base = config.cost_model if isinstance(config.cost_model, CostModel) else CostModel.paper_preset()
     settings = refit_config(option, auto)

@@ -69,6 +69,7 @@ from lightning_bytescale.data.store import (
 )
 from lightning_bytescale.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_bytescale.errors import PlannerOptionsConflictError
+from lightning_bytescale.parallel.layout import LoaderView
 from lightning_bytescale.planner.config import PlannerConfig
 from lightning_bytescale.planner.cost_model import CostModel
 from lightning_bytescale.planner.errors import PlanError
@@ -407,19 +408,22 @@ class ByteScaleDataModule(pl.LightningDataModule):
             return self._world_size
         return self._trainer_ranks()[1]
 
-    def _parallel_mesh(self) -> Any:
-        """The trainer's strategy's ``parallel_mesh`` (``ByteScaleStrategy(tensor_parallel_size>1)``), else ``None``."""
-        return getattr(getattr(self._trainer_or_none(), "strategy", None), "parallel_mesh", None)
+    def _loader_view(self) -> LoaderView:
+        """The run's layout as the loader plans with it: the strategy's (``ByteScaleStrategy.loader_view``), else
+        plain HDP over the trainer's ranks (another strategy, or before the strategy's mesh is built)."""
+        trainer = self._trainer_or_none()
+        view = getattr(getattr(trainer, "strategy", None), "loader_view", None)
+        if isinstance(view, LoaderView):
+            return view
+        rank, world = (0, 1) if trainer is None else (int(trainer.global_rank), int(trainer.world_size))
+        return LoaderView(
+            hdp_rank=rank, hdp_ranks=world, ring_ranks=None, pipeline_stages=1, tensor_parallel=1
+        )
 
     def _trainer_ranks(self) -> tuple[int, int]:
         """``(HDP rank, HDP ranks)`` from the trainer: every TP lane of an HDP rank reads the same share."""
-        trainer = self._trainer_or_none()
-        if trainer is None:
-            return 0, 1
-        pmesh = self._parallel_mesh()
-        if pmesh is not None:
-            return pmesh.hdp_rank, pmesh.dims.data_parallel
-        return int(trainer.global_rank), int(trainer.world_size)
+        view = self._loader_view()
+        return view.hdp_rank, view.hdp_ranks
 
     def _trainer_or_none(self):
         return getattr(self, "trainer", None)
@@ -482,9 +486,8 @@ class ByteScaleDataModule(pl.LightningDataModule):
         """:attr:`planner_config` as ``make_plan`` keyword options (without the seed and ``None`` values)."""
         opts = self.planner_config.as_options()
         opts = {k: v for k, v in opts.items() if v is not None and k != "seed"}
-        pmesh = self._parallel_mesh()
-        tp = int(pmesh.dims.tensor_parallel) if pmesh is not None else 1
-        if tp > 1:
+        view = self._loader_view()
+        if view.tensor_parallel > 1:
             # ranks_per_node (the option or the cost model's) counts devices; the planner places
             # rings over HDP ranks, tp devices each (as the simulator's Scenario.ranks_per_node)
             per_node = opts.get("ranks_per_node")
@@ -492,7 +495,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
                 cost = opts.get("cost_model") or CostModel.paper_preset()
                 per_node = cost.ranks_per_node
             if per_node is not None:
-                opts["ranks_per_node"] = max(1, int(per_node) // tp)
+                opts["ranks_per_node"] = view.hdp_ranks_per_node(per_node)
         return opts
 
     def plan_seed(self) -> int:
@@ -918,8 +921,7 @@ class ByteScaleDataModule(pl.LightningDataModule):
         dataset = StepDataset(
             self.store, samples, batching, self.rank, self.world_size,
             self.planner_options(), self.plan_seed(), self.validate_plans, split,
-            ring_ranks=None if (pmesh := self._parallel_mesh()) is None else pmesh.ring_ranks,
-            pipeline_stages=1 if pmesh is None else pmesh.dims.pipeline,
+            ring_ranks=(view := self._loader_view()).ring_ranks, pipeline_stages=view.pipeline_stages,
             record_work=refinement is not None,
             cost_schedule=None if refinement is None else refinement.loader_schedule(
                 self.num_workers, self.prefetch_factor

@@ -428,13 +428,9 @@ class ForkCollectingLauncher(_MultiProcessingLauncher):
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
-        """Rank 0's weights for the main process; with tensor parallelism gathered whole from the shards first."""
-        if getattr(trainer.strategy, "parallel_mesh", None) is None:
-            return super()._collect_rank_zero_results(trainer, results)
-        from lightning_bytescale.lightning.mesh import full_state_dict
-
+        """Rank 0's weights for the main process, as one process holds them (on a mesh gathered whole from the shards)."""
         module = trainer.lightning_module
-        full = full_state_dict(module)  # a collective: every rank gathers
+        full = trainer.strategy.whole_module_state()  # on a mesh a collective: every rank gathers
         module.state_dict = lambda *a, **k: full  # what Lightning's launcher sends to the main process
         try:
             return super()._collect_rank_zero_results(trainer, results)

@@ -1,21 +1,28 @@
-"""The step loop of ``ByteScaleStrategy``: one optimizer step as one typed object, and every micro-batch loop.
+"""The step loop of ``ByteScaleStrategy``: one optimizer step as one typed object, the same for every layout.
 
-One Lightning batch is one optimizer step.  :meth:`StepLoop.train` runs this rank's
-micro-batches through the engine's loop (:func:`~lightning_bytescale.engine.executor.run_micro_batches`,
-the LightningModule's ``training_step`` as the forward, the precision plugin's backward) and
-returns a :class:`TrainStep`; :meth:`StepLoop.sync` -- called from the strategy's
-``backward``, which every rank runs once per step -- joins the step's gradient sync
-(:func:`~lightning_bytescale.engine.executor.sync_step`), so the gradients are final (summed
-over the ranks; under ZeRO-2 only the rank's own shard) before ``on_after_backward``.
-Validation, test and prediction run the same loop without a backward (:meth:`StepLoop.evaluate`,
-:meth:`StepLoop.predict`).
+One Lightning batch is one optimizer step.  :meth:`StepLoop.train` (from the strategy's
+``training_step``) hands this rank's part of the step to the layout's step runner
+(:class:`~lightning_bytescale.engine.runner.StepRunner`: plain HDP, the tensor-parallel mesh or
+pipelines; :func:`~lightning_bytescale.parallel.layout.make_runner` chose it at set-up), with
+the LightningModule's ``training_step`` as the forward and the precision plugin's backward, and
+returns a :class:`TrainStep`; :meth:`StepLoop.sync` -- called from the strategy's ``backward``,
+which every rank runs once per step -- is the runner's ``sync`` (the step's gradient sum and
+checks), so the gradients are final (summed over the ranks; under ZeRO-2 only the rank's own
+shard) before ``on_after_backward``.  Validation, test and prediction are the runner's
+``evaluate`` (:meth:`StepLoop.evaluate`, :meth:`StepLoop.predict`).  Nothing here asks which
+layout runs: what differs is the runner's.
+
+The loop depends on the strategy only through :class:`StepHost`, the few things it needs of it
+(the module, the precision plugin, the device, the runner, the layout's lane, the watchdog and
+the preemption handler), and on :class:`LoopOptions`, the strategy's step options.
 
 Inside every micro-batch loop ranks run different numbers of micro-batches, so a collective
 there would pair with another rank's next collective: :meth:`StepLoop.refuse_collective` (the
 strategy's ``all_gather``, ``reduce``, ``barrier`` and ``broadcast`` call it) fails at once,
 naming the hook and the one that is safe.  The loss and the statistics a step hands to the
 hooks are the step's global ones, the same on every rank; the statistics come from the plan
-every rank holds and from the step's one all-reduce (:func:`~lightning_bytescale.lightning.step_stats.step_stats`).
+every rank holds and from the step's one all-reduce (:func:`~lightning_bytescale.lightning.step_stats.step_stats`,
+plus the layout's own figures, ``StepResult.layout_stats``).
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -37,29 +45,21 @@ from torch.nn import Module
 
 from lightning_bytescale.engine.attention_check import AttentionCheckWindow
 from lightning_bytescale.engine.batch import PackedMicroBatch, StepBatch
-from lightning_bytescale.engine.executor import (
-    LocalResult,
-    StepResult,
-    check_step,
-    run_micro_batches,
-    sync_step,
-)
-from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss_check import LossScaling
-from lightning_bytescale.engine.zero import drop_unowned_gradients
+from lightning_bytescale.engine.results import LocalResult, StepResult
+from lightning_bytescale.engine.runner import Compute, InFlight, StepRunner
+from lightning_bytescale.engine.step_checks import StepChecks
+from lightning_bytescale.engine.watchdog import StepWatchdog
 from lightning_bytescale.errors import CollectiveInMicroBatchError, GradientAccumulationError
 from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
-from lightning_bytescale.lightning import mesh as mesh_
 from lightning_bytescale.lightning.step_stats import step_stats
 from lightning_bytescale.offload.blocks import find_blocks
 from lightning_bytescale.offload.offloader import ActivationOffloader
-from lightning_bytescale.parallel import LocalShards, agree_across_lanes, start_step_check
+from lightning_bytescale.parallel.pipeline_batch import PipelineStepBatch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    from lightning_bytescale.lightning.strategy import ByteScaleStrategy
 
 LOSS_PROBE_STEPS = 3  # steps in which each rank probes the loss normalisation until one probe is conclusive
 
@@ -72,43 +72,133 @@ SAFE_HOOK = {
 }
 
 
+class Preemption(Protocol):
+    """What the loop needs of the preemption handler: the flag the step's sync carries, and the agreement."""
+
+    @property
+    def requested(self) -> bool: ...
+
+    def record_agreement(self, stop: bool) -> None: ...
+
+
+class StepHost(Protocol):
+    """What the step loop needs of its strategy (``ByteScaleStrategy`` is one)."""
+
+    @property
+    def lightning_module(self) -> pl.LightningModule | None: ...
+
+    @property
+    def precision_plugin(self) -> Precision: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def step_runner(self) -> StepRunner:
+        """The layout's runner, made at set-up."""
+        ...
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether this rank counts its HDP rank's evaluation tokens (the TP lanes of one hold the same: lane 0 does)."""
+        ...
+
+    @property
+    def step_watchdog(self) -> StepWatchdog | None: ...
+
+    @property
+    def preemption_handler(self) -> Preemption | None: ...
+
+    @property
+    def loop_options(self) -> LoopOptions:
+        """The step options, read when a step starts."""
+        ...
+
+    @property
+    def cost_refinement(self) -> Any:
+        """The run's cost refinement (its micro-batch times ride in the step's sync), or ``None``."""
+        ...
+
+    @property
+    def optimizer_in_step(self) -> Any:
+        """The optimizer whose closure runs now (handed to the precision plugin's backward)."""
+        ...
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any: ...
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """The strategy's step options the loop reads (``ByteScaleStrategy``'s arguments of the same names)."""
+
+    check_finite: bool = True
+    """Stop on a non-finite loss or gradient (``NonFiniteError``)."""
+
+    locate_non_finite: bool = False
+    """Check the gradients after every micro-batch, to name the first bad one."""
+
+    check_loss_normalization: bool = True
+    """Probe the loss normalisation in the first steps."""
+
+    check_attention: bool = True
+    """Refuse, in the first steps, a micro-batch whose forward made no packed attention call."""
+
+    check_parameters_every_n_steps: int = 100
+    """Compare parameter fingerprints every N steps (and the first of a run); 0: off."""
+
+    log_loss: bool = True
+    """Log the step's global loss as :attr:`loss_name`."""
+
+    loss_name: str = "train/loss"
+    """The metric name of the logged loss."""
+
+    offload: Any = False
+    """Activation offload: off (``False``/``None``), on (an ``ActivationOffloader`` is built), or the offloader itself."""
+
+    offloader_options: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the ``ActivationOffloader`` the loop builds."""
+
+    pg_seconds: float | None = None
+    """The process-group timeout: a rank waiting on its peers is watched at least that long."""
+
+
 @dataclass
 class TrainStep:
-    """One optimizer step on this rank, from its micro-batch loop to the optimizer step.
+    """One optimizer step on this rank, from its runner's ``run`` to the optimizer step.
 
-    ``grads`` keeps the loop's gradients over Lightning's ``zero_grad`` (between
-    ``training_step`` and ``backward``); ``extras`` holds the other keys of a dict that
-    ``training_step`` returned, one list entry per micro-batch of this rank; ``result`` is set
-    by the sync, ``stats`` (``strategy.step_stats``) with it.
+    ``step`` is the runner's step in flight (its ``result`` set by the sync); ``grads`` keeps
+    the loop's gradients over Lightning's ``zero_grad`` (between ``training_step`` and
+    ``backward``); ``extras`` holds the other keys of a dict that ``training_step`` returned,
+    one list entry per micro-batch of this rank; ``stats`` (``strategy.step_stats``) are set
+    with the sync, ``synced`` then.
     """
 
-    batch: StepBatch
-    named: list[tuple[str, Tensor]]
-    local: LocalResult
-    grad_sync: BucketedGradSync | None
+    step: InFlight
     probing: bool
     started: float
-    loss_dtype: torch.dtype
     grads: list[Tensor | None] = field(default_factory=list)
     extras: dict[str, list[Any]] = field(default_factory=dict)
-    result: StepResult | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    synced: bool = False
+
+    @property
+    def result(self) -> StepResult | None:
+        return self.step.result
 
     def put_aside(self) -> None:
         """Take the gradients off the parameters (Lightning zeroes them before ``backward``)."""
-        self.grads = [p.grad for _, p in self.named]
-        for _, p in self.named:
+        self.grads = [p.grad for _, p in self.step.named]
+        for _, p in self.step.named:
             p.grad = None
 
     def put_back(self) -> None:
-        for (_, p), g in zip(self.named, self.grads):
+        for (_, p), g in zip(self.step.named, self.grads):
             p.grad = g
 
     @property
     def loss(self) -> Tensor:
-        """The step's global token-mean loss after the sync, else this rank's share."""
-        value = self.result.loss_tensor if self.result is not None else self.local.loss
-        return value.detach().to(self.loss_dtype)
+        """The step's global token-mean loss after the sync, else this rank's share (in the forward's dtype)."""
+        return self.step.loss.detach().to(self.step.loss_dtype)
 
 
 def _loss_of(out: Any) -> Tensor | None:
@@ -125,19 +215,45 @@ class EvalLoss:
     other_outputs: bool = False  # some micro-batch returned something else than a scalar loss
 
 
+def refuse_accumulation(trainer: pl.Trainer) -> None:
+    """Gradient accumulation over Lightning batches: refused by name, before any batch runs."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler  # Lightning imports this module
+
+    scheduler = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+    if scheduler is not None:
+        raise GradientAccumulationError(
+            "GradientAccumulationScheduler is not supported by ByteScaleStrategy: it raises "
+            "accumulate_grad_batches during training, and one Lightning batch is already one optimizer step "
+            "(the planner splits it into micro-batches), so batches would be thrown away. Remove the callback "
+            "and raise the data module's tokens_per_step instead (for a schedule, per epoch)."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise GradientAccumulationError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: with "
+            "ByteScaleStrategy one batch is one optimizer step and the planner already splits it into "
+            "micro-batches. Set accumulate_grad_batches=1 and raise the data module's tokens_per_step instead."
+        )
+
+
 class StepLoop:
     """What ``ByteScaleStrategy`` runs in each step and evaluation step (one per strategy)."""
 
-    def __init__(self, strategy: ByteScaleStrategy) -> None:
-        self.strategy = strategy
+    refuse_accumulation = staticmethod(refuse_accumulation)
+
+    def __init__(self, host: StepHost) -> None:
+        self.host = host
         self.in_loop: str | None = None  # the micro-batch hook running now
+        self.phase = "set-up"  # where this rank is, for errors
         self.steps_run = 0
         self.loss_probe_done = False
         self.attention_window = AttentionCheckWindow()  # the first steps' attention check
         self.warned_partial_loss = False
         self.offloader: Any = None
-        self.grad_sync: BucketedGradSync | None = None
         self.eval_loss: dict[tuple[str, int], EvalLoss] = {}
+
+    @property
+    def options(self) -> LoopOptions:
+        return self.host.loop_options
 
     # ------------------------------------------------------------------ guards
     @contextmanager
@@ -163,35 +279,14 @@ class StepLoop:
             "log with on_step=False, on_epoch=True: the epoch's value is reduced over the ranks once, at the end."
         )
 
-    @staticmethod
-    def refuse_accumulation(trainer: pl.Trainer) -> None:
-        """Gradient accumulation over Lightning batches: refused by name, before any batch runs."""
-        from lightning.pytorch.callbacks import GradientAccumulationScheduler
-
-        scheduler = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
-        if scheduler is not None:
-            raise GradientAccumulationError(
-                "GradientAccumulationScheduler is not supported by ByteScaleStrategy: it raises "
-                "accumulate_grad_batches during training, and one Lightning batch is already one optimizer step "
-                "(the planner splits it into micro-batches), so batches would be thrown away. Remove the callback "
-                "and raise the data module's tokens_per_step instead (for a schedule, per epoch)."
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise GradientAccumulationError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: with "
-                "ByteScaleStrategy one batch is one optimizer step and the planner already splits it into "
-                "micro-batches. Set accumulate_grad_batches=1 and raise the data module's tokens_per_step instead."
-            )
-
     # ------------------------------------------------------------------ watchdog and phases
     def beat(self, phase: str, *, waits_on_peers: bool = False) -> None:
         """Record where this rank is (for errors) and that it progresses (for the watchdog)."""
-        strategy = self.strategy
-        strategy._phase = phase
-        dog = strategy._watchdog
+        self.phase = phase
+        dog = self.host.step_watchdog
         if dog is None:
             return
-        pg = strategy._pg_seconds()
+        pg = self.options.pg_seconds
         if waits_on_peers and pg is not None:
             # bounded by the process-group timeout: a rank waiting on a stuck peer fails with the
             # peer error first, and the stuck rank's own watchdog names where it is
@@ -200,20 +295,19 @@ class StepLoop:
             dog.beat(phase)
 
     def idle(self) -> None:
-        if self.strategy._watchdog is not None:
-            self.strategy._watchdog.idle()
+        dog = self.host.step_watchdog
+        if dog is not None:
+            dog.idle()
 
     def _phase(self, text: str) -> None:
         self.beat(text, waits_on_peers="(ring" in text or "(waits on every rank)" in text)
 
-    # ------------------------------------------------------------------ pieces of the loop
-    def _plan_check(self, batch: StepBatch) -> Any:
-        """Start the plan-digest all-gather over every rank (on the mesh: a plan for the HDP ranks)."""
-        pmesh = self.strategy.parallel_mesh
-        return check_step(batch, wait=False) if pmesh is None else start_step_check(batch, pmesh)
+    def _waits(self, text: str) -> None:
+        self.beat(text, waits_on_peers=True)
 
+    # ------------------------------------------------------------------ pieces of the loop
     def offload_context(self, mb: PackedMicroBatch) -> contextlib.AbstractContextManager:
-        offload = self.strategy.offload
+        offload = self.options.offload
         if offload in (None, False) or mb.offload_ratio <= 0:
             return contextlib.nullcontext()
         return self._offloader().micro_batch_context(mb)
@@ -221,105 +315,62 @@ class StepLoop:
     def _offloader(self) -> Any:
         """The activation offloader: ``offload`` itself if it is one, else one built from its options."""
         if self.offloader is None:
-            strategy = self.strategy
-            if hasattr(strategy.offload, "micro_batch_context"):
-                self.offloader = strategy.offload
+            offload = self.options.offload
+            if hasattr(offload, "micro_batch_context"):
+                self.offloader = offload
             else:
-                self.offloader = ActivationOffloader(
-                    find_blocks(strategy.lightning_module), **strategy.offloader_options
-                )
+                module = self.host.lightning_module
+                self.offloader = ActivationOffloader(find_blocks(module), **self.options.offloader_options)
         return self.offloader
 
-    def _bucketed_sync(self, params: list[Tensor]) -> BucketedGradSync | None:
-        """The bucketed gradient sync for ``params`` (rebuilt if the trained parameters changed).
-
-        Its group: the strategy's gradient group without a mesh; on the mesh the lane's (and
-        stage's) data-parallel group, where the same shard of every HDP rank is summed.
-        """
-        strategy = self.strategy
-        if strategy.gradient_sync != "bucketed" or not params:  # none: FSDP2 reduces every gradient itself
-            return None
-        sync = self.grad_sync
-        owners = strategy._grad_owners if strategy.zero == 2 else None
-        pmesh = strategy.parallel_mesh
-        group = strategy._grad_group if pmesh is None else pmesh.dp_group
-        if (
-            sync is None
-            or [id(p) for p in sync.params] != [id(p) for p in params]
-            or sync.owners != owners
-            or sync.group is not group
-        ):
-            if sync is not None:
-                sync.close()
-            sync = BucketedGradSync(
-                params,
-                group=group,
-                bucket_bytes=int(strategy.bucket_cap_mb * 2**20),
-                owners=owners,
-            )
-            self.grad_sync = sync
-        return sync
-
-    def close(self) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.close()
-            self.grad_sync = None
-
     # ------------------------------------------------------------------ training
-    def train(self, batch: StepBatch, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> TrainStep:
-        """This rank's micro-batches of one step, each forward and backward; gradients put aside."""
-        strategy = self.strategy
-        module = strategy.lightning_module
+    def train(self, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> TrainStep:
+        """This rank's part of one step through the layout's runner, each forward and backward; gradients put aside."""
+        host, options = self.host, self.options
+        module = host.lightning_module
         assert module is not None
         started = time.perf_counter()
-        self.beat(f"the plan digest check of step {batch.step}", waits_on_peers=True)
-        # an all-gather over all ranks, waited for before this rank's first ring P2P or gradient bucket
-        plan_check = self._plan_check(batch)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for _, p in named:
             p.grad = None
-        params = [p for _, p in named]
-        scaler = getattr(strategy.precision_plugin, "scaler", None)
-        probing = strategy.check_loss_normalization and not self.loss_probe_done
+        scaler = getattr(host.precision_plugin, "scaler", None)
+        probing = options.check_loss_normalization and not self.loss_probe_done
         extras: dict[str, list[Any]] = {}
-        dtypes = [torch.float32]
 
         def forward(_model: Module, mb: PackedMicroBatch) -> Tensor:
             if not torch.is_grad_enabled():  # the loss-normalisation probe: its logs do not count
                 with compat.discarded_logging(compat.module_trainer(module)):
-                    return self._training_forward(module, mb, rest, kwargs, None, dtypes)
-            return self._training_forward(module, mb, rest, kwargs, extras, dtypes)
+                    return self._training_forward(module, mb, rest, kwargs, None)
+            return self._training_forward(module, mb, rest, kwargs, extras)
 
-        fsdp = strategy.fsdp
-        # on the mesh: the buckets sum local shards over the lane's HDP ranks; FSDP2 reduces its own
-        grad_sync = self._bucketed_sync(params if fsdp is None else [p for _, p in fsdp.unmanaged(named)])
-        if fsdp is not None:
-            fsdp.begin_step()  # FSDP2: one all-gather per unit, before any ring exchange
-        with self.micro_batches("training_step"):
-            local = run_micro_batches(
-                module,
-                batch.micro_batches,
-                forward=forward,
-                backward=self._backward_fn(module, scaler),
-                micro_batch_context=self.offload_context,
-                sync_timing=strategy.root_device.type == "cuda",
-                check_finite=strategy.check_finite and scaler is None,
-                params=params,
-                check_loss_scaling=probing,
-                on_phase=self._phase,
-                step=batch.step,
-                grad_sync=grad_sync,
-                plan_check=plan_check,
-                locate_non_finite=strategy.locate_non_finite,
-                check_attention=strategy.check_attention and self.attention_window.active,
+        def backward(loss: Tensor) -> None:
+            host.precision_plugin.backward(
+                scaler.scale(loss) if scaler is not None else loss, module, host.optimizer_in_step
             )
-        if grad_sync is not None and strategy.parallel_mesh is not None:
-            grad_sync.launch()  # every rank's buckets before FSDP's reduce-scatters (all of them without micro-batches)
-        if fsdp is not None:
-            fsdp.finish_step()  # FSDP2: one reduce-scatter per unit, after the last ring exchange
-        step = TrainStep(batch, named, local, grad_sync, probing, started, dtypes[0], extras=extras)
-        step.put_aside()
-        return step
+
+        every = options.check_parameters_every_n_steps
+        step_number = batch.step_batch.step
+        checks = StepChecks(
+            finite=options.check_finite,
+            finite_gradients=options.check_finite and scaler is None,
+            locate_non_finite=options.locate_non_finite,
+            loss_scaling=probing,
+            parameters=every > 0 and (self.steps_run == 0 or step_number % every == 0),
+            attention=options.check_attention and self.attention_window.active,  # the first steps only
+        )
+        compute = Compute(
+            forward=forward,
+            backward=backward,
+            micro_batch_context=self.offload_context,
+            sync_timing=host.root_device.type == "cuda",
+            on_phase=self._phase,
+            on_wait=self._waits,
+        )
+        with self.micro_batches("training_step"):
+            step = host.step_runner.run(module, batch, compute=compute, checks=checks, params=named)
+        train_step = TrainStep(step, probing, started, extras=extras)
+        train_step.put_aside()
+        return train_step
 
     def _training_forward(
         self,
@@ -328,9 +379,8 @@ class StepLoop:
         rest: tuple[Any, ...],
         kwargs: dict[str, Any],
         extras: dict[str, list[Any]] | None,
-        dtypes: list[torch.dtype],
     ) -> Tensor:
-        with self.strategy.precision_plugin.train_step_context():
+        with self.host.precision_plugin.train_step_context():
             out = module.training_step(mb, *rest, **kwargs)
         loss = _loss_of(out)
         if loss is None:
@@ -343,74 +393,42 @@ class StepLoop:
             for key, value in out.items():
                 if key != "loss":
                     extras.setdefault(key, []).append(apply_to_collection(value, Tensor, Tensor.detach))
-        dtypes[:] = [loss.dtype]
         return loss
 
-    def _backward_fn(self, module: pl.LightningModule, scaler: Any) -> Callable[[Tensor], None]:
-        strategy = self.strategy
+    def sync(self, train_step: TrainStep) -> StepResult:
+        """The step's gradient sync (every rank, once per step): afterwards the gradients are final.
 
-        def backward(loss: Tensor) -> None:
-            strategy.precision_plugin.backward(
-                scaler.scale(loss) if scaler is not None else loss, module, strategy._optimizer
-            )
-
-        return backward
-
-    def sync(self, step: TrainStep) -> StepResult:
-        """The step's gradient sync (every rank, once per step): afterwards the gradients are final."""
-        strategy = self.strategy
-        batch = step.batch
-        step.put_back()
-        self.beat(f"the gradient all-reduce of step {batch.step}", waits_on_peers=True)
-        preemption = strategy._preemption
-        n = strategy.check_parameters_every_n_steps
-        pmesh = strategy.parallel_mesh
-        fsdp = strategy.fsdp
-        named = step.named if fsdp is None else fsdp.unmanaged(step.named)  # FSDP2 reduced its own already
-        # the flat sync on the mesh: DTensors as their local shards (the buckets hold local shards themselves)
-        shards = None if pmesh is None or step.grad_sync is not None else LocalShards(named)
-
-        owners = strategy._grad_owners
-        if shards is not None and owners is not None:  # ZeRO-2 on the mesh: each gradient to its owner
-            owners = shards.rekey(owners)
-
-        # the cost refinement: every rank's micro-batch times travel in the step's all-reduce
-        refinement = getattr(strategy, "cost_refinement", None) if pmesh is None else None
-
-        def sync() -> StepResult:
-            result = sync_step(
-                named if shards is None else shards.named,
-                batch,
-                step.local,
-                group=None if pmesh is None else pmesh.dp_group,  # the mesh: this lane's HDP ranks
-                check_finite=strategy.check_finite,
-                check_parameters=n > 0 and (self.steps_run == 0 or batch.step % n == 0),
-                stop_request=preemption is not None and preemption.requested,
-                grad_sync=step.grad_sync,
-                owners=owners if shards is not None else None,
-                extra=None if refinement is None else refinement.extra(batch, step.local),
-            )
-            if shards is not None:
-                shards.write_back()
-            return result
-
-        result = sync() if pmesh is None else agree_across_lanes(sync, pmesh, batch.step)
-        if owners is not None and shards is None and step.grad_sync is None:  # ZeRO-2 after a flat all-reduce
-            drop_unowned_gradients([p for _, p in step.named], strategy._grad_owners, strategy.global_rank)
+        A second call returns the first result (Lightning may skip ``backward``; the optimizer
+        closure syncs then).
+        """
+        step = train_step.step
+        train_step.put_back()
+        if train_step.synced:
+            return step.result  # type: ignore[return-value]
+        preemption = self.host.preemption_handler
+        # the cost refinement (plain HDP): every rank's micro-batch times travel in the step's all-reduce
+        refinement = self.host.cost_refinement
+        extra = None if refinement is None else refinement.extra(step.batch, step.local)
+        result = self.host.step_runner.sync(step, extra=extra)
         if preemption is not None:  # the preemption callback acts on it after this step
             preemption.record_agreement(result.stop_requested)
         self.steps_run += 1
-        if step.probing:
-            self._after_probe(result, batch.step)
-        if strategy.check_attention and self.attention_window.active:
+        if train_step.probing:
+            self._after_probe(result, step.batch.step)
+        if step.checks.attention:
             self.attention_window.record(result.attention)
-        step.result = result
-        step.stats = step_stats(batch, result)
+        train_step.synced = True
+        train_step.stats = {**step_stats(step.batch, result), **result.layout_stats}
         if refinement is not None:
-            step.stats.update(refinement.observe(batch, result))
-        if strategy.log_loss:
-            self._log(strategy.loss_name, result.loss_tensor, on_step=True, prog_bar=True)
+            train_step.stats.update(refinement.observe(step.batch, result))
+        if self.options.log_loss:
+            self._log(self.options.loss_name, result.loss_tensor, on_step=True, prog_bar=True)
         return result
+
+    def stop_requested(self) -> bool:
+        """This rank's stop flag for the step's sync (a SIGTERM caught by the preemption handler)."""
+        preemption = self.host.preemption_handler
+        return preemption is not None and preemption.requested
 
     def _after_probe(self, result: StepResult, step: int) -> None:
         verdicts = result.loss_scaling
@@ -428,14 +446,14 @@ class StepLoop:
 
     def _log(self, name: str, value: Tensor, *, on_step: bool, prog_bar: bool) -> None:
         """Log a global value (the same on every rank: no reduction) from the strategy."""
-        module = self.strategy.lightning_module
+        module = self.host.lightning_module
         if module is None or compat.module_trainer(module) is None:
             return
         if not on_step:  # Lightning advises sync_dist for epoch values: this one needs none
             warnings.filterwarnings(
                 "ignore", message=re.escape(f"It is recommended to use `self.log({name!r}")
             )
-        value = value.to(self.strategy.root_device)
+        value = value.to(self.host.root_device)
         module.log(
             name,
             value.to(torch.float32) if value.device.type == "mps" else value,
@@ -448,10 +466,10 @@ class StepLoop:
 
     # ------------------------------------------------------------------ evaluation and prediction
     def _forward_only(
-        self, hook: str, batch: StepBatch, call: Callable[[PackedMicroBatch], Any], context: Any
+        self, hook: str, batch: Any, call: Callable[[PackedMicroBatch], Any], context: Any
     ) -> tuple[LocalResult, list[Any]]:
-        """``call(mb)`` for each micro-batch of this rank in the engine's micro-batch loop, without a backward."""
-        module = self.strategy.lightning_module
+        """``call(mb)`` for each micro-batch of this rank through the runner's ``evaluate``, without a backward."""
+        module = self.host.lightning_module
         assert module is not None
         outputs: list[Any] = []
 
@@ -463,26 +481,20 @@ class StepLoop:
                 loss.detach().to(torch.float64) if loss is not None else torch.zeros((), dtype=torch.float64)
             )
 
-        plan_check = self._plan_check(batch)
+        compute = Compute(
+            forward=forward,
+            micro_batch_context=self.offload_context,
+            on_phase=lambda text: self._phase(f"{hook} of {text}"),
+            forward_only=True,
+        )
         try:
-            with context(), mesh_.gathered(self.strategy.fsdp), self.micro_batches(hook):
-                local = run_micro_batches(
-                    module,
-                    batch.micro_batches,
-                    forward=forward,
-                    micro_batch_context=self.offload_context,
-                    on_phase=lambda text: self._phase(f"{hook} of {text}"),
-                    step=batch.step,
-                    plan_check=plan_check,
-                    forward_only=True,
-                )
+            with context(), self.micro_batches(hook):
+                local = self.host.step_runner.evaluate(module, batch, compute=compute, name=hook)
         finally:
             self.idle()
         return local, outputs
 
-    def evaluate(
-        self, hook: str, batch: StepBatch, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> list[Any]:
+    def evaluate(self, hook: str, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """``validation_step`` / ``test_step`` once per micro-batch of this rank; returns their outputs in order.
 
         The token losses add up over the epoch on each rank; at the epoch's last step of each
@@ -490,12 +502,12 @@ class StepLoop:
         :func:`~lightning_bytescale.lightning.epoch_metrics.agree_on_epoch_metrics`) with one
         collective, and the strategy logs ``val/loss`` (``test/loss``), the exact token mean.
         """
-        strategy = self.strategy
-        module = strategy.lightning_module
+        host = self.host
+        module = host.lightning_module
         assert module is not None
         batch_idx = int(args[0]) if args else 0
         loader = int(args[1]) if len(args) > 1 else int(kwargs.get("dataloader_idx", 0) or 0)
-        plugin = strategy.precision_plugin
+        plugin = host.precision_plugin
         context = plugin.val_step_context if hook == "validation_step" else plugin.test_step_context
         local, outputs = self._forward_only(
             hook, batch, lambda mb: getattr(module, hook)(mb, *args, **kwargs), context
@@ -504,10 +516,7 @@ class StepLoop:
             self.eval_loss[(hook, loader)] = EvalLoss()
         totals = self.eval_loss.setdefault((hook, loader), EvalLoss())
         totals.other_outputs |= any(_loss_of(out) is None for out in outputs)
-        pmesh = strategy.parallel_mesh
-        if (
-            pmesh is None or pmesh.lane == 0
-        ):  # the TP lanes of an HDP rank hold the same tokens: count them once
+        if host.counts_tokens:  # the TP lanes of an HDP rank hold the same tokens: count them once
             totals.ce_sum += float(local.loss) * int(batch.num_global_tokens)
             totals.tokens += int(local.loss_tokens)
         if self._last_eval_batch(batch_idx, loader):
@@ -515,7 +524,7 @@ class StepLoop:
         return outputs
 
     def _last_eval_batch(self, batch_idx: int, loader: int) -> bool:
-        trainer = compat.module_trainer(self.strategy.lightning_module)
+        trainer = compat.module_trainer(self.host.lightning_module)
         if trainer is None:
             return False
         loop = compat.evaluation_loop(trainer)
@@ -525,35 +534,51 @@ class StepLoop:
 
     def _end_eval_epoch(self, hook: str, totals: EvalLoss) -> None:
         """Every rank, at the last step of a dataloader: one collective, then ``val/loss`` (``test/loss``)."""
-        module = self.strategy.lightning_module
+        module = self.host.lightning_module
         trainer = compat.module_trainer(module)
         assert module is not None and trainer is not None
         self.beat(f"the end of the {hook} epoch (waits on every rank)", waits_on_peers=True)
         mine = (totals.ce_sum, totals.tokens, totals.other_outputs)
-        everyone = epoch_metrics.agree_on_epoch_metrics(trainer, module, self.strategy.reduce, extra=mine)
+        everyone = epoch_metrics.agree_on_epoch_metrics(trainer, module, self.host.reduce, extra=mine)
         self.idle()
-        if not self.strategy.log_loss or any(other for _, _, other in everyone):
+        if not self.options.log_loss or any(other for _, _, other in everyone):
             return
         tokens = sum(t for _, t, _ in everyone)
         if tokens <= 0:
             return
         ce = sum(c for c, _, _ in everyone)  # in rank order: the same value on every rank
         stage = "val" if hook == "validation_step" else "test"
-        name = self.strategy.loss_name
+        name = self.options.loss_name
         name = name.replace("train", stage, 1) if "train" in name else f"{stage}/{name}"
         self._log(
             name, torch.tensor(ce / tokens, dtype=torch.float64), on_step=False, prog_bar=stage == "val"
         )
 
-    def predict(self, batch: StepBatch, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    def predict(self, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """``predict_step(mb, batch_idx)`` once per micro-batch of this rank; their outputs in order."""
-        module = self.strategy.lightning_module
+        module = self.host.lightning_module
         assert module is not None
-        context = self.strategy.precision_plugin.predict_step_context
+        context = self.host.precision_plugin.predict_step_context
         _, outputs = self._forward_only(
             "predict_step", batch, lambda mb: module.predict_step(mb, *args, **kwargs), context
         )
         return outputs
 
 
-__all__ = ["LOSS_PROBE_STEPS", "SAFE_HOOK", "EvalLoss", "StepLoop", "TrainStep"]
+#: What a training, evaluation or prediction batch of the strategy is: one optimizer step of one rank
+#: (of one HDP rank, or of one pipeline); the layout's runner refuses the other kind by name.
+STEP_BATCH_TYPES: tuple[type, ...] = (StepBatch, PipelineStepBatch)
+
+
+__all__ = [
+    "LOSS_PROBE_STEPS",
+    "SAFE_HOOK",
+    "STEP_BATCH_TYPES",
+    "EvalLoss",
+    "LoopOptions",
+    "Preemption",
+    "StepHost",
+    "StepLoop",
+    "TrainStep",
+    "refuse_accumulation",
+]

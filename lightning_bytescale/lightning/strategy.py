@@ -16,7 +16,7 @@ Lightning's ``ModelParallelStrategy``, and does itself what DDP would: it sets t
 initialises the process group (NCCL on CUDA, gloo on CPU), materialises meta-device models
 from ``configure_model``, and broadcasts rank 0's parameters and buffers so every rank starts
 from the same model.  What this file holds is the ``ParallelStrategy`` overrides; the step
-loop, ZeRO (:mod:`~lightning_bytescale.engine.zero`), the argument checks
+loop, the layout and its runner (:mod:`~lightning_bytescale.parallel.layout`), ZeRO (:mod:`~lightning_bytescale.parallel.zero`), the argument checks
 (:mod:`~lightning_bytescale.lightning.strategy_options`) and epoch-end metric reductions
 (:mod:`~lightning_bytescale.lightning.epoch_metrics`) live in their own modules.
 Registration of ``bytescale`` (popen launcher), ``bytescale_spawn`` and ``bytescale_fork`` is
@@ -48,18 +48,17 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bytescale.engine.batch import StepBatch
 from lightning_bytescale.engine.comm_device import barrier as comm_barrier
 from lightning_bytescale.engine.failures import is_peer_failure, peer_failure_message
-from lightning_bytescale.engine.state_sync import broadcast_module_state
-from lightning_bytescale.engine.zero import clip_grad_norm_, owner_ranks, resolve_zero_level, shard_optimizers
+from lightning_bytescale.engine.runner import StepRunner
+from lightning_bytescale.engine.zero import resolve_zero_level
 from lightning_bytescale.errors import ConfigError
 
 # Modules of this floor that import Lightning are imported as modules: the first import of
@@ -68,20 +67,29 @@ from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.lightning import auto_cost, cost_refinement
 from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
-from lightning_bytescale.lightning import mesh as mesh_
-from lightning_bytescale.lightning import pipeline as pipeline_
 from lightning_bytescale.lightning import progress as progress
 from lightning_bytescale.lightning import step as step_loop
 from lightning_bytescale.lightning import strategy_options as options_
 from lightning_bytescale.lightning.checkpoint import (
     is_sharded_checkpoint,
-    is_zero,
+    layout_checkpoints,
     load_sharded,
     save_sharded,
-    sharded_optimizer_state,
-    validate_format,
 )
-from lightning_bytescale.parallel import PipelineStepBatch
+from lightning_bytescale.parallel.errors import ParallelDimsError
+from lightning_bytescale.parallel.layout import (
+    Layout,
+    LoaderView,
+    RunnerOptions,
+    check_cost_model_devices,
+    check_size,
+    check_world,
+    layout_class,
+    make_runner,
+)
+from lightning_bytescale.parallel.pipeline_stage import DecoderStage
+from lightning_bytescale.parallel.pipeline_step import StageSchedules
+from lightning_bytescale.parallel.zero import ClipFn, keeps_state, shard_optimizers
 from lightning_bytescale.planner.config import PlannerConfig
 
 if TYPE_CHECKING:
@@ -124,15 +132,15 @@ class ByteScaleStrategy(ParallelStrategy):
             ``ZeroRedundancyOptimizer``; ``2`` gradients too, each reduced to the rank owning its
             state (:mod:`~lightning_bytescale.engine.zero`); clipping uses the global norm at every level.
             On the mesh (``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1) each lane's and
-            stage's HDP ranks split them (:class:`~lightning_bytescale.lightning.mesh.LaneZero`).
+            stage's HDP ranks split them (:class:`~lightning_bytescale.parallel.zero.LaneZero`).
         zero1: the older spelling of ``zero=1`` (``True``); contradicting ``zero`` is an error.
         tensor_parallel_size: ``N > 1``: an HDP rank is a group of ``N`` ranks on the mesh
             ``(data_parallel, tensor_parallel)``, the LightningModule's ``device_mesh`` in
-            ``configure_model`` (:mod:`~lightning_bytescale.lightning.mesh`, docs/tensor-parallel.md).
+            ``configure_model`` (:class:`~lightning_bytescale.parallel.layout.MeshLayout`, docs/tensor-parallel.md).
         pipeline_parallel_size: ``P > 1``: an HDP rank is a pipeline of ``P`` stages (times its TP
             group) on the mesh ``(pipeline, data_parallel, tensor_parallel)``; ``configure_model``
             replaces the model by its ``LlamaStage`` and the step runs torch's pipeline schedule
-            (:mod:`~lightning_bytescale.lightning.pipeline`, docs/pipelines.md).
+            (:class:`~lightning_bytescale.parallel.layout.PipelineLayout`, docs/pipelines.md).
         timeout: process-group timeout (seconds or ``timedelta``): a dead or stuck peer gives
             an error within it instead of a hang.
         check_finite: stop with :class:`~lightning_bytescale.errors.NonFiniteError` (naming ranks,
@@ -220,9 +228,16 @@ class ByteScaleStrategy(ParallelStrategy):
     ) -> None:
         signature = inspect.signature(ByteScaleStrategy.__init__).parameters
         options_.refuse_unknown_options(unknown, [p for p in signature if p not in ("self", "unknown")])
-        pipeline_parallel_size = pipeline_.check_options(
-            pipeline_parallel_size, checkpoint_format=checkpoint_format
+        tensor_parallel_size = check_size(
+            "tensor_parallel_size", tensor_parallel_size, "no tensor parallelism"
         )
+        pipeline_parallel_size = check_size("pipeline_parallel_size", pipeline_parallel_size, "no pipelines")
+        # the run's layout, chosen once from its sizes (1 means off), and how it saves and loads
+        self._layout_class = layout_class(
+            tensor_parallel=tensor_parallel_size, pipeline=pipeline_parallel_size
+        )
+        self._checkpoints = layout_checkpoints(self._layout_class, pipeline_parallel_size)
+        self.checkpoint_format = self._checkpoints.check_format(checkpoint_format)
         cost_model, self._cost_model_auto = auto_cost.split_auto(cost_model)  # "auto": measured in setup
         planner_config = options_.strategy_planner_config(
             planner, {k: p.default for k, p in signature.items()}, pipelines=pipeline_parallel_size,
@@ -253,17 +268,22 @@ class ByteScaleStrategy(ParallelStrategy):
         self.zero = resolve_zero_level(zero, zero1)
         self.zero1 = self.zero >= 1  # optimizer state is sharded (ZeRO-1 and ZeRO-2)
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
-        self.tensor_parallel_size = mesh_.check_options(tensor_parallel_size)
-        options_.check_cost_model_devices(planner_config, self.tensor_parallel_size)
+        self.tensor_parallel_size: int = tensor_parallel_size
+        check_cost_model_devices(planner_config, self.tensor_parallel_size)
         if self._cost_model_auto:
-            auto_cost.check_auto(self.tensor_parallel_size, pipeline_parallel_size)
-        cost_refinement.check_option(refine_cost_model, self.tensor_parallel_size, pipeline_parallel_size)
+            auto_cost.check_auto(self._layout_class, self.tensor_parallel_size, pipeline_parallel_size)
+        cost_refinement.check_option(
+            refine_cost_model, self._layout_class, self.tensor_parallel_size, pipeline_parallel_size
+        )
         self.refine_cost_model, self._refine_auto = refine_cost_model, self._cost_model_auto
         self.cost_refinement: Any = None  # this rank's CostRefinement while fitting
         self.pipeline_parallel_size: int = pipeline_parallel_size
-        self.parallel_mesh: Any = None  # the ParallelMesh (tensor or pipeline parallelism), built at set-up
+        self._mesh: Any = None  # the ParallelMesh (tensor or pipeline parallelism), built at set-up
+        self._layout: Layout | None = None
+        self._runner: StepRunner | None = None  # the layout's step runner, made at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
         self._stage_schedules: Any = None  # pipelines: the StageSchedules kept between steps
+        self._fitting = False
         self.check_finite = bool(check_finite)
         self.locate_non_finite = bool(locate_non_finite)
         self.check_loss_normalization = bool(check_loss_normalization)
@@ -273,18 +293,91 @@ class ByteScaleStrategy(ParallelStrategy):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.watchdog: bool | float = watchdog if isinstance(watchdog, bool) else float(watchdog)
         self.preemption = preemption
-        self.checkpoint_format = validate_format(checkpoint_format)
         self.log_loss = bool(log_loss)
         self.loss_name = loss_name
         self.step_stats: dict[str, Any] = {}
         self._optimizer: Optimizer | None = None
         self._step: step_loop.TrainStep | None = None  # the optimizer step in flight
         self._loop = step_loop.StepLoop(self)
-        self._phase = "set-up"
         self._watchdog: StepWatchdog | None = None
         self._preemption: PreemptionHandler | None = None
         self._grad_group: Any = None
         self._loaded_folder = False  # the checkpoint being restored is a sharded folder (read in place)
+
+    # ------------------------------------------------------------------ the layout
+    @property
+    def parallel_mesh(self) -> Any:
+        """The run's ``ParallelMesh`` (tensor or pipeline parallelism), built at set-up; ``None`` for plain HDP."""
+        return self._mesh
+
+    @parallel_mesh.setter
+    def parallel_mesh(self, pmesh: Any) -> None:
+        self._mesh, self._layout = pmesh, None  # a mesh built elsewhere (its groups are made once)
+        self._stage_schedules = None  # a pipeline's stages were made for the mesh it replaces
+
+    @property
+    def layout(self) -> Layout:
+        """This rank's :class:`~lightning_bytescale.parallel.layout.Layout` (plain HDP: sizes 1, no mesh).
+
+        Plain HDP's is known once the Trainer gave the strategy its devices (a ``ParallelDimsError`` before).
+        """
+        if self._layout is None:
+            world = self.num_nodes * self.num_processes
+            self._layout = self._layout_class.of(self._mesh, world_size=world, rank=self.global_rank)
+        return self._layout
+
+    @property
+    def loader_view(self) -> LoaderView | None:
+        """What the data loader plans with (:class:`~lightning_bytescale.parallel.layout.LoaderView`).
+
+        ``None`` before the mesh is built, or before a plain HDP strategy has its devices: the
+        data module then plans with its trainer's ranks.
+        """
+        with contextlib.suppress(ParallelDimsError):
+            return self.layout.loader_view
+        return None
+
+    # ------------------------------------------------------------------ what the step loop reads (StepHost)
+    @property
+    def step_runner(self) -> StepRunner:
+        if self._runner is None:
+            raise RuntimeError("ByteScaleStrategy's step runner is made at set-up (Trainer.fit/validate/...)")
+        return self._runner
+
+    @property
+    def counts_tokens(self) -> bool:
+        return self.layout.lane == 0
+
+    @property
+    def step_watchdog(self) -> StepWatchdog | None:
+        return self._watchdog
+
+    @property
+    def preemption_handler(self) -> PreemptionHandler | None:
+        return self._preemption
+
+    @property
+    def optimizer_in_step(self) -> Optimizer | None:
+        return self._optimizer
+
+    @property
+    def loop_options(self) -> step_loop.LoopOptions:
+        return step_loop.LoopOptions(
+            check_finite=self.check_finite, locate_non_finite=self.locate_non_finite,
+            check_loss_normalization=self.check_loss_normalization,
+            check_attention=self.check_attention,
+            check_parameters_every_n_steps=self.check_parameters_every_n_steps, log_loss=self.log_loss,
+            loss_name=self.loss_name, offload=self.offload, offloader_options=self.offloader_options,
+            pg_seconds=self._pg_seconds(),
+        )  # fmt: skip
+
+    @property
+    def _phase(self) -> str:
+        return self._loop.phase
+
+    @_phase.setter
+    def _phase(self, phase: str) -> None:
+        self._loop.phase = phase
 
     # ------------------------------------------------------------------ what DDP would provide
     @property
@@ -325,10 +418,7 @@ class ByteScaleStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        pmesh = self.parallel_mesh
-        if pmesh is not None:  # one replica per HDP rank
-            return {"num_replicas": pmesh.dims.data_parallel, "rank": pmesh.hdp_rank}
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return self.layout.sampler_kwargs  # one replica per HDP rank
 
     @property
     def process_group_backend(self) -> str | None:
@@ -348,7 +438,7 @@ class ByteScaleStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        mesh_.check_world(  # in Trainer(...)
+        check_world(  # in Trainer(...)
             self.tensor_parallel_size, self.num_processes, self.num_nodes, self.pipeline_parallel_size
         )
         if self._start_method == "popen":
@@ -377,8 +467,8 @@ class ByteScaleStrategy(ParallelStrategy):
         """
         step_loop.StepLoop.refuse_accumulation(trainer)
         options_.check_cost_model_heads(self.planner_config, self.lightning_module, self.tensor_parallel_size)
-        if self.pipeline_parallel_size > 1:
-            pipeline_.check_precision(self)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self._layout_class.check_before_launch(scaler=scaler, pipelines=self.pipeline_parallel_size)
         progress.prefer_step_bar(trainer)  # Lightning's default bar reads "Epoch 0/-2" on step-bounded runs
         hdp_ranks = max(
             1,
@@ -405,9 +495,17 @@ class ByteScaleStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        # the mesh (once), the module's device_mesh before configure_model
-        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
-            self.parallel_mesh = mesh_.build_mesh(self, self.parallel_mesh)
+        # the mesh (once; none for plain HDP), the module's device_mesh before configure_model
+        if self._mesh is None:
+            dims = check_world(
+                self.tensor_parallel_size, self.num_processes, self.num_nodes, self.pipeline_parallel_size
+            )
+            self._mesh = self._layout_class.build_mesh(
+                dims, device_type=self.root_device.type, timeout=self._timeout
+            )
+        self._layout = None
+        if self.lightning_module is not None:  # what Lightning's ModelParallelStrategy sets (None: no mesh)
+            self.lightning_module._device_mesh = self.layout.device_mesh
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -430,25 +528,18 @@ class ByteScaleStrategy(ParallelStrategy):
             )
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if self.pipeline_parallel_size > 1:
-            pipeline_.check_setup(self, trainer)  # what pipelines cannot run with yet; the stage
-        elif self.parallel_mesh is not None:
-            mesh_.check_setup(self, trainer)  # what TP cannot run with yet
-        if self.parallel_mesh is not None and self.pipeline_parallel_size == 1:
-            mesh_.materialize(self.model, self.root_device)  # meta: each rank its own shards, rank 0's draws
-        else:
-            compat._materialize_distributed_module(self.model, self.root_device)
+        layout, scaler = self.layout, getattr(self.precision_plugin, "scaler", None)
+        layout.check_model(self.model, scaler=scaler, run=trainer.state.fn.value, warn=rank_zero_warn)
+        # a model on the meta device: on the mesh each rank allocates its own shards, with rank 0's draws
+        layout.materialize(
+            self.model, self.root_device, default=compat._materialize_distributed_module, warn=rank_zero_warn
+        )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        # What DDP does when it wraps a model: every rank starts from rank 0's state.
+        # What DDP does when it wraps a model: every rank starts from rank 0's state (of its lane and stage).
         self._phase = "the broadcast of rank 0's parameters and buffers"
-        self.fsdp = mesh_.fsdp_driver(self.model, self.parallel_mesh)  # fully_shard in configure_model
-        if self.pipeline_parallel_size > 1:
-            pipeline_.broadcast_state(self.model, self.parallel_mesh)  # from HDP rank 0 of each stage
-        elif self.parallel_mesh is not None:
-            mesh_.broadcast_state(self.model, self.parallel_mesh)
-        else:
-            broadcast_module_state(self.model)
+        self.fsdp = layout.fsdp_driver(self.model)  # fully_shard in configure_model
+        layout.broadcast_state(self.model)
         if self._cost_model_auto:  # once, on every rank, before any loader plans
             self.planner_config = auto_cost.resolve_auto(
                 self.planner_config, module, device=self.root_device,
@@ -458,28 +549,16 @@ class ByteScaleStrategy(ParallelStrategy):
             options_.check_cost_model_heads(self.planner_config, module, self.tensor_parallel_size)
         self.cost_refinement = cost_refinement.attach(
             trainer, self.planner_config, self.refine_cost_model, auto=self._refine_auto,
-            rank=self.global_rank, mesh=self.parallel_mesh,
+            rank=self.global_rank, whole_layers=layout.whole_layers,
         )  # fmt: skip
+        self._fitting = fitting
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             compat._optimizers_to_device(self.optimizers, self.root_device)
         self._loop.steps_run = 0
-        if (
-            fitting
-            and self.gradient_sync == "bucketed"
-            and self._grad_group is None
-            and compat._distributed_is_initialized()
-            and self.world_size > 1
-            and self.parallel_mesh is None  # on the mesh the buckets run on the lane's data-parallel group
-        ):
-            # the bucket all-reduces' own group (created once, here, on every rank): they may be
-            # in flight while other ranks' ring exchanges run point-to-point on the global group
-            # (each rank issues its own ring transfers before its buckets: docs/engine.md).  It gets the
-            # global group's timeout (a new group's default is the backend's, 30 min on gloo), so a
-            # peer stuck before its last bucket fails the others as fast as one stuck elsewhere.
-            self._grad_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+        self._runner = make_runner(layout, self.model, self._runner_options(), self.fsdp)
         if fitting and not any(isinstance(c, epoch_metrics.TrainEpochMetrics) for c in trainer.callbacks):
             trainer.callbacks.append(epoch_metrics.TrainEpochMetrics(self.reduce))
         self._setup_lifecycle(trainer)
@@ -508,7 +587,8 @@ class ByteScaleStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         try:
-            self._loop.close()
+            if self._runner is not None:
+                self._runner.close()
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop()
@@ -518,6 +598,7 @@ class ByteScaleStrategy(ParallelStrategy):
             # longer holds it: once the user destroys the process groups nothing keeps it alive
             self._step = None
             self._grad_group = None
+            self._runner = None
             self._stage_schedules = None  # the pipeline stages and their receive buffers
         super().teardown()
 
@@ -539,43 +620,68 @@ class ByteScaleStrategy(ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        pmesh = self.parallel_mesh
-        # on the mesh: ZeRO-1/2 over each lane's (and stage's) HDP ranks; the norm over DTensor shards
-        if pmesh is not None:
-            zeros = mesh_.lane_zero(self.optimizers, pmesh, self.zero) if self.zero >= 1 else []
-            self._grad_owners = mesh_.gradient_owners(zeros) if self.zero == 2 else None
-            mesh_.clip_by_global_norm(self.precision_plugin, pmesh, sharded_gradients=self.zero == 2)
-            return
-        if self.zero >= 1:
-            self.optimizers = shard_optimizers(
-                self.optimizers, [c.scheduler for c in self.lr_scheduler_configs]
-            )
-        self._grad_owners = owner_ranks(self.optimizers) if self.zero == 2 else None
-        if self.zero == 2:
-            self._clip_by_global_norm()
+        schedulers = [c.scheduler for c in self.lr_scheduler_configs]
+        sharded = shard_optimizers(self.optimizers, self.layout, self.zero, schedulers=schedulers)
+        self.optimizers = sharded.optimizers
+        self._grad_owners = sharded.owners  # ZeRO-2: id(parameter) -> the global rank keeping its gradient
+        self._clip_by_global_norm(sharded.clip)
 
-    def _clip_by_global_norm(self) -> None:
-        """ZeRO-2: each rank holds only its shard of the gradients, so clipping by norm needs the global norm.
+    def _clip_by_global_norm(self, clip: ClipFn | None = None) -> None:
+        """The one install of clipping by norm: the precision plugin's ``clip_grad_by_norm``, where the layout needs another.
 
-        ``LightningModule.clip_gradients`` calls the precision plugin, so its ``clip_grad_by_norm``
-        is replaced (on this strategy's plugin instance) by one that combines the shards' norms
-        with one all-reduce; clipping by value works on each shard as it is.
+        ``LightningModule.clip_gradients`` calls the precision plugin, whose norm is the norm of
+        the gradients this rank holds.  Where a rank holds only part of them (ZeRO-2's shard, a
+        DTensor's shard, a pipeline stage's parameters) the norm must combine the parts
+        (:func:`~lightning_bytescale.parallel.zero.shard_optimizers` says how): this plugin
+        instance's method is replaced by one that does (clipping by value works on each part as
+        it is).  A float16 ``GradScaler`` with ZeRO-2 is refused: each rank would decide on its own
+        shard whether to skip a step.
         """
         plugin = self.precision_plugin
-        if getattr(plugin, "scaler", None) is not None:
+        if self.zero == 2 and getattr(plugin, "scaler", None) is not None:
             raise ConfigError(
                 "ByteScaleStrategy(zero=2) cannot run with a float16 GradScaler (precision='16-mixed'): each rank "
                 "would decide on its own gradient shard whether to skip a step. Use precision='bf16-mixed' or "
                 "'32-true', or zero=1."
             )
+        if clip is None:  # the precision plugin's own norm is the right one
+            return
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
             inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-            clip_grad_norm_(
-                plugin.main_params(optimizer), clip_val, group=getattr(inner, "process_group", None)
-            )
+            clip(inner, plugin.main_params(optimizer), clip_val)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _runner_options(self) -> RunnerOptions:
+        """What the layout's runner is made with: the gradient sync, ZeRO-2's owners, the stop flag, a pipeline's stages."""
+        bucketed = self.gradient_sync == "bucketed"
+        return RunnerOptions(
+            bucket_bytes=int(self.bucket_cap_mb * 2**20) if bucketed else None,
+            owners=self._grad_owners,
+            stop_requested=self._loop.stop_requested,
+            bucket_group=self._bucket_group,
+            stage_schedules=lambda stage: stage_schedules(self, stage),
+            compute_context=self.precision_plugin.train_step_context,  # autocast under "bf16-mixed"
+        )
+
+    def _bucket_group(self) -> Any:
+        """Plain HDP's bucket group: its own (created once, on every rank, when training), else the default group.
+
+        The bucket all-reduces may be in flight while other ranks' ring exchanges run
+        point-to-point on the global group (each rank issues its own ring transfers before its
+        buckets: docs/engine.md).  It gets the global group's timeout (a new group's default is
+        the backend's, 30 min on gloo), so a peer stuck before its last bucket fails the others
+        as fast as one stuck elsewhere.  On the mesh the buckets run on the lane's data-parallel group.
+        """
+        if (
+            self._grad_group is None
+            and self._fitting
+            and compat._distributed_is_initialized()
+            and self.world_size > 1
+        ):
+            self._grad_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+        return self._grad_group
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -610,46 +716,48 @@ class ByteScaleStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @property
     def sharded_checkpoints(self) -> bool:
-        """Whether a save now writes a sharded folder (``checkpoint_format``, ``"auto"`` resolved)."""
-        if self.pipeline_parallel_size > 1:  # each stage holds other parameters ("consolidated" is refused)
-            return True
-        if self.checkpoint_format == "auto" and self.parallel_mesh is not None:
-            return mesh_.state_sharded_over_hdp_ranks(self.optimizers, self.fsdp)
-        if self.checkpoint_format == "auto":
-            return any(is_zero(opt) for opt in self.optimizers)
-        return self.checkpoint_format == "sharded"
+        """Whether a save now writes a sharded folder (``checkpoint_format``, ``"auto"`` resolved for the layout)."""
+        return self._checkpoints.sharded(self.checkpoint_format, self.optimizers, self.fsdp)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Sharded: this rank's own state by parameter name (no gather); else Lightning's (ZeRO: gathered on rank 0)."""
+        """Sharded: this rank's own state by parameter name (no gather); else the layout's whole state on rank 0."""
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if not self.sharded_checkpoints and self.parallel_mesh is not None:
-            return mesh_.optimizer_state(self.lightning_module, inner)  # DTensors whole (every rank gathers)
-        if not self.sharded_checkpoints:
-            return super().optimizer_state(inner)
-        assert self.lightning_module is not None
-        if self.pipeline_parallel_size > 1:  # every stage's parameter names in the groups
-            return pipeline_.optimizer_state(inner, self.lightning_module, self.parallel_mesh)
-        return sharded_optimizer_state(inner, self.lightning_module)
+        return self._checkpoints.optimizer_state(
+            inner, self.lightning_module, sharded=self.sharded_checkpoints, layout=self.layout,
+            default=super().optimizer_state,
+        )  # fmt: skip
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded or without TP: the module's state as it is (a DTensor's local shard); else the DTensors whole."""
-        if self.parallel_mesh is None or self.sharded_checkpoints:
-            return super().lightning_module_state_dict()
-        return mesh_.model_state(self.lightning_module)  # DTensors whole (every rank gathers)
+        """Sharded or without a mesh: the module's state as it is (a DTensor's local shard); else the DTensors whole."""
+        return self._checkpoints.model_state(
+            self.lightning_module,
+            sharded=self.sharded_checkpoints,
+            default=super().lightning_module_state_dict,
+        )
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if self.parallel_mesh is None or self._loaded_folder:  # a folder is already read into the module
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        mesh_.load_model_state(self.lightning_module, checkpoint["state_dict"], strict)
+        self._checkpoints.load_model_state(
+            self.lightning_module, checkpoint, strict, from_folder=self._loaded_folder,
+            default=super().load_model_state_dict,
+        )  # fmt: skip
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self.parallel_mesh is None or self._loaded_folder:  # a folder's states hold this rank's shards
-            return super().load_optimizer_state_dict(checkpoint)
-        mesh_.load_optimizer_states(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
+        self._checkpoints.load_optimizer_states(
+            self.lightning_module, self.optimizers, checkpoint, from_folder=self._loaded_folder,
+            default=super().load_optimizer_state_dict,
+        )  # fmt: skip
+
+    def whole_module_state(self) -> dict[str, Any]:
+        """The module's state as one process would hold it, every DTensor gathered whole (a collective on a mesh).
+
+        What a spawned or forked run hands back to the main process.
+        """
+        assert self.lightning_module is not None
+        return self._checkpoints.whole_state(self.lightning_module)
 
     @override
     def save_checkpoint(
@@ -686,8 +794,8 @@ class ByteScaleStrategy(ParallelStrategy):
             self.optimizers,
             strict=module.strict_loading,
             weights_only=weights_only,
-            keeps_state=mesh_.keeps_state,
-            stage_only=self.pipeline_parallel_size > 1,
+            keeps_state=keeps_state,
+            stage_only=self._checkpoints.stage_only,
         )
 
     # ------------------------------------------------------------------ options
@@ -695,9 +803,8 @@ class ByteScaleStrategy(ParallelStrategy):
         """:attr:`planner_config` as flat ``make_plan`` options (a view; the config is the truth)."""
         return self.planner_config.as_options()
 
-    # The planner options as attributes (``strategy.capacity``): views of ``planner_config``.  Setting
-    # one (``trainer.strategy.capacity = 512`` after ``Trainer(strategy="bytescale")``) replaces the
-    # config with a validated copy, so the config stays the one truth.
+    # The planner options as attributes (``strategy.capacity``): read-only views of ``planner_config``,
+    # whose one door is the constructor (setting one is a ConfigError naming the constructor option).
     planner = options_.planner_view("planner")
     capacity = options_.planner_view("capacity")
     cp_size = options_.planner_view("cp_size")
@@ -717,10 +824,7 @@ class ByteScaleStrategy(ParallelStrategy):
         micro-batch of this rank (what ``on_train_batch_end`` gets as ``outputs``).
         """
         batch = args[0] if args else None
-        if isinstance(batch, PipelineStepBatch):  # the whole step, in torch's schedule
-            self._step = pipeline_.train(self, batch)
-            return {"loss": self._step.loss.to(self.root_device)}
-        if not isinstance(batch, StepBatch):
+        if not isinstance(batch, step_loop.STEP_BATCH_TYPES):
             raise TypeError(
                 f"ByteScaleStrategy expects each training batch to be a StepBatch (one optimizer step), got "
                 f"{type(batch).__name__}. Use lightning_bytescale.ByteScaleDataModule (docs/data.md), or a "
@@ -747,10 +851,7 @@ class ByteScaleStrategy(ParallelStrategy):
         module = self.lightning_module
         if step is None or module is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        if step.result is None:
-            self._loop.sync(step)
-        else:  # a pipeline step synced in training_step
-            step.put_back()
+        self._loop.sync(step)  # a pipeline's step synced in its schedule already: its result
         closure_loss = closure_loss.detach()
         closure_loss.copy_(step.loss.to(closure_loss.device))
         step.put_aside()
@@ -772,7 +873,7 @@ class ByteScaleStrategy(ParallelStrategy):
         def closure_of_the_step() -> Any:
             out = closure()
             step = self._step
-            if step is not None and step.result is None:  # Lightning skipped backward: sync all the same
+            if step is not None and not step.synced:  # Lightning skipped backward: sync all the same
                 self._loop.sync(step)
             if isinstance(out, Tensor) and step is not None:
                 out.copy_(step.loss.to(out.device, out.dtype))  # what Lightning hands to on_train_batch_end
@@ -798,9 +899,7 @@ class ByteScaleStrategy(ParallelStrategy):
 
     def _evaluate(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``hook(mb, ...)`` once per micro-batch of this rank; their outputs, in order (:meth:`~lightning_bytescale.lightning.step.StepLoop.evaluate`)."""
-        if args and isinstance(args[0], PipelineStepBatch):
-            raise pipeline_.refuse_evaluation(hook, self.pipeline_parallel_size)
-        if not (args and isinstance(args[0], StepBatch)):
+        if not (args and isinstance(args[0], step_loop.STEP_BATCH_TYPES)):
             return getattr(super(), hook)(*args, **kwargs)
         return self._loop.evaluate(hook, args[0], args[1:], kwargs)
 
@@ -811,9 +910,7 @@ class ByteScaleStrategy(ParallelStrategy):
         Each rank returns its own micro-batches' outputs (a list, possibly empty); ``mb.seq_ids``
         and ``mb.layout`` say which sequences (and, for a ring, which zigzag chunks) they hold.
         """
-        if args and isinstance(args[0], PipelineStepBatch):
-            raise pipeline_.refuse_evaluation("predict_step", self.pipeline_parallel_size)
-        if not (args and isinstance(args[0], StepBatch)):
+        if not (args and isinstance(args[0], step_loop.STEP_BATCH_TYPES)):
             return super().predict_step(*args, **kwargs)
         return self._loop.predict(args[0], args[1:], kwargs)
 
@@ -846,6 +943,16 @@ class ByteScaleStrategy(ParallelStrategy):
                 override=True,
                 start_method=start_method,
             )
+
+
+def stage_schedules(strategy: Any, stage: DecoderStage) -> StageSchedules:
+    """The strategy's :class:`StageSchedules` of ``stage``: kept between steps, bounded by the planner's ``max_micro_batches``."""
+    schedules = strategy._stage_schedules
+    if getattr(schedules, "module", None) is not stage:  # none yet, or made for another stage module
+        schedules = strategy._stage_schedules = StageSchedules(
+            stage, strategy.parallel_mesh, max_micro_batches=strategy.planner_config.max_micro_batches
+        )
+    return schedules
 
 
 ByteScaleStrategy.register_strategies(StrategyRegistry)

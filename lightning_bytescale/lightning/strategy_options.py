@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_bytescale.errors import ConfigError, CostModelHeadsError, CostModelTensorParallelError
+from lightning_bytescale.errors import ConfigError, CostModelHeadsError
 from lightning_bytescale.models.heads import lane_heads, model_heads
 from lightning_bytescale.planner.config import PlannerConfig
 from lightning_bytescale.planner.modes import RING_ONLY, parse_modes
@@ -92,15 +92,24 @@ def strategy_planner_config(
 
 
 def planner_view(name: str) -> property:
-    """A strategy attribute that reads ``planner_config.<name>`` and, when set, replaces the config."""
+    """A strategy attribute that reads ``planner_config.<name>``; setting it is refused, naming the constructor option.
+
+    The planner options have one door under the strategy, its constructor (``PlannerConfig``):
+    the data module plans with ``strategy.planner_config``, and a run's options are fixed before
+    its first plan.
+    """
 
     def get(self: Any) -> Any:
         return getattr(self.planner_config, name)
 
     def set_(self: Any, value: Any) -> None:
-        self.planner_config = self.planner_config.replace(**{name: value})
+        raise ConfigError(
+            f"strategy.{name} cannot be set after the strategy is made: pass ByteScaleStrategy({name}={value!r}) "
+            f"(or planner=PlannerConfig({name}=...)) and Trainer(strategy=that strategy) instead of the name "
+            f"'bytescale' (in a recipe: the override strategy.{name}=...)"
+        )
 
-    return property(get, set_, doc=f"``planner_config.{name}`` (setting it validates a new config).")
+    return property(get, set_, doc=f"``planner_config.{name}`` (read-only: set it in the constructor).")
 
 
 def refuse_unknown_options(unknown: dict[str, Any], valid: Iterable[str]) -> None:
@@ -150,25 +159,6 @@ def check_step_options(
         raise ConfigError(f"watchdog must be True, False or a positive number of seconds, got {watchdog!r}")
 
 
-def check_cost_model_devices(config: PlannerConfig, tensor_parallel_size: int) -> None:
-    """Refuse a cost model profiled for HDP ranks of another number of devices than the run's.
-
-    A profile of one device times one device's layer and counts its whole activations; with
-    ``tensor_parallel_size=N`` an HDP rank is a group of ``N``, whose layer time and per-lane
-    bytes differ, so its plans would be balanced on the wrong costs.  The default cost model
-    (``cost_model=None``) is not checked.
-    """
-    cost = config.cost_model
-    if cost is None or cost.tensor_parallel == tensor_parallel_size:
-        return
-    raise CostModelTensorParallelError(
-        f"the cost model {cost.name!r} was profiled with tensor_parallel={cost.tensor_parallel} devices per HDP "
-        f"rank, but ByteScaleStrategy(tensor_parallel_size={tensor_parallel_size}) runs HDP ranks of "
-        f"{tensor_parallel_size}; profile one HDP rank of this run (bytescale-profile --tensor-parallel "
-        f"{tensor_parallel_size} ...) or pass cost_model=None for the planner's default"
-    )
-
-
 def check_cost_model_heads(
     config: PlannerConfig, module: nn.Module | None, tensor_parallel_size: int
 ) -> None:
@@ -209,7 +199,6 @@ __all__ = [
     "DDP_ONLY",
     "START_METHODS",
     "as_timedelta",
-    "check_cost_model_devices",
     "check_cost_model_heads",
     "check_step_options",
     "planner_view",

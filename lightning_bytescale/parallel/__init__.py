@@ -44,6 +44,7 @@ from lightning_bytescale.parallel.pipeline_stage import (
     stage_layers,
 )
 from lightning_bytescale.parallel.pipeline_step import (
+    PipelineRunner,
     PipelineStepResult,
     StageClock,
     StageSchedules,
@@ -52,7 +53,12 @@ from lightning_bytescale.parallel.pipeline_step import (
     stage_bubble,
 )
 from lightning_bytescale.parallel.shards import LocalShards
-from lightning_bytescale.parallel.step import agree_across_lanes, run_parallel_step, start_step_check
+from lightning_bytescale.parallel.step import (
+    MeshRunner,
+    agree_across_lanes,
+    run_parallel_step,
+    start_step_check,
+)
 from lightning_bytescale.parallel.tensor_parallel import llama_tp_plan, parallelize_llama
 from lightning_bytescale.parallel.vocab_embedding import (
     VocabParallelEmbedding,
@@ -60,7 +66,30 @@ from lightning_bytescale.parallel.vocab_embedding import (
     vocab_parallel_lookup,
 )
 
+from lightning_bytescale.parallel.layout import (  # isort: skip  (after the runners it makes)
+    Layout,
+    LoaderView,
+    MeshLayout,
+    PipelineLayout,
+    RunnerOptions,
+    layout_class,
+    make_runner,
+)
+from lightning_bytescale.parallel.zero import LaneZero, ShardedOptimizers, shard_optimizers  # isort: skip
+
 __all__ = [
+    "shard_optimizers",
+    "make_runner",
+    "layout_class",
+    "ShardedOptimizers",
+    "RunnerOptions",
+    "PipelineRunner",
+    "PipelineLayout",
+    "MeshRunner",
+    "MeshLayout",
+    "LoaderView",
+    "Layout",
+    "LaneZero",
     "DATA_PARALLEL",
     "EmbeddingShardError",
     "FSDPSettingError",

@@ -98,6 +98,11 @@ class PipelineStepBatch:
     padding: int  # padding micro-batches of this pipeline
 
     @property
+    def step_batch(self) -> StepBatch:
+        """The step's :class:`StepBatch` (as ``StepBatch.step_batch``: every step batch answers it)."""
+        return self.step
+
+    @property
     def stats(self) -> dict:
         """The plan's statistics of the step (``step.stats``), where callbacks look for a batch's."""
         return self.step.stats

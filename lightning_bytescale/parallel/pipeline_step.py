@@ -63,9 +63,9 @@ import contextlib
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -75,11 +75,32 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.utils.hooks import RemovableHandle
 
+from lightning_bytescale.engine.attention_check import (
+    AttentionVerdict,
+    check_attention,
+    kind_of,
+    pipeline_verdict,
+)
+from lightning_bytescale.engine.batch import PackedMicroBatch
 from lightning_bytescale.engine.comm_device import comm_device
-from lightning_bytescale.engine.executor import LocalResult, MicroBatchResult, StepResult, sync_step
+from lightning_bytescale.engine.executor import sync_step
 from lightning_bytescale.engine.finite import all_finite
 from lightning_bytescale.engine.grad_sync import BucketedGradSync
 from lightning_bytescale.engine.loss import IGNORE_INDEX, token_loss
+from lightning_bytescale.engine.results import LocalResult, MicroBatchResult, StepResult
+from lightning_bytescale.engine.runner import (
+    DEFAULT_CHECKS,
+    DEFAULT_COMPUTE,
+    FLAT_SYNC,
+    Compute,
+    InFlight,
+    NamedParams,
+    SyncOptions,
+    trained,
+)
+from lightning_bytescale.engine.step_checks import StepChecks
+from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.packed_attention import count_attention_calls
 from lightning_bytescale.packed_attention.input_dtype import autocast_dtype
 from lightning_bytescale.parallel.dims import ParallelMesh
 from lightning_bytescale.parallel.errors import ParallelDimsError
@@ -396,6 +417,213 @@ def arm_for_last_backward(
     return module.register_forward_hook(on_forward, with_kwargs=True)
 
 
+class PipelineRunner:
+    """The step runner when every HDP rank is a pipeline: torch's schedule, the gradient sum per stage, the loss.
+
+    ``stage`` is this rank's stage module (:class:`~lightning_bytescale.parallel.pipeline_stage.DecoderStage`).
+    :meth:`run` is the whole step (module docstring): a pipeline's backwards run inside torch's
+    schedule, so its gradient sum and checks (:func:`~lightning_bytescale.engine.executor.sync_step`
+    on the stage's data-parallel group) run there too, and :meth:`sync` only returns the result.
+    With ``sync.stop_requested`` given (under the Trainer) one all-reduce over the world after the
+    step agrees on the stop flag and gives every rank every stage's times
+    (:func:`agree_after_step`, :func:`pipeline_stats`: the result's ``layout_stats``).
+    ``schedules(stage)`` gives the stages and schedules kept between steps
+    (:class:`StageSchedules`; default: one per runner), ``compute_context`` is entered around
+    every forward and loss of the stage (the precision plugin's autocast under the Trainer),
+    ``on_schedule`` sees each step's schedule.  A pipeline does not evaluate yet.
+    """
+
+    def __init__(
+        self,
+        stage: DecoderStage,
+        pmesh: ParallelMesh,
+        sync: SyncOptions = FLAT_SYNC,
+        *,
+        schedules: Callable[[DecoderStage], StageSchedules] | None = None,
+        compute_context: ComputeContext | None = None,
+        on_schedule: Callable[[PipelineScheduleSingle | None], None] | None = None,
+    ) -> None:
+        self.stage, self.pmesh, self.options = stage, pmesh, sync
+        self.schedules = schedules
+        self.compute_context = compute_context or contextlib.nullcontext
+        self.on_schedule = on_schedule
+
+    def run(
+        self,
+        model: nn.Module,
+        batch: PipelineStepBatch,
+        *,
+        compute: Compute = DEFAULT_COMPUTE,
+        checks: StepChecks = DEFAULT_CHECKS,
+        params: NamedParams | None = None,
+    ) -> InFlight:
+        """The step of this rank's stage of its pipeline's ``batch``, its gradient sum included."""
+        if not isinstance(batch, PipelineStepBatch):
+            raise TypeError(
+                f"with pipeline_parallel_size={self.pmesh.dims.pipeline} every training batch must be a "
+                f"PipelineStepBatch (one pipeline's micro-batches, padded), got {type(batch).__name__}: plan with "
+                "pipeline_degree equal to the pipelines and build the steps with build_pipeline_step "
+                "(ByteScaleDataModule does both under the strategy; docs/pipelines.md)"
+            )
+        stage = self.stage
+        named = trained(model, params)
+        compute.waits(f"the pipeline step {batch.step.step} (waits on every rank)")
+        # the bucketed sync on the stage's data-parallel group (ZeRO-2's owners in it), or the flat one
+        grad_sync = self.options.buckets([p for p in stage.parameters() if p.requires_grad])
+        owners = self.options.owners if grad_sync is None else None
+        with count_attention_calls() if checks.attention else contextlib.nullcontext() as counted:
+            result = self._schedule_step(batch, checks, owners, grad_sync)
+        if checks.attention:  # the first steps: the pipelines' stages together called the packed attention
+            result.attention = agree_on_attention(counted.calls, batch.step.micro_batches, self.pmesh)
+            check_attention(result.attention, batch.step.step)  # every rank alike, before the optimizer step
+        if self.options.stop_requested is not None:  # under the Trainer: one agreement over the world
+            stop, times = agree_after_step(result, self.pmesh, self.options.stop())
+            result.stop_requested = stop
+            result.layout_stats = pipeline_stats(times, self.pmesh)
+        # what a pipeline checks: no loss probe, no parameter fingerprints
+        done = InFlight(
+            batch.step, named, result.local, replace(checks, loss_scaling=False, parameters=False), compute
+        )
+        done.loss_dtype = next(stage.parameters()).dtype
+        done.finish(result)
+        return done
+
+    def sync(self, step: InFlight, *, extra: torch.Tensor | None = None) -> StepResult:
+        """The result :meth:`run` made (the gradients were summed inside the schedule)."""
+        return step.result  # type: ignore[return-value]
+
+    def evaluate(
+        self, model: nn.Module, batch: Any, *, compute: Compute, name: str = "evaluation"
+    ) -> LocalResult:
+        raise refuse_evaluation(name, self.pmesh.dims.pipeline)
+
+    def close(self) -> None:
+        close = getattr(self.options.buckets, "close", None)
+        if callable(close):
+            close()
+
+    def _schedule_step(
+        self,
+        batch: PipelineStepBatch,
+        checks: StepChecks,
+        grad_owners: Mapping[int, int] | None,
+        grad_sync: BucketedGradSync | None,
+    ) -> PipelineStepResult:
+        module, pmesh = self.stage, self.pmesh
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if grad_sync is not None:
+            check_grad_sync(grad_sync, [p for _, p in named], pmesh, grad_owners)
+        start_step_check(batch.step, pmesh, check_plan=checks.plan).wait()
+        mbs = batch.micro_batches
+        device = _device(pmesh)
+        context = self.compute_context
+        one_step = self.schedules is None
+        schedules = StageSchedules(module, pmesh) if self.schedules is None else self.schedules(module)
+        if schedules.module is not module or schedules.pmesh is not pmesh:
+            raise ParallelDimsError(
+                "the StageSchedules were made for another stage module or mesh; make one per stage: "
+                "StageSchedules(stage, pmesh)"
+            )
+        dtype = next(module.parameters()).dtype
+        with context():
+            out_dtype = logits_dtype(dtype, device)
+        entry = schedules.get(batch, dtype=dtype, output_dtype=out_dtype)
+        schedule = None if entry is None else entry.schedule
+        clock = StageClock(device)
+        if self.on_schedule is not None:
+            self.on_schedule(schedule)
+        losses: list[torch.Tensor] = []
+        armed: RemovableHandle | None = None
+        if grad_sync is not None:
+            grad_sync.prepare()  # the gradients accumulate into the buckets
+            grad_sync.track_finite = checks.finite_gradients
+            if schedule is not None and mbs[-1].layout.ring is None:  # no ring exchange in the last backward
+                armed = arm_for_last_backward(module, grad_sync, len(mbs) - 1)
+        start = time.perf_counter()
+        if entry is not None:
+            scope = entry.scope
+            scope.clock, scope.context, scope.num_global_tokens = clock, context, batch.step.num_global_tokens
+            module.bind(mbs)
+            inputs = (torch.stack([mb.input_ids for mb in mbs]).to(device),) if module.is_first else ()
+            target = torch.stack([mb.labels for mb in mbs]).to(device) if module.is_last else None
+            slot = torch.arange(len(mbs))  # on the host: the stage reads it without a synchronisation
+            try:
+                entry.schedule.step(*inputs, target=target, losses=losses, return_outputs=False, slot=slot)
+            finally:
+                module.bind(())
+                scope.reset()
+                entry.stage.clear_runtime_states()  # the input buffers' gradients and the cached forwards, until next time
+                if armed is not None:
+                    armed.remove()
+        if grad_sync is not None:
+            grad_sync.launch()  # the buckets the hooks did not launch (all of them without micro-batches)
+        seconds = time.perf_counter() - start
+        if (
+            clock.cuda and entry is not None
+        ):  # the host returned at the last launch: wait for the stage's work
+            torch.cuda.current_stream(device).synchronize()
+            seconds = time.perf_counter() - start
+        if one_step:  # nothing keeps this step's stage: its buffers go now, before the gradient sync
+            schedules.clear()
+        del entry, schedule
+        shards = LocalShards(named) if grad_sync is None else None
+        tokens = [int((mb.labels != IGNORE_INDEX).sum()) if module.is_last else 0 for mb in mbs]
+        values = [float(x.detach()) for x in losses] if losses else [0.0] * len(mbs)
+        finite = None
+        if (
+            checks.finite_gradients and mbs
+        ):  # with buckets: this rank's own values, read when each was launched
+            finite = (
+                grad_sync.local_grads_finite()
+                if grad_sync is not None
+                else all_finite([p.grad for _, p in shards.named if p.grad is not None])
+            )
+        results = [
+            MicroBatchResult(
+                mb.index,
+                values[i],
+                tokens[i],
+                seconds / len(mbs),  # the schedule's wall time, shared evenly: torch's schedule times no op
+                mb.layout.ring_size,
+                tuple(mb.seq_ids),
+                None if finite is None or i < len(mbs) - 1 else bool(finite),
+            )
+            for i, mb in enumerate(mbs)
+        ]
+        local = LocalResult(
+            loss=torch.tensor(sum(values), dtype=torch.float64),
+            loss_tokens=sum(tokens),
+            micro_batches=results,
+        )
+
+        def sync() -> StepResult:
+            if grad_sync is not None:  # the buckets: launched already, waited for here
+                return sync_step(
+                    named, batch.step, local, group=pmesh.dp_group, check_tokens=checks.tokens and module.is_last,
+                    check_finite=checks.finite, grad_sync=grad_sync,
+                )  # fmt: skip
+            synced = sync_step(
+                shards.named,
+                batch.step,
+                local,
+                group=pmesh.dp_group,
+                check_tokens=checks.tokens and module.is_last,
+                check_finite=checks.finite,
+                owners=None if grad_owners is None else shards.rekey(grad_owners),
+            )
+            shards.write_back()
+            return synced
+
+        result = agree_across_lanes(sync, pmesh, batch.step.step)
+        # sync_step returns the loss on the host: it travels on the pipeline group's device and back once
+        loss = result.loss_tensor.reshape(1).to(comm_device(pmesh.pp_group), copy=True)
+        dist.broadcast(loss, group=pmesh.pp_group, group_src=pmesh.dims.pipeline - 1)
+        result.loss_tensor = loss.to(result.loss_tensor.device)[0]
+        result.loss = float(result.loss_tensor)
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+        return PipelineStepResult(**fields, schedule_s=seconds, compute_s=clock.compute)
+
+
 def run_pipeline_step(
     module: DecoderStage,
     batch: PipelineStepBatch,
@@ -430,124 +658,118 @@ def run_pipeline_step(
     ``grad_sync`` (a :class:`~lightning_bytescale.engine.grad_sync.BucketedGradSync` of exactly
     the stage's trained parameters, in ``module.named_parameters()`` order, on ``pmesh.dp_group``;
     made once and reused): the gradients are summed in buckets from the stage's last backward
-    (module docstring); ZeRO-2's owners then belong to the sync, not ``grad_owners``.
+    (module docstring); ZeRO-2's owners then belong to the sync, not ``grad_owners``.  It is
+    :class:`PipelineRunner`'s ``run``.
     """
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if grad_sync is not None:
-        check_grad_sync(grad_sync, [p for _, p in named], pmesh, grad_owners)
-    start_step_check(batch.step, pmesh, check_plan=check_plan).wait()
-    mbs = batch.micro_batches
-    device = _device(pmesh)
-    context = compute_context or contextlib.nullcontext
-    one_step = schedules is None
-    if schedules is None:
-        schedules = StageSchedules(module, pmesh)
-    elif schedules.module is not module or schedules.pmesh is not pmesh:
-        raise ParallelDimsError(
-            "the StageSchedules were made for another stage module or mesh; make one per stage: "
-            "StageSchedules(stage, pmesh)"
-        )
-    dtype = next(module.parameters()).dtype
-    with context():
-        out_dtype = logits_dtype(dtype, device)
-    entry = schedules.get(batch, dtype=dtype, output_dtype=out_dtype)
-    schedule = None if entry is None else entry.schedule
-    clock = StageClock(device)
-    if on_schedule is not None:
-        on_schedule(schedule)
-    losses: list[torch.Tensor] = []
-    armed: RemovableHandle | None = None
-    if grad_sync is not None:
-        grad_sync.prepare()  # the gradients accumulate into the buckets
-        grad_sync.track_finite = check_finite
-        if schedule is not None and mbs[-1].layout.ring is None:  # no ring exchange in the last backward
-            armed = arm_for_last_backward(module, grad_sync, len(mbs) - 1)
-    start = time.perf_counter()
-    if entry is not None:
-        scope = entry.scope
-        scope.clock, scope.context, scope.num_global_tokens = clock, context, batch.step.num_global_tokens
-        module.bind(mbs)
-        inputs = (torch.stack([mb.input_ids for mb in mbs]).to(device),) if module.is_first else ()
-        target = torch.stack([mb.labels for mb in mbs]).to(device) if module.is_last else None
-        slot = torch.arange(len(mbs))  # on the host: the stage reads it without a synchronisation
-        try:
-            entry.schedule.step(*inputs, target=target, losses=losses, return_outputs=False, slot=slot)
-        finally:
-            module.bind(())
-            scope.reset()
-            entry.stage.clear_runtime_states()  # the input buffers' gradients and the cached forwards, until next time
-            if armed is not None:
-                armed.remove()
-    if grad_sync is not None:
-        grad_sync.launch()  # the buckets the hooks did not launch (all of them without micro-batches)
-    seconds = time.perf_counter() - start
-    if clock.cuda and entry is not None:  # the host returned at the last launch: wait for the stage's work
-        torch.cuda.current_stream(device).synchronize()
-        seconds = time.perf_counter() - start
-    if one_step:  # nothing keeps this step's stage: its buffers go now, before the gradient sync
-        schedules.clear()
-    del entry, schedule
-    shards = LocalShards(named) if grad_sync is None else None
-    tokens = [int((mb.labels != IGNORE_INDEX).sum()) if module.is_last else 0 for mb in mbs]
-    values = [float(x.detach()) for x in losses] if losses else [0.0] * len(mbs)
-    finite = None
-    if check_finite and mbs:  # with buckets: this rank's own values, read when each was launched
-        finite = (
-            grad_sync.local_grads_finite()
-            if grad_sync is not None
-            else all_finite([p.grad for _, p in shards.named if p.grad is not None])
-        )
-    results = [
-        MicroBatchResult(
-            mb.index,
-            values[i],
-            tokens[i],
-            seconds / len(mbs),  # the schedule's wall time, shared evenly: torch's schedule times no op
-            mb.layout.ring_size,
-            tuple(mb.seq_ids),
-            None if finite is None or i < len(mbs) - 1 else bool(finite),
-        )
-        for i, mb in enumerate(mbs)
-    ]
-    local = LocalResult(
-        loss=torch.tensor(sum(values), dtype=torch.float64), loss_tokens=sum(tokens), micro_batches=results
+    runner = PipelineRunner(
+        module, pmesh, SyncOptions(buckets=lambda _params: grad_sync, owners=grad_owners),
+        schedules=None if schedules is None else (lambda _stage: schedules),
+        compute_context=compute_context, on_schedule=on_schedule,
+    )  # fmt: skip
+    checks = StepChecks(
+        plan=check_plan, tokens=check_tokens, finite=check_finite, finite_gradients=check_finite
     )
+    return runner.sync(runner.run(module, batch, checks=checks))  # type: ignore[return-value]
 
-    def sync() -> StepResult:
-        if shards is None:  # the buckets: launched already, waited for here
-            return sync_step(
-                named, batch.step, local, group=pmesh.dp_group, check_tokens=check_tokens and module.is_last,
-                check_finite=check_finite, grad_sync=grad_sync,
-            )  # fmt: skip
-        synced = sync_step(
-            shards.named,
-            batch.step,
-            local,
-            group=pmesh.dp_group,
-            check_tokens=check_tokens and module.is_last,
-            check_finite=check_finite,
-            owners=None if grad_owners is None else shards.rekey(grad_owners),
+
+def agree_on_attention(
+    calls: int, micro_batches: Sequence[PackedMicroBatch], pmesh: ParallelMesh
+) -> AttentionVerdict:
+    """The attention check of a pipeline step: one all-reduce over the world of each stage's calls.
+
+    ``calls``: this stage's packed attention calls over the step; every rank learns every
+    stage's and applies the per-pipeline rule
+    (:func:`~lightning_bytescale.engine.attention_check.pipeline_verdict`), so all raise alike.
+    """
+    dims = pmesh.dims
+    values = torch.zeros(dims.world_size, 4, dtype=torch.int64)
+    kinds = [kind_of(mb) for mb in micro_batches]
+    values[dist.get_rank()] = torch.tensor([calls, *(kinds.count(k) for k in ("ring", "packed", "single"))])
+    values = values.to(comm_device())
+    dist.all_reduce(values)
+    per_rank = [tuple(row) for row in values.cpu().tolist()]  # one copy back
+    pipelines = [
+        dims.pipeline_ranks(h, lane)
+        for h in range(dims.data_parallel)
+        for lane in range(dims.tensor_parallel)
+    ]
+    return pipeline_verdict(per_rank, pipelines)
+
+
+def agree_after_step(
+    result: PipelineStepResult, pmesh: ParallelMesh, stop_requested: bool
+) -> tuple[bool, torch.Tensor]:
+    """One all-reduce over the world after the step: the stop flag and every rank's stage times.
+
+    Returns whether any rank asked to stop (preemption) and a ``[2, world]`` float64 tensor on
+    the host: every global rank's schedule wall time and stage compute, the same on every rank.
+    """
+    world = pmesh.dims.world_size
+    values = torch.zeros(1 + 2 * world, dtype=torch.float64)
+    values[0] = float(stop_requested)
+    me = dist.get_rank()
+    values[1 + me], values[1 + world + me] = result.schedule_s, result.compute_s
+    values = values.to(comm_device())
+    dist.all_reduce(values)
+    values = values.cpu()  # one copy back
+    return bool(values[0] > 0), values[1:].reshape(2, world)
+
+
+def pipeline_stats(times: torch.Tensor, pmesh: ParallelMesh) -> dict[str, Any]:
+    """The measured pipeline figures of a step from every rank's stage times (the same on every rank).
+
+    ``pipeline_stage_bubble[h][p]``: stage p of pipeline h, ``1 - compute / schedule wall`` (the
+    mean over its TP lanes); ``pipeline_bubble[h]``: the mean over the pipeline's stages, as the
+    benchmark defines a pipeline's bubble; ``pipeline_schedule_s[h]``: its slowest stage's wall,
+    which is also the pipeline's ``busy_s`` (and the imbalance figures computed from it), so
+    every rank, whatever its stage, reports the same.  The strategy adds them to ``step_stats``.
+    """
+    dims = pmesh.dims
+    lanes = range(dims.tensor_parallel)
+    stage_bubbles, walls = [], []
+    for h in range(dims.data_parallel):
+        row = []
+        for p in range(dims.pipeline):
+            ranks = [dims.global_rank(h, lane, p) for lane in lanes]
+            row.append(sum(stage_bubble(float(times[1, g]), float(times[0, g])) for g in ranks) / len(ranks))
+        walls.append(
+            max(float(times[0, dims.global_rank(h, lane, p)]) for p in range(dims.pipeline) for lane in lanes)
         )
-        shards.write_back()
-        return synced
+        stage_bubbles.append(row)
+    mean, top = sum(walls) / len(walls), max(walls)
+    return {
+        "pipeline_stage_bubble": stage_bubbles,
+        "pipeline_bubble": [sum(row) / len(row) for row in stage_bubbles],
+        "pipeline_schedule_s": walls,
+        # per HDP rank the pipeline's schedule wall (its slowest stage), the same on every rank,
+        # in place of the stage's own report of its data-parallel group
+        "busy_s": walls,
+        "max_over_mean_measured": top / mean if mean > 0 else float("nan"),
+        "bubble_fraction": 1.0 - mean / top if top > 0 else 0.0,
+    }
 
-    result = agree_across_lanes(sync, pmesh, batch.step.step)
-    # sync_step returns the loss on the host: it travels on the pipeline group's device and back once
-    loss = result.loss_tensor.reshape(1).to(comm_device(pmesh.pp_group), copy=True)
-    dist.broadcast(loss, group=pmesh.pp_group, group_src=pmesh.dims.pipeline - 1)
-    result.loss_tensor = loss.to(result.loss_tensor.device)[0]
-    result.loss = float(result.loss_tensor)
-    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-    return PipelineStepResult(**fields, schedule_s=seconds, compute_s=clock.compute)
+
+def refuse_evaluation(hook: str, pipeline_parallel_size: int) -> ConfigError:
+    """The error for an evaluation or prediction batch under pipelines (only training runs the schedule)."""
+    return ConfigError(
+        f"{hook} is not supported with pipeline_parallel_size={pipeline_parallel_size} yet: only training runs "
+        "through the pipeline schedule. Set Trainer(limit_val_batches=0, num_sanity_val_steps=0) or give the data "
+        "module no validation split (val_fraction=0), and evaluate with pipeline_parallel_size=1"
+    )
 
 
 __all__ = [
+    "PipelineRunner",
     "PipelineStepResult",
     "StageClock",
     "StageSchedules",
     "arm_for_last_backward",
     "build_schedule",
+    "agree_after_step",
+    "agree_on_attention",
     "logits_dtype",
+    "pipeline_stats",
+    "refuse_evaluation",
     "run_pipeline_step",
     "stage_bubble",
 ]

@@ -53,18 +53,23 @@ from torch import nn
 
 from lightning_bytescale.engine.batch import StepBatch
 from lightning_bytescale.engine.comm_device import comm_device
-from lightning_bytescale.engine.executor import (
+from lightning_bytescale.engine.executor import StepCheck, check_step, micro_batch_loop, sync_step
+from lightning_bytescale.engine.grad_sync import BucketedGradSync
+from lightning_bytescale.engine.results import LocalResult, StepResult
+from lightning_bytescale.engine.runner import (
+    DEFAULT_CHECKS,
+    DEFAULT_COMPUTE,
+    FLAT_SYNC,
     BackwardFn,
+    Compute,
     ContextFactory,
     ForwardFn,
-    StepCheck,
-    StepResult,
-    check_step,
-    run_micro_batches,
-    sync_step,
+    InFlight,
+    NamedParams,
+    SyncOptions,
+    trained,
 )
-from lightning_bytescale.engine.grad_sync import BucketedGradSync
-from lightning_bytescale.engine.step_checks import start_plan_agreement
+from lightning_bytescale.engine.step_checks import StepChecks, start_plan_agreement
 from lightning_bytescale.errors import ConfigError, StepError
 from lightning_bytescale.parallel.dims import ParallelMesh
 from lightning_bytescale.parallel.errors import LaneDivergenceError
@@ -136,6 +141,128 @@ def agree_across_lanes(run: Callable[[], T], pmesh: ParallelMesh, step: int | No
     return result  # type: ignore[return-value]
 
 
+class _NoFSDP:
+    """A mesh without ``fully_shard``: FSDP2 drives nothing and manages no parameter."""
+
+    units: tuple[()] = ()
+
+    def unmanaged(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        return list(named)
+
+    def begin_step(self) -> None:
+        pass
+
+    def finish_step(self) -> None:
+        pass
+
+
+def fsdp_or_none(fsdp: FSDPStepDriver | None) -> FSDPStepDriver | _NoFSDP:
+    """``fsdp``, or for a model without ``fully_shard`` a driver of nothing (the plain case as a value)."""
+    return _NoFSDP() if fsdp is None else fsdp
+
+
+class MeshRunner:
+    """The step runner on the mesh: an HDP rank is a tensor-parallel group, with FSDP2 on ``"data_parallel"`` or not.
+
+    :meth:`run` starts the plan check over every rank (:func:`start_step_check`), gathers
+    FSDP2's units once, runs this rank's micro-batches (:func:`~lightning_bytescale.engine.executor.run_micro_batches`,
+    unchanged: the lanes of an HDP rank run the same ones), launches the buckets left and
+    reduce-scatters FSDP2's gradients; :meth:`sync` sums the other gradients and the step's
+    scalars on the lane's data-parallel group (:func:`~lightning_bytescale.engine.executor.sync_step`:
+    in buckets, or flat over their local shards, :class:`~lightning_bytescale.parallel.shards.LocalShards`),
+    once, and every lane stops or goes on together (:func:`agree_across_lanes`).  The module
+    docstring gives the order of the collectives.
+    """
+
+    def __init__(
+        self, pmesh: ParallelMesh, fsdp: FSDPStepDriver | None = None, sync: SyncOptions = FLAT_SYNC
+    ) -> None:
+        self.pmesh, self.fsdp, self.options = pmesh, fsdp_or_none(fsdp), sync
+
+    def run(
+        self,
+        model: nn.Module,
+        batch: StepBatch,
+        *,
+        compute: Compute = DEFAULT_COMPUTE,
+        checks: StepChecks = DEFAULT_CHECKS,
+        params: NamedParams | None = None,
+    ) -> InFlight:
+        named = trained(model, params)
+        compute.waits(f"the plan digest check of step {batch.step}")
+        plan_check = start_step_check(batch, self.pmesh, check_plan=checks.plan)
+        # the buckets sum local shards over the lane's HDP ranks; FSDP2 reduces its own
+        grad_sync = self.options.buckets([p for _, p in self.fsdp.unmanaged(named)])
+        self.fsdp.begin_step()  # one all-gather per unit, before any ring exchange
+        local = micro_batch_loop(
+            model,
+            batch.micro_batches,
+            batch.step,
+            compute,
+            checks,
+            grad_sync,
+            plan_check,
+            [p for _, p in named],
+        )
+        if grad_sync is not None:
+            grad_sync.launch()  # every rank's buckets before FSDP's reduce-scatters (all of them without micro-batches)
+        self.fsdp.finish_step()  # one reduce-scatter per unit, after the last ring exchange
+        step = InFlight.started(batch, named, local, checks, compute)
+        step.grad_sync = grad_sync
+        return step
+
+    def sync(self, step: InFlight, *, extra: torch.Tensor | None = None) -> StepResult:
+        if step.synced:
+            return step.result  # type: ignore[return-value]
+        checks, batch, pmesh = step.checks, step.batch, self.pmesh
+        step.compute.waits(f"the gradient all-reduce of step {batch.step}")
+        named = self.fsdp.unmanaged(step.named)  # FSDP2 reduced its own already
+        stop = self.options.stop()
+        if step.grad_sync is not None:
+
+            def reduce() -> StepResult:
+                return sync_step(
+                    named, batch, step.local, group=pmesh.dp_group, extra=extra, check_tokens=checks.tokens,
+                    check_finite=checks.finite, check_parameters=checks.parameters, stop_request=stop,
+                    grad_sync=step.grad_sync,
+                )  # fmt: skip
+
+            return step.finish(agree_across_lanes(reduce, pmesh, batch.step))
+        shards = LocalShards(named)  # the flat sync: DTensors as their local shards
+        owners = self.options.owners
+
+        def reduce_shards() -> StepResult:
+            result = sync_step(
+                shards.named, batch, step.local, group=pmesh.dp_group, extra=extra, check_tokens=checks.tokens,
+                check_finite=checks.finite, check_parameters=checks.parameters, stop_request=stop,
+                owners=None if owners is None else shards.rekey(owners),
+            )  # fmt: skip
+            shards.write_back()
+            return result
+
+        return step.finish(agree_across_lanes(reduce_shards, pmesh, batch.step))
+
+    def evaluate(
+        self, model: nn.Module, batch: StepBatch, *, compute: Compute, name: str = "evaluation"
+    ) -> LocalResult:
+        """The plan check, every FSDP2 unit gathered once, ``compute.forward`` on each micro-batch, resharded after."""
+        plan_check = start_step_check(batch, self.pmesh)
+        self.fsdp.begin_step()
+        try:
+            return micro_batch_loop(
+                model, batch.micro_batches, batch.step, compute, StepChecks(finite_gradients=False), None,
+                plan_check, None,
+            )  # fmt: skip
+        finally:
+            for unit in self.fsdp.units:
+                unit.reshard()
+
+    def close(self) -> None:
+        close = getattr(self.options.buckets, "close", None)
+        if callable(close):
+            close()
+
+
 def run_parallel_step(
     model: nn.Module,
     step: StepBatch,
@@ -165,6 +292,7 @@ def run_parallel_step(
     accumulate into ``p.grad`` (zero them before the step); afterwards every trained parameter
     holds the gradient of the global token-mean loss, as a shard where the parameter is one.
     The checks are :func:`~lightning_bytescale.engine.executor.run_step`'s, raised on every rank.
+    It is :class:`MeshRunner`'s ``run`` then ``sync``.
 
     ``grad_owners`` (ZeRO-2 on the mesh: ``id(parameter) -> global rank`` of the lane's HDP rank
     that keeps its optimizer state) reduces each gradient to its owner over the lane's
@@ -177,62 +305,21 @@ def run_parallel_step(
     with the last micro-batch's backward instead of one flat buffer after the loop; ZeRO-2's
     owners then belong to the sync (``BucketedGradSync(..., owners=...)``), not ``grad_owners``.
     """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if fsdp is not None:
-        named = fsdp.unmanaged(named)
+    named = trained(model)
     if grad_sync is not None:
-        check_grad_sync(grad_sync, [p for _, p in named], pmesh, grad_owners)
-    plan_check = start_step_check(step, pmesh, check_plan=check_plan)
-    if fsdp is not None:
-        fsdp.begin_step()
-    local = run_micro_batches(
-        model,
-        step.micro_batches,
-        forward=forward,
-        backward=backward,
-        micro_batch_context=micro_batch_context,
-        sync_timing=sync_timing,
-        check_finite=check_finite,
-        check_loss_scaling=check_loss_scaling,
-        on_phase=on_phase,
-        step=step.step,
-        plan_check=plan_check,
-        locate_non_finite=locate_non_finite,
-        grad_sync=grad_sync,
+        check_grad_sync(grad_sync, [p for _, p in fsdp_or_none(fsdp).unmanaged(named)], pmesh, grad_owners)
+    sync = SyncOptions(
+        buckets=lambda _params: grad_sync, owners=grad_owners, stop_requested=lambda: stop_request
     )
-    if grad_sync is not None:
-        grad_sync.launch()  # the buckets not launched yet (all without micro-batches), before FSDP reduces
-    if fsdp is not None:
-        fsdp.finish_step()
-    if grad_sync is not None:
-
-        def bucketed() -> StepResult:
-            return sync_step(
-                named, step, local, group=pmesh.dp_group, extra=extra, check_tokens=check_tokens,
-                check_finite=check_finite, check_parameters=check_parameters, stop_request=stop_request,
-                grad_sync=grad_sync,
-            )  # fmt: skip
-
-        return agree_across_lanes(bucketed, pmesh, step.step)
-    shards = LocalShards(named)
-
-    def sync() -> StepResult:
-        result = sync_step(
-            shards.named,
-            step,
-            local,
-            group=pmesh.dp_group,
-            extra=extra,
-            check_tokens=check_tokens,
-            check_finite=check_finite,
-            check_parameters=check_parameters,
-            stop_request=stop_request,
-            owners=None if grad_owners is None else shards.rekey(grad_owners),
-        )
-        shards.write_back()
-        return result
-
-    return agree_across_lanes(sync, pmesh, step.step)
+    runner = MeshRunner(pmesh, fsdp, sync)
+    compute = Compute(
+        forward=forward, backward=backward, micro_batch_context=micro_batch_context, sync_timing=sync_timing,
+        on_phase=on_phase,
+    )  # fmt: skip
+    checks = StepChecks.of_flags(
+        check_plan, check_tokens, check_finite, locate_non_finite, check_loss_scaling, check_parameters
+    )
+    return runner.sync(runner.run(model, step, compute=compute, checks=checks, params=named), extra=extra)
 
 
 def check_grad_sync(
@@ -268,4 +355,11 @@ def check_grad_sync(
         )
 
 
-__all__ = ["agree_across_lanes", "check_grad_sync", "run_parallel_step", "start_step_check"]
+__all__ = [
+    "MeshRunner",
+    "agree_across_lanes",
+    "check_grad_sync",
+    "fsdp_or_none",
+    "run_parallel_step",
+    "start_step_check",
+]

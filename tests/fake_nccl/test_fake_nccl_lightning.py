@@ -69,33 +69,38 @@ def test_the_epoch_end_agreement_gathers_on_the_gpu():
 
 
 @pytest.mark.covers(
-    "lightning/pipeline.py:agree_after_step:all_reduce",
-    "lightning/pipeline.py:optimizer_state:all_gather_object",
+    "parallel/pipeline_step.py:agree_after_step:all_reduce",
+    "lightning/checkpoint.py:PipelineCheckpoints.optimizer_state:all_gather_object",
 )
 def test_the_pipeline_strategy_agrees_after_the_step_and_names_every_stage_on_the_gpu():
-    from lightning_bytescale.lightning import pipeline as pipeline_
+    from lightning_bytescale.lightning.checkpoint import PipelineCheckpoints
+    from lightning_bytescale.parallel.layout import PipelineLayout
+    from lightning_bytescale.parallel.pipeline_step import agree_after_step
 
     with fake_nccl(world_size=4, rank=3) as mode:
         pmesh = ParallelDims(4, pipeline=2).build("cuda")
         result = SimpleNamespace(schedule_s=2.0, compute_s=1.5)
-        stop, times = pipeline_.agree_after_step(result, pmesh, stop_requested=True)
+        stop, times = agree_after_step(result, pmesh, stop_requested=True)
         module = nn.Sequential(mode.module_to_cuda(nn.Linear(2, 2)))
         optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-        state = pipeline_.optimizer_state(optimizer, module, pmesh)
+        layout = PipelineLayout.of(pmesh, world_size=4, rank=3)
+        state = PipelineCheckpoints(2).optimizer_state(
+            optimizer, module, sharded=True, layout=layout, default=optimizer.state_dict
+        )
     assert stop and times.device.type == "cpu" and times[:, 3].tolist() == [2.0, 1.5]
     assert (
         state["param_groups"][0]["params"] == ["0.weight", "0.bias"] * 2
     )  # every stage's names (the same here)
 
 
-@pytest.mark.covers("lightning/pipeline.py:agree_on_attention:all_reduce")
+@pytest.mark.covers("parallel/pipeline_step.py:agree_on_attention:all_reduce")
 def test_the_pipeline_attention_check_agrees_on_the_gpu():
     from lightning_bytescale.engine.attention_check import AttentionVerdict
-    from lightning_bytescale.lightning import pipeline as pipeline_
+    from lightning_bytescale.parallel.pipeline_step import agree_on_attention
 
     with fake_nccl(world_size=4, rank=3):
         pmesh = ParallelDims(4, pipeline=2).build("cuda")
-        verdict = pipeline_.agree_on_attention(0, [], pmesh)  # a fake group moves no data: no values checked
+        verdict = agree_on_attention(0, [], pmesh)  # a fake group moves no data: no values checked
     assert isinstance(verdict, AttentionVerdict)
 
 

@@ -24,9 +24,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_bytescale.engine.batch import StepBatch
 from lightning_bytescale.errors import StepError
-from lightning_bytescale.lightning import mesh as mesh_
 from lightning_bytescale.models import LlamaConfig, LlamaModel
+from lightning_bytescale.parallel import full_state
+from lightning_bytescale.parallel import zero as zero_
 from lightning_bytescale.parallel.dims import ParallelDims
+from lightning_bytescale.parallel.layout import MeshLayout, PipelineLayout
 from lightning_bytescale.parallel.tensor_parallel import parallelize_llama
 
 
@@ -186,7 +188,7 @@ def _empty_pipeline(pmesh, tokens: int):
 
 
 @pytest.mark.covers(
-    "parallel/pipeline_step.py:run_pipeline_step:broadcast",
+    "parallel/pipeline_step.py:PipelineRunner._schedule_step:broadcast",
     "engine/executor.py:allreduce_gradients:all_reduce",
 )
 @pytest.mark.parametrize(
@@ -213,7 +215,7 @@ def test_a_pipeline_without_micro_batches_sums_and_broadcasts_its_loss_on_the_gp
 @pytest.mark.covers(
     "engine/step_checks.py:start_plan_agreement:all_gather",
     "parallel/step.py:agree_across_lanes:all_reduce",
-    "parallel/pipeline_step.py:run_pipeline_step:broadcast",
+    "parallel/pipeline_step.py:PipelineRunner._schedule_step:broadcast",
 )
 def test_a_pipeline_step_with_tensor_parallel_stages_checks_its_plan_on_the_gpu():
     from lightning_bytescale.parallel.pipeline_stage import LlamaStage
@@ -231,13 +233,13 @@ def _lane_zero(mode, world: int, rank: int):
     model = _llama(mode, pmesh)
     _ones_grads(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    (zero,) = mesh_.lane_zero([optimizer], pmesh, level=1)
+    (zero,) = zero_.lane_zero([optimizer], pmesh, level=1)
     optimizer.step()  # the owners step, then broadcast their parameters over the lane
     return pmesh, model, optimizer, zero
 
 
 @pytest.mark.covers(
-    "lightning/mesh.py:LaneZero.materialize:broadcast_object_list",
+    "parallel/zero.py:LaneZero.materialize:broadcast_object_list",
     "engine/state_sync.py:broadcast_tensors:broadcast",
 )
 def test_zero1_on_the_mesh_gathers_adamw_state_with_its_host_step_on_the_gpu():
@@ -254,7 +256,7 @@ def test_zero1_on_the_mesh_gathers_adamw_state_with_its_host_step_on_the_gpu():
 
 def test_a_non_owner_makes_room_for_the_state_where_the_owner_keeps_it():
     """AdamW's moments of a DTensor parameter: DTensors like it; its ``step``: a host scalar; a plain one's: its device."""
-    from lightning_bytescale.lightning.mesh import _StateTensor
+    from lightning_bytescale.parallel.zero import _StateTensor
 
     with fake_nccl(world_size=2) as mode:
         pmesh = ParallelDims(2, tensor_parallel=2).build("cuda")
@@ -278,7 +280,7 @@ def test_on_the_host_a_non_owner_still_makes_dtensor_moments():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_bytescale.lightning.mesh import _StateTensor
+    from lightning_bytescale.parallel.zero import _StateTensor
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -292,11 +294,11 @@ def test_on_the_host_a_non_owner_still_makes_dtensor_moments():
 
 
 @pytest.mark.covers(
-    "lightning/mesh.py:model_state:get_model_state_dict",
-    "lightning/mesh.py:optimizer_state:get_optimizer_state_dict",
-    "lightning/mesh.py:load_model_state:set_model_state_dict",
-    "lightning/mesh.py:load_optimizer_states:set_optimizer_state_dict",
-    "lightning/mesh.py:full_state_dict:full_tensor",
+    "parallel/full_state.py:model_state:get_model_state_dict",
+    "parallel/full_state.py:optimizer_state:get_optimizer_state_dict",
+    "parallel/full_state.py:load_model_state:set_model_state_dict",
+    "parallel/full_state.py:load_optimizer_states:set_optimizer_state_dict",
+    "parallel/full_state.py:full_state_dict:full_tensor",
 )
 @pytest.mark.parametrize(
     "zero",
@@ -305,7 +307,7 @@ def test_on_the_host_a_non_owner_still_makes_dtensor_moments():
         pytest.param(
             True,
             id="zero1",
-            marks=pytest.mark.covers("lightning/mesh.py:LaneZero.materialize:broadcast_object_list"),
+            marks=pytest.mark.covers("parallel/zero.py:LaneZero.materialize:broadcast_object_list"),
         ),
     ],
 )
@@ -319,11 +321,11 @@ def test_consolidated_checkpoint_state_round_trips_on_the_gpu(zero):
             _ones_grads(model)
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
             optimizer.step()
-        weights = mesh_.model_state(model)
-        state = mesh_.optimizer_state(model, optimizer)
-        whole = mesh_.full_state_dict(model)
-        mesh_.load_model_state(model, {k: v.cpu() for k, v in weights.items()}, strict=True)
-        mesh_.load_optimizer_states(model, [optimizer], [state])
+        weights = full_state.model_state(model)
+        state = full_state.optimizer_state(model, optimizer)
+        whole = full_state.full_state_dict(model)
+        full_state.load_model_state(model, {k: v.cpu() for k, v in weights.items()}, strict=True)
+        full_state.load_optimizer_states(model, [optimizer], [state])
         wq = model.blocks[0].attn.wq.weight
         local = wq.to_local().shape
     assert weights["blocks.0.attn.wq.weight"].shape == (32, 32)  # whole
@@ -335,7 +337,6 @@ def test_consolidated_checkpoint_state_round_trips_on_the_gpu(zero):
 @pytest.mark.covers("engine/state_sync.py:broadcast_tensors:broadcast")
 @pytest.mark.parametrize(("world", "tp", "pp"), [(4, 2, 1), (8, 2, 2)], ids=["tensor-parallel", "pipeline"])
 def test_the_setup_broadcast_on_the_mesh_runs_on_the_gpu(world, tp, pp):
-    from lightning_bytescale.lightning import pipeline as pipeline_
     from lightning_bytescale.parallel.pipeline_stage import LlamaStage
 
     with fake_nccl(world_size=world, rank=world - 1) as mode:
@@ -344,7 +345,7 @@ def test_the_setup_broadcast_on_the_mesh_runs_on_the_gpu(world, tp, pp):
         if pp > 1:
             stage = LlamaStage(model, pmesh.stage, pp)
             stage.register_buffer("host_table", torch.arange(3.0))  # a buffer kept on the host
-            pipeline_.broadcast_state(stage, pmesh)
+            PipelineLayout.of(pmesh, world_size=world, rank=world - 1).broadcast_state(stage)
         else:
             model.register_buffer("host_table", torch.arange(3.0))
-            mesh_.broadcast_state(model, pmesh)
+            MeshLayout.of(pmesh, world_size=world, rank=world - 1).broadcast_state(model)

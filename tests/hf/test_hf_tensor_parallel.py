@@ -115,7 +115,7 @@ def _loading(pmesh, checkpoint: str) -> dict:
     """``HFCausalLM(tensor_parallel=True).configure_model`` every documented way: what each rank got, and whether
     the shards gathered are exactly the checkpoint's weights (or, from a config, one process's draws from the seed)."""
     from lightning_bytescale.hf import HFCausalLM
-    from lightning_bytescale.lightning.mesh import full_state_dict
+    from lightning_bytescale.parallel.full_state import full_state_dict
 
     saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).state_dict()
     torch.manual_seed(LOADING_SEED)

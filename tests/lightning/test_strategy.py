@@ -99,7 +99,7 @@ def test_options_validated():
 def test_max_micro_batches_reaches_the_planner_and_the_pipeline_stages():
     from types import SimpleNamespace
 
-    from lightning_bytescale.lightning.pipeline import stage_schedules
+    from lightning_bytescale.lightning.strategy import stage_schedules
 
     config = ByteScaleStrategy(pipeline_parallel_size=2, max_micro_batches=4).planner_config
     assert (config.max_micro_batches, config.pipeline_degree) == (4, 2)

@@ -169,3 +169,35 @@ def test_documented_example_module_trains(tmp_path):
     )
     trainer.fit(namespace["PackedLM"](dim=32, layers=1, heads=2, context=128), datamodule=dm)
     assert math.isfinite(float(trainer.callback_metrics["train/loss"]))
+
+
+@pytest.mark.parametrize("name", ["capacity", "cp_size", "seed"])
+def test_planner_options_have_one_door_the_constructor(name):
+    """``strategy.capacity = ...`` after the strategy is made is refused, naming the constructor option."""
+    from lightning_bytescale.errors import ConfigError
+
+    strategy = ByteScaleStrategy(capacity=512)
+    with pytest.raises(ConfigError, match=rf"strategy\.{name} cannot be set.*ByteScaleStrategy\({name}=4\)"):
+        setattr(strategy, name, 4)
+    assert strategy.capacity == 512 and strategy.planner_config.capacity == 512
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_the_data_module_plans_with_the_trainers_ranks_until_the_strategy_knows_its_world(
+    tmp_path, tensor_parallel
+):
+    """A strategy not given its devices yet (a trainer made by hand, a tool) knows no world: plain HDP's data
+    module reads the trainer's ranks, not a world of one; on a mesh set by hand the mesh's HDP ranks."""
+    from types import SimpleNamespace
+
+    from lightning_bytescale.parallel import ParallelDims
+
+    strategy = ByteScaleStrategy(tensor_parallel_size=tensor_parallel)
+    if tensor_parallel > 1:
+        dims = ParallelDims(4, tensor_parallel=tensor_parallel)
+        strategy.parallel_mesh = SimpleNamespace(dims=dims, hdp_rank=1, lane=0, ring_ranks=dims.lane_ranks(0))
+    data = ByteScaleDataModule(
+        source={"kind": "synthetic", "name": "github", "num_samples": 8, "scale": 1 / 512}, cache_dir=tmp_path
+    )
+    data.trainer = SimpleNamespace(global_rank=3, world_size=4, strategy=strategy, overfit_batches=0)
+    assert data._trainer_ranks() == ((3, 4) if tensor_parallel == 1 else (1, 2))

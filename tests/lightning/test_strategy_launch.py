@@ -218,10 +218,10 @@ def test_dead_or_stuck_peer_gives_clear_error_within_timeout(tmp_path, scenario,
 
 def test_spawn_launcher(tmp_path):
     """``bytescale_spawn``: fresh interpreters receive the pickled trainer, module and data."""
+    strategy = ByteScaleStrategy(capacity=CAPACITY, start_method="spawn")
     trainer = quiet_trainer(
-        tmp_path, 2, "bytescale_spawn", max_steps=2, gradient_clip_val=CLIP, callbacks=[Recorder(tmp_path)]
+        tmp_path, 2, strategy, max_steps=2, gradient_clip_val=CLIP, callbacks=[Recorder(tmp_path)]
     )
-    trainer.strategy.capacity = CAPACITY
     trainer.fit(TinyLM(), datamodule=StepDataModule("balance"))
     _, losses = reference(2)
     assert [row["logged"] for row in read_rows(tmp_path, 1)] == pytest.approx(losses, abs=1e-12)

@@ -70,6 +70,7 @@ import torch
 import lightning.pytorch as pl
 sys.path.insert(0, {tests!r})
 from _strategy_helpers import CAPACITY, CLIP, Recorder, StepDataModule, TinyLM
+from lightning_bytescale import ByteScaleStrategy
 from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 
 
@@ -86,13 +87,12 @@ class UnseededLM(TinyLM):
 if __name__ == "__main__":
     out = {out!r}
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="bytescale", precision="64-true", max_steps={steps},
+        accelerator="cpu", devices=2, strategy=ByteScaleStrategy(capacity=CAPACITY, timeout=60),
+        precision="64-true", max_steps={steps},
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
         callbacks=[Recorder(__import__("pathlib").Path(out))], default_root_dir=out,
     )
-    trainer.strategy.capacity = CAPACITY
-    trainer.strategy._timeout = __import__("datetime").timedelta(seconds=60)
     trainer.fit(UnseededLM(), datamodule=StepDataModule("balance"))
 """
 

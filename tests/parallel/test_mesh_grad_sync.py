@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_bytescale import ByteScaleStrategy
 from lightning_bytescale.engine import build_step
-from lightning_bytescale.engine.executor import sync_step
 from lightning_bytescale.engine.grad_sync import BucketedGradSync
+from lightning_bytescale.engine.step_checks import StepChecks
 from lightning_bytescale.errors import ConfigError
 from lightning_bytescale.lightning import step as step_loop
 from lightning_bytescale.models import LlamaConfig, LlamaModel
@@ -41,8 +41,8 @@ from lightning_bytescale.parallel import (
     ParallelDims,
     parallelize_llama,
     run_parallel_step,
-    start_step_check,
 )
+from lightning_bytescale.parallel.layout import make_runner
 from lightning_bytescale.planner.plan import MicroBatch, Piece, Plan
 
 WORLD, TP = 4, 2
@@ -129,14 +129,13 @@ class TPModule(pl.LightningModule):
 
 
 def _strategy_step(pmesh, monkeypatch: pytest.MonkeyPatch):
-    """One step of the strategy's step loop on ``pmesh``: its module, its recorder and its step loop.
+    """One step of the strategy's step loop on ``pmesh``: its module, its recorder and its runner's bucketed sync.
 
     A fake group sums nothing and gathers nothing (a gather's output keeps whatever memory it
     was given), so the checks of values (the plan digests, the token count, parameter
     fingerprints, finite losses) are off.
     """
-    monkeypatch.setattr(step_loop, "start_step_check", functools.partial(start_step_check, check_plan=False))
-    monkeypatch.setattr(step_loop, "sync_step", functools.partial(sync_step, check_tokens=False))
+    monkeypatch.setattr(step_loop, "StepChecks", functools.partial(StepChecks, plan=False, tokens=False))
     strategy = ByteScaleStrategy(
         tensor_parallel_size=TP,
         parallel_devices=[torch.device("cpu")] * WORLD,
@@ -151,23 +150,24 @@ def _strategy_step(pmesh, monkeypatch: pytest.MonkeyPatch):
     strategy.parallel_mesh = pmesh
     strategy.connect(module)
     recorder.events.clear()
+    runner = make_runner(strategy.layout, module, strategy._runner_options())  # what set-up makes
+    strategy._runner = runner
     loop = strategy._loop
     loop.sync(loop.train(_step(pmesh), (0,), {}))
-    return module, recorder, loop
+    return module, recorder, runner.options.buckets.sync
 
 
 def test_tp_gradients_are_summed_in_buckets_inside_the_last_backward_with_no_flat_copy(
     fake_rank, monkeypatch
 ):
     pmesh = fake_rank(0)  # HDP rank 0, lane 0: two micro-batches
-    module, recorder, loop = _strategy_step(pmesh, monkeypatch)
+    module, recorder, sync = _strategy_step(pmesh, monkeypatch)
     lane_group = (0, 2)
     events = recorder.on(lane_group)
     ends = [i for i, e in enumerate(events) if e == ("backward returned",)]
     assert len(ends) == 2
     during = [e for e in events[ends[0] + 1 : ends[1]] if e[0] == "all_reduce"]
     assert during, f"no gradient all-reduce was issued inside the last backward: {events}"
-    sync = loop.grad_sync
     assert sync is not None and sync.group is pmesh.dp_group
     assert len(sync.buckets) > 1
     local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in module.named_parameters()}
