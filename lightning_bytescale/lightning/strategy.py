@@ -66,6 +66,7 @@ from lightning_bytescale.errors import ConfigError
 # still being imported.
 from lightning_bytescale.lightning import auto_cost, cost_refinement
 from lightning_bytescale.lightning import compat as compat
+from lightning_bytescale.lightning import datamodule as datamodule_
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
 from lightning_bytescale.lightning import progress as progress
 from lightning_bytescale.lightning import step as step_loop
@@ -529,7 +530,10 @@ class ByteScaleStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         layout, scaler = self.layout, getattr(self.precision_plugin, "scaler", None)
-        layout.check_model(self.model, scaler=scaler, run=trainer.state.fn.value, warn=rank_zero_warn)
+        validates = fitting and datamodule_.fit_validates(trainer)
+        layout.check_model(
+            self.model, scaler=scaler, run=trainer.state.fn.value, warn=rank_zero_warn, validates=validates
+        )
         # a model on the meta device: on the mesh each rank allocates its own shards, with rank 0's draws
         layout.materialize(
             self.model, self.root_device, default=compat._materialize_distributed_module, warn=rank_zero_warn

@@ -42,7 +42,12 @@ from lightning_bytescale.parallel.errors import FSDPSettingError, ParallelDimsEr
 from lightning_bytescale.parallel.fsdp import FSDPStepDriver
 from lightning_bytescale.parallel.materialize import materialize_sharded
 from lightning_bytescale.parallel.pipeline_stage import DecoderStage
-from lightning_bytescale.parallel.pipeline_step import ComputeContext, PipelineRunner, StageSchedules
+from lightning_bytescale.parallel.pipeline_step import (
+    ComputeContext,
+    PipelineRunner,
+    StageSchedules,
+    refuse_evaluation,
+)
 from lightning_bytescale.parallel.step import MeshRunner
 from lightning_bytescale.planner.config import PlannerConfig
 
@@ -246,8 +251,14 @@ class Layout:
     def check_before_launch(cls, *, scaler: Any, pipelines: int) -> None:
         """What the layout refuses before any rank starts (the precision plugin's ``scaler``; ``pipelines``: its size)."""
 
-    def check_model(self, model: nn.Module, *, scaler: Any, run: str, warn: WarnFn) -> None:
-        """What the layout cannot run, refused at set-up by the setting's name (``run``: the Trainer's ``fit``, ...)."""
+    def check_model(
+        self, model: nn.Module, *, scaler: Any, run: str, warn: WarnFn, validates: bool = False
+    ) -> None:
+        """What the layout cannot run, refused at set-up by the setting's name.
+
+        ``run``: the Trainer's ``fit``, ``validate``, ...; ``validates``: this ``fit`` runs validation
+        batches (:func:`~lightning_bytescale.lightning.datamodule.fit_validates`).
+        """
 
     def materialize(
         self,
@@ -335,7 +346,9 @@ class MeshLayout(Layout):
         bound_mesh_groups(pmesh, timeout)
         return pmesh
 
-    def check_model(self, model: nn.Module, *, scaler: Any, run: str, warn: WarnFn) -> None:
+    def check_model(
+        self, model: nn.Module, *, scaler: Any, run: str, warn: WarnFn, validates: bool = False
+    ) -> None:
         """A float16 ``GradScaler`` is refused; a model with no parameter sharded over the lanes is warned about."""
         tp = self.dims.tensor_parallel
         if scaler is not None:
@@ -458,7 +471,9 @@ class PipelineLayout(MeshLayout):
                 f"pipeline_parallel_size={pipelines}: {_NOT_WITH_PIPELINES['precision=16-mixed']}"
             )
 
-    def check_model(self, model: nn.Module, *, scaler: Any, run: str, warn: WarnFn) -> None:
+    def check_model(
+        self, model: nn.Module, *, scaler: Any, run: str, warn: WarnFn, validates: bool = False
+    ) -> None:
         """What cannot run with pipelines yet, refused by the setting's name; the stage is checked (:func:`stage_of`)."""
         pp = self.dims.pipeline
         type(self).check_before_launch(scaler=scaler, pipelines=pp)
@@ -467,6 +482,8 @@ class PipelineLayout(MeshLayout):
                 f"trainer.{run}() is not supported with pipeline_parallel_size={pp} yet: only training runs through "
                 "the pipeline schedule. Evaluate with pipeline_parallel_size=1"
             )
+        if validates:  # at set-up, not at the first validation batch after hours of training
+            raise refuse_evaluation("validation_step", pp)
         refusals = {
             "empty_init=True": any(p.is_meta for p in model.parameters()),
             "fully_shard": any(isinstance(m, FSDPModule) for m in model.modules()),

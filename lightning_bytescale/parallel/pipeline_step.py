@@ -750,11 +750,14 @@ def pipeline_stats(times: torch.Tensor, pmesh: ParallelMesh) -> dict[str, Any]:
 
 
 def refuse_evaluation(hook: str, pipeline_parallel_size: int) -> ConfigError:
-    """The error for an evaluation or prediction batch under pipelines (only training runs the schedule)."""
+    """The error for evaluation or prediction under pipelines (only training runs the schedule).
+
+    Raised at set-up when a ``fit`` would run validation batches, so no trained step is lost.
+    """
     return ConfigError(
         f"{hook} is not supported with pipeline_parallel_size={pipeline_parallel_size} yet: only training runs "
         "through the pipeline schedule. Set Trainer(limit_val_batches=0, num_sanity_val_steps=0) or give the data "
-        "module no validation split (val_fraction=0), and evaluate with pipeline_parallel_size=1"
+        "module no validation split (val_fraction=0), and evaluate the checkpoint with pipeline_parallel_size=1"
     )
 
 

@@ -435,6 +435,32 @@ class EvaluatedPipelineLM(PipelineLM):
         return self.train_dataloader()
 
 
+class NoTraining(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        raise AssertionError("training started before the refusal")
+
+
+@pytest.mark.parametrize("limit_val_batches", [None, 0])
+def test_a_fit_that_would_validate_is_refused_at_set_up_not_after_training(tmp_path, limit_val_batches):
+    """``validation_step`` and validation data with pipelines: refused before the first step (none is lost)."""
+    os.environ.pop("MASTER_PORT", None)
+    module = EvaluatedPipelineLM(data_steps=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, precision="64-true", default_root_dir=tmp_path, max_steps=1,
+        **{**QUIET, "num_sanity_val_steps": 0}, limit_val_batches=limit_val_batches,
+        callbacks=[NoTraining()] if limit_val_batches is None else [],
+        strategy=ByteScaleStrategy(pipeline_parallel_size=STAGES, capacity=48, start_method="fork", timeout=60),
+    )  # fmt: skip
+    if limit_val_batches == 0:  # the documented way out: it trains, unrefused
+        trainer.fit(module)
+        return
+    with pytest.raises(
+        Exception,
+        match=r"ConfigError: validation_step is not supported with pipeline_parallel_size=2.*limit_val_batches=0",
+    ):
+        trainer.fit(module)
+
+
 def test_evaluation_is_refused_at_set_up(tmp_path):
     os.environ.pop("MASTER_PORT", None)
     module = EvaluatedPipelineLM(data_steps=1)
