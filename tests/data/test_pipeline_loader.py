@@ -103,12 +103,14 @@ def test_data_warnings_come_from_global_rank_zero_only_on_a_mesh():
     from types import SimpleNamespace
 
     from lightning_bytescale.lightning.datamodule import ByteScaleDataModule
+    from lightning_bytescale.parallel.layout import LoaderView
 
     def on(global_rank: int) -> bool:
         dm = ByteScaleDataModule(source="unused", capacity=64)
-        pmesh = SimpleNamespace(hdp_rank=0, dims=SimpleNamespace(data_parallel=2))
+        # global ranks 0 and 1 are the two stages of HDP rank 0 (the strategy's loader view says so)
+        view = LoaderView(hdp_rank=0, hdp_ranks=2, ring_ranks=None, pipeline_stages=2, tensor_parallel=1)
         dm.trainer = SimpleNamespace(
-            global_rank=global_rank, world_size=4, strategy=SimpleNamespace(parallel_mesh=pmesh)
+            global_rank=global_rank, world_size=4, strategy=SimpleNamespace(loader_view=view)
         )
         assert dm.rank == 0
         return dm._reports_data_warnings
