@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(eq=False)  # each block is its own counter: leaving one removes it, not an equal count
 class AttentionCalls:
     """How many times :func:`~lightning_bytescale.packed_attention.attention` ran inside :func:`count_attention_calls`."""
 

@@ -85,6 +85,17 @@ def test_one_counter_for_every_caller():
     assert hf_counter is count_attention_calls
 
 
+def test_nested_blocks_with_equal_counts_leave_cleanly():
+    """The strategy's block around HF's per-forward block: both see the same calls, and each leaves its own."""
+    q = torch.randn(6, 4, 8)
+    with count_attention_calls() as outer:
+        with count_attention_calls() as inner:
+            attention(q, q, q)
+        assert outer.calls == inner.calls == 1  # equal counts: leaving `inner` must not remove `outer`
+        attention(q, q, q)
+    assert (outer.calls, inner.calls) == (2, 1)
+
+
 def test_the_error_names_the_call_and_the_way_out():
     check_attention(AttentionVerdict(checked=3), step=0)  # every checked micro-batch called it
     with pytest.raises(MissingPackedAttentionError) as info:
