@@ -6,7 +6,7 @@ materialising a meta-device model, moving optimizer state, the launchers (and th
 ``subprocess`` the popen launcher swaps while it starts ranks), calling hooks by name, reading
 a module's trainer without an error, the options a ``WandbLogger`` gives ``wandb.init``, keeping a probe forward's ``self.log`` calls out of
 the logged metrics, the running loop's logged metrics (which epoch-end reductions every rank
-must agree on), the running evaluation loop, and the loader ``load_from_checkpoint`` reads
+must agree on), the running evaluation loop, whether a fit will validate (the validation loop's data source), and the loader ``load_from_checkpoint`` reads
 files with (so that a sharded checkpoint folder loads).  They are
 imported or touched only here, and ``tests/lightning/test_lightning_compat.py`` checks each of them, so
 a Lightning release that renames one fails that test loudly instead of breaking a run.
@@ -35,6 +35,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call as _call
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -180,6 +181,7 @@ def _load_sharded_folder(path: Any, map_location: Any = None, weights_only: bool
 load_checkpoint_folders_with(_load_sharded_folder)
 
 __all__ = [
+    "fit_validates",
     "_ChildProcessObserver",
     "_MultiProcessingLauncher",
     "_StrategyRegistry",
@@ -202,3 +204,21 @@ __all__ = [
     "wandb_init_options",
     "subprocess_script_module",
 ]
+
+
+def fit_validates(trainer: Any) -> bool:
+    """Whether this ``trainer.fit`` will run validation batches, as far as set-up can tell.
+
+    The module has a ``validation_step``, ``limit_val_batches`` is not 0, and validation data is
+    defined as Lightning's own configuration check sees it (its validation loop's private data
+    source: ``val_dataloaders`` given to ``fit``, or a ``val_dataloader`` of the module or data
+    module); a data module that holds nothing out (``ByteScaleDataModule``'s ``val_fraction=0``)
+    has none.  Called after the data module's ``setup``, before the first step.
+    """
+    module = trainer.lightning_module
+    if module is None or not is_overridden("validation_step", module) or trainer.limit_val_batches == 0:
+        return False
+    if not trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined():
+        return False
+    held_out = getattr(trainer.datamodule, "val_fraction", None)
+    return held_out is None or held_out > 0

@@ -113,23 +113,6 @@ def _validates(trainer: Any) -> bool:
     return module is None or is_overridden("validation_step", module)
 
 
-def fit_validates(trainer: Any) -> bool:
-    """Whether this ``trainer.fit`` will run validation batches, as far as set-up can tell.
-
-    The module has a ``validation_step``, ``limit_val_batches`` is not 0, and validation data is
-    defined (``val_dataloaders`` given to ``fit``, or a ``val_dataloader`` of the module or data
-    module); a :class:`ByteScaleDataModule` without a validation split (``val_fraction=0``) has none.
-    Called after the data module's ``setup``, before the first step.
-    """
-    module = trainer.lightning_module
-    if module is None or not is_overridden("validation_step", module) or trainer.limit_val_batches == 0:
-        return False
-    if not trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined():  # Lightning's own test of it
-        return False
-    datamodule = trainer.datamodule
-    return not isinstance(datamodule, ByteScaleDataModule) or datamodule.val_fraction > 0
-
-
 class ByteScaleDataModule(pl.LightningDataModule):
     """Token store, token-budgeted global batches and per-rank step loaders.
 

@@ -66,7 +66,6 @@ from lightning_bytescale.errors import ConfigError
 # still being imported.
 from lightning_bytescale.lightning import auto_cost, cost_refinement
 from lightning_bytescale.lightning import compat as compat
-from lightning_bytescale.lightning import datamodule as datamodule_
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
 from lightning_bytescale.lightning import progress as progress
 from lightning_bytescale.lightning import step as step_loop
@@ -530,7 +529,7 @@ class ByteScaleStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         layout, scaler = self.layout, getattr(self.precision_plugin, "scaler", None)
-        validates = fitting and datamodule_.fit_validates(trainer)
+        validates = fitting and compat.fit_validates(trainer)
         layout.check_model(
             self.model, scaler=scaler, run=trainer.state.fn.value, warn=rank_zero_warn, validates=validates
         )

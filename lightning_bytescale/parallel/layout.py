@@ -257,7 +257,7 @@ class Layout:
         """What the layout cannot run, refused at set-up by the setting's name.
 
         ``run``: the Trainer's ``fit``, ``validate``, ...; ``validates``: this ``fit`` runs validation
-        batches (:func:`~lightning_bytescale.lightning.datamodule.fit_validates`).
+        batches (the Lightning floor's ``compat.fit_validates``).
         """
 
     def materialize(

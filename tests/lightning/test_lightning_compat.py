@@ -61,6 +61,13 @@ def test_the_training_loop_keeps_its_result_collection_where_we_swap_it(tmp_path
     assert compat.module_trainer(torch.nn.Module()) is None
 
 
+def test_the_validation_loop_keeps_the_data_source_fit_validates_reads(tmp_path):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
+    source = trainer.fit_loop.epoch_loop.val_loop._data_source
+    assert callable(source.is_defined)
+    assert compat.fit_validates(trainer) is False  # no module yet: nothing to validate
+
+
 def test_logged_metrics_are_read_and_written_the_way_compat_does(tmp_path):
     """``epoch_reduced_metrics`` / ``log_into_results`` on a real result collection: one key, logged again."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
