@@ -6,14 +6,15 @@ transfer or all-reduce fails inside the communication backend, with text such as
 names neither the cause nor the fix.  :func:`is_peer_failure` recognises such errors and
 :func:`peer_failure_message` is the one wording of the condition: which rank noticed, in which
 phase, the process-group timeout that bounds the wait, and what to do.
-``ByteScaleStrategy.on_exception`` appends it to the backend's error (Lightning re-raises the
-original exception object); an engine loop of one's own raises
+``ByteScaleStrategy.on_exception`` appends it to the backend's error (:func:`add_peer_failure_hint`:
+Lightning re-raises the original exception object); an engine loop of one's own raises
 :class:`~lightning_bytescale.errors.PeerFailureError` with it, the backend's error attached as
 ``__cause__`` (docs/troubleshooting.md shows the five lines).
 """
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 from lightning_bytescale.errors import PeerFailureError
@@ -70,9 +71,26 @@ def peer_failure_message(*, rank: int, timeout: float | timedelta | None, phase:
     )
 
 
+def add_peer_failure_hint(
+    error: BaseException, *, rank: int, timeout: float | timedelta | None, phase: str
+) -> None:
+    """Append :func:`peer_failure_message` to a backend's lost-peer ``error`` in place (other errors are left alone).
+
+    A strategy's ``on_exception`` calls it: Lightning re-raises the original exception object,
+    so the hint must be in that object's message, after the backend's own text.
+    """
+    if not (isinstance(error, RuntimeError) and is_peer_failure(error)):
+        return
+    text = str(error)
+    hint = f"\n[ByteScale] {peer_failure_message(rank=rank, timeout=timeout, phase=phase)}"
+    with contextlib.suppress(Exception):
+        error.args = (f"{error.args[0] if error.args else text}{hint}", *error.args[1:])
+
+
 __all__ = [
     "PEER_FAILURE_MARKERS",
     "PeerFailureError",
+    "add_peer_failure_hint",
     "is_peer_failure",
     "peer_failure_message",
 ]

@@ -56,7 +56,7 @@ from torch.optim import Optimizer
 from lightning_bytescale.errors import CheckpointError, ConfigError
 from lightning_bytescale.parallel import full_state
 from lightning_bytescale.parallel.layout import Layout, MeshLayout, PipelineLayout
-from lightning_bytescale.parallel.zero import state_sharded_over_hdp_ranks
+from lightning_bytescale.parallel.zero import keeps_state, state_sharded_over_hdp_ranks
 
 CHECKPOINT_FORMATS = ("auto", "sharded", "consolidated")
 META_FILE = "meta.pt"  # Lightning's name for a sharded checkpoint's metadata file
@@ -477,6 +477,41 @@ class LayoutCheckpoints:
     def whole_state(self, module: Module) -> dict[str, Any]:
         """The module's state as one process holds it (what a spawned run hands back to the main process)."""
         return module.state_dict()
+
+    def before_save(self, filepath: str | Path, *, sharded: bool, rank: int, storage_options: Any) -> None:
+        """What a save of either format checks or clears at ``filepath`` first.
+
+        A consolidated file replaces the folder an earlier sharded save wrote there (rank 0
+        removes it); a sharded save does not go through the ``CheckpointIO`` plugin, so it takes
+        no ``storage_options``.
+        """
+        if not sharded:
+            if rank == 0 and is_sharded_checkpoint(filepath):
+                shutil.rmtree(filepath)
+            return
+        if storage_options is not None:
+            raise TypeError(
+                "ByteScaleStrategy.save_checkpoint(..., storage_options=...) is not supported for sharded "
+                "checkpoints (they do not use the CheckpointIO plugin); set checkpoint_format='consolidated'"
+            )
+
+    def load_folder(
+        self, path: str | Path, module: Any, optimizers: Sequence[Optimizer], *, weights_only: bool | None
+    ) -> dict[str, Any]:
+        """A sharded folder read for this rank (:func:`load_sharded`): the model in place, the optimizer state it keeps.
+
+        ZeRO's partition says which optimizer entries this rank keeps
+        (:func:`~lightning_bytescale.parallel.zero.keeps_state`); a pipeline stage expects only its own keys.
+        """
+        return load_sharded(
+            path,
+            module,
+            optimizers,
+            strict=module.strict_loading,
+            weights_only=weights_only,
+            keeps_state=keeps_state,
+            stage_only=self.stage_only,
+        )
 
 
 class MeshCheckpoints(LayoutCheckpoints):

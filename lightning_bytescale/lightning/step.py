@@ -119,11 +119,6 @@ class StepHost(Protocol):
         """The run's cost refinement (its micro-batch times ride in the step's sync), or ``None``."""
         ...
 
-    @property
-    def optimizer_in_step(self) -> Any:
-        """The optimizer whose closure runs now (handed to the precision plugin's backward)."""
-        ...
-
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any: ...
 
 
@@ -250,6 +245,10 @@ class StepLoop:
         self.warned_partial_loss = False
         self.offloader: Any = None
         self.eval_loss: dict[tuple[str, int], EvalLoss] = {}
+        self.step: TrainStep | None = None  # the optimizer step in flight
+        self.optimizer: Any = (
+            None  # the optimizer whose closure runs now (the precision plugin's backward gets it)
+        )
 
     @property
     def options(self) -> LoopOptions:
@@ -323,6 +322,74 @@ class StepLoop:
                 self.offloader = ActivationOffloader(find_blocks(module), **self.options.offloader_options)
         return self.offloader
 
+    # ------------------------------------------------------------------ Lightning's calls of one optimizer step
+    def training_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The strategy's ``training_step``: this rank's part of the step (:meth:`train`), kept as :attr:`step`.
+
+        Returns ``{"loss": ..., **extras}``: the loss becomes the step's global loss in
+        :meth:`backward`; the other keys of a dict ``training_step`` returned are lists, one entry per
+        micro-batch of this rank (what ``on_train_batch_end`` gets as ``outputs``).
+        """
+        batch = args[0] if args else None
+        if not isinstance(batch, STEP_BATCH_TYPES):
+            raise TypeError(
+                f"ByteScaleStrategy expects each training batch to be a StepBatch (one optimizer step), got "
+                f"{type(batch).__name__}. Use lightning_bytescale.ByteScaleDataModule (docs/data.md), or a "
+                "loader whose items are built with lightning_bytescale.engine.build_step from a plan of "
+                "lightning_bytescale.planner.make_plan (docs/engine.md)."
+            )
+        trainer = compat.module_trainer(self.host.lightning_module)
+        if trainer is not None:
+            refuse_accumulation(trainer)  # a scheduler raising it at an epoch start
+        self.step = self.train(batch, args[1:], kwargs)
+        return {"loss": self.step.loss.to(self.host.root_device), **self.step.extras}
+
+    def backward(self, closure_loss: Tensor) -> Tensor:
+        """The strategy's ``backward`` of the step in flight: its sync, then the precision plugin's backward hooks.
+
+        ``on_before_backward`` gets the step's global loss (the micro-batches' backwards ran in
+        ``training_step``; no gradient is visible in the hook, as after DDP's ``zero_grad``),
+        ``on_after_backward`` final gradients: summed over the ranks (ZeRO-2: this rank's own shard).
+        """
+        step, module, plugin = self.step, self.host.lightning_module, self.host.precision_plugin
+        assert step is not None and module is not None
+        self.sync(step)  # a pipeline's step synced in its schedule already: its result
+        closure_loss = closure_loss.detach()
+        closure_loss.copy_(step.loss.to(closure_loss.device))
+        step.put_aside()
+        plugin.pre_backward(closure_loss, module)
+        step.put_back()
+        return plugin.post_backward(closure_loss, module)
+
+    def closure(self, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Lightning's optimizer closure of ``optimizer`` (``training_step``, ``backward``), followed by the step's sync.
+
+        The sync runs even where Lightning skipped ``backward``, and the closure's loss becomes
+        the step's global loss (what Lightning hands to ``on_train_batch_end``).
+        """
+        self.optimizer = optimizer
+
+        def closure_of_the_step() -> Any:
+            out = closure()
+            step = self.step
+            if step is not None and not step.synced:  # Lightning skipped backward: sync all the same
+                self.sync(step)
+            if isinstance(out, Tensor) and step is not None:
+                out.copy_(step.loss.to(out.device, out.dtype))
+            return out
+
+        return closure_of_the_step
+
+    def end_step(self) -> dict[str, Any]:
+        """After the optimizer step (or its failure): the step's statistics with its time (``{}`` without any)."""
+        self.idle()
+        self.optimizer = None
+        step, self.step = self.step, None
+        if step is None or not step.stats:
+            return {}
+        step.stats["step_time_s"] = time.perf_counter() - step.started
+        return step.stats
+
     # ------------------------------------------------------------------ training
     def train(self, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> TrainStep:
         """This rank's part of one step through the layout's runner, each forward and backward; gradients put aside."""
@@ -345,7 +412,7 @@ class StepLoop:
 
         def backward(loss: Tensor) -> None:
             host.precision_plugin.backward(
-                scaler.scale(loss) if scaler is not None else loss, module, host.optimizer_in_step
+                scaler.scale(loss) if scaler is not None else loss, module, self.optimizer
             )
 
         every = options.check_parameters_every_n_steps

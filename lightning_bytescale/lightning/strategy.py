@@ -15,10 +15,17 @@ synchronised backwards on every rank), so the strategy is a ``ParallelStrategy``
 Lightning's ``ModelParallelStrategy``, and does itself what DDP would: it sets the device,
 initialises the process group (NCCL on CUDA, gloo on CPU), materialises meta-device models
 from ``configure_model``, and broadcasts rank 0's parameters and buffers so every rank starts
-from the same model.  What this file holds is the ``ParallelStrategy`` overrides; the step
-loop, the layout and its runner (:mod:`~lightning_bytescale.parallel.layout`), ZeRO (:mod:`~lightning_bytescale.parallel.zero`), the argument checks
-(:mod:`~lightning_bytescale.lightning.strategy_options`) and epoch-end metric reductions
-(:mod:`~lightning_bytescale.lightning.epoch_metrics`) live in their own modules.
+from the same model.  What this file holds is the ``ParallelStrategy`` overrides, glue over
+modules that take narrow inputs, never the strategy: the step loop and Lightning's three calls of
+a step (:mod:`~lightning_bytescale.lightning.step`), the layout and its runner
+(:mod:`~lightning_bytescale.parallel.layout`), ZeRO (:mod:`~lightning_bytescale.parallel.zero`),
+the argument checks (:mod:`~lightning_bytescale.lightning.strategy_options`), the run's
+refusals (:mod:`~lightning_bytescale.lightning.run_checks`), its process groups
+(:mod:`~lightning_bytescale.lightning.process_groups`), the step watchdog and preemption handler
+(:mod:`~lightning_bytescale.lightning.run_guards`), the clip install
+(:mod:`~lightning_bytescale.lightning.clipping`), each layout's checkpoints
+(:mod:`~lightning_bytescale.lightning.checkpoint`) and epoch-end metric reductions
+(:mod:`~lightning_bytescale.lightning.epoch_metrics`).
 Registration of ``bytescale`` (popen launcher), ``bytescale_spawn`` and ``bytescale_fork`` is
 at the end of this file.
 """
@@ -28,8 +35,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import shutil
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,7 +52,6 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -56,15 +60,21 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bytescale.engine.comm_device import barrier as comm_barrier
-from lightning_bytescale.engine.failures import is_peer_failure, peer_failure_message
+from lightning_bytescale.engine.failures import add_peer_failure_hint
 from lightning_bytescale.engine.runner import StepRunner
 from lightning_bytescale.engine.zero import resolve_zero_level
-from lightning_bytescale.errors import ConfigError
 
 # Modules of this floor that import Lightning are imported as modules: the first import of
 # Lightning imports this module (it registers the strategy names), maybe while one of them is
 # still being imported.
-from lightning_bytescale.lightning import auto_cost, cost_refinement
+from lightning_bytescale.lightning import (
+    auto_cost,
+    clipping,
+    cost_refinement,
+    process_groups,
+    run_checks,
+    run_guards,
+)
 from lightning_bytescale.lightning import compat as compat
 from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
 from lightning_bytescale.lightning import progress as progress
@@ -73,7 +83,6 @@ from lightning_bytescale.lightning import strategy_options as options_
 from lightning_bytescale.lightning.checkpoint import (
     is_sharded_checkpoint,
     layout_checkpoints,
-    load_sharded,
     save_sharded,
 )
 from lightning_bytescale.parallel.errors import ParallelDimsError
@@ -89,7 +98,7 @@ from lightning_bytescale.parallel.layout import (
 )
 from lightning_bytescale.parallel.pipeline_stage import DecoderStage
 from lightning_bytescale.parallel.pipeline_step import StageSchedules
-from lightning_bytescale.parallel.zero import ClipFn, keeps_state, shard_optimizers
+from lightning_bytescale.parallel.zero import ClipFn, shard_optimizers
 from lightning_bytescale.planner.config import PlannerConfig
 
 if TYPE_CHECKING:
@@ -296,8 +305,6 @@ class ByteScaleStrategy(ParallelStrategy):
         self.log_loss = bool(log_loss)
         self.loss_name = loss_name
         self.step_stats: dict[str, Any] = {}
-        self._optimizer: Optimizer | None = None
-        self._step: step_loop.TrainStep | None = None  # the optimizer step in flight
         self._loop = step_loop.StepLoop(self)
         self._watchdog: StepWatchdog | None = None
         self._preemption: PreemptionHandler | None = None
@@ -355,10 +362,6 @@ class ByteScaleStrategy(ParallelStrategy):
     @property
     def preemption_handler(self) -> PreemptionHandler | None:
         return self._preemption
-
-    @property
-    def optimizer_in_step(self) -> Optimizer | None:
-        return self._optimizer
 
     @property
     def loop_options(self) -> step_loop.LoopOptions:
@@ -465,36 +468,27 @@ class ByteScaleStrategy(ParallelStrategy):
         arguments contradict :attr:`planner_config` or whose options the HDP ranks cannot run
         (``ByteScaleDataModule.validate``: a ``context_length`` longer than the planner can place).
         """
-        step_loop.StepLoop.refuse_accumulation(trainer)
-        options_.check_cost_model_heads(self.planner_config, self.lightning_module, self.tensor_parallel_size)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        self._layout_class.check_before_launch(scaler=scaler, pipelines=self.pipeline_parallel_size)
-        progress.prefer_step_bar(trainer)  # Lightning's default bar reads "Epoch 0/-2" on step-bounded runs
-        hdp_ranks = max(
-            1,
-            self.num_nodes * self.num_processes // (self.tensor_parallel_size * self.pipeline_parallel_size),
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        run_checks.check_trainer(
+            trainer, config=self.planner_config, module=self.lightning_module, tensor_parallel_size=tp
         )
-        for value in (*args, *kwargs.values()):
-            check = getattr(value, "check_planner_config", None)
-            if callable(check):
-                check(self.planner_config)
-                validate = getattr(value, "validate", None)
-                if callable(validate):
-                    validate(world_size=hdp_ranks, planner_options=self.planner_config)
+        self._layout_class.check_before_launch(
+            scaler=getattr(self.precision_plugin, "scaler", None), pipelines=pp
+        )
+        progress.prefer_step_bar(trainer)  # Lightning's default bar reads "Epoch 0/-2" on step-bounded runs
+        hdp_ranks = max(1, self.num_nodes * self.num_processes // (tp * pp))
+        run_checks.check_data_modules((*args, *kwargs.values()), self.planner_config, hdp_ranks=hdp_ranks)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the accelerator sets the CUDA device here, before any NCCL call
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or (
-            compat._get_default_process_group_backend_for_device(self.root_device)
-        )
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._process_group_backend = process_groups.init_default_group(
+            self.cluster_environment, backend=self._process_group_backend, device=self.root_device,
+            timeout=self._timeout,
+        )  # fmt: skip
         # the mesh (once; none for plain HDP), the module's device_mesh before configure_model
         if self._mesh is None:
             dims = check_world(
@@ -515,17 +509,11 @@ class ByteScaleStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        step_loop.StepLoop.refuse_accumulation(trainer)
         module = trainer.lightning_module
-        options_.check_cost_model_heads(
-            self.planner_config, module, self.tensor_parallel_size
-        )  # after configure_model
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and not module.automatic_optimization:
-            raise ConfigError(
-                "ByteScaleStrategy runs the micro-batch loop and the gradient all-reduce itself and needs "
-                "automatic optimization; remove `self.automatic_optimization = False` from the LightningModule."
-            )
+        run_checks.check_trainer(  # again: configure_model has built the model
+            trainer, config=self.planner_config, module=module, tensor_parallel_size=self.tensor_parallel_size
+        )
+        fitting = run_checks.check_fit(trainer)
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         layout, scaler = self.layout, getattr(self.precision_plugin, "scaler", None)
@@ -564,25 +552,14 @@ class ByteScaleStrategy(ParallelStrategy):
         self._runner = make_runner(layout, self.model, self._runner_options(), self.fsdp)
         if fitting and not any(isinstance(c, epoch_metrics.TrainEpochMetrics) for c in trainer.callbacks):
             trainer.callbacks.append(epoch_metrics.TrainEpochMetrics(self.reduce))
-        self._setup_lifecycle(trainer)
-
-    def _setup_lifecycle(self, trainer: pl.Trainer) -> None:
-        """The step watchdog and the preemption handler (its callback installs it at train start)."""
-        from lightning_bytescale.engine.watchdog import StepWatchdog
-        from lightning_bytescale.lightning.preemption import PreemptionCallback, PreemptionHandler
-
-        seconds = self.watchdog if self.watchdog is not True else self._pg_seconds()
-        if self._watchdog is None and self.watchdog is not False and seconds is not None:
-            option = f"ByteScaleStrategy({'watchdog' if self.watchdog is not True else 'timeout'}=...)"
-            self._watchdog = StepWatchdog(float(seconds), self.global_rank, timeout_option=option).start()
-        if self.preemption is False or trainer.state.fn != TrainerFn.FITTING:
-            return
-        callback = next((c for c in trainer.callbacks if isinstance(c, PreemptionCallback)), None)
-        if callback is None:
-            signals = ("SIGTERM",) if self.preemption is True else tuple(self.preemption)
-            callback = PreemptionCallback(PreemptionHandler(signals))
-            trainer.callbacks.append(callback)
-        self._preemption = callback.handler
+        # the run's guards: the step watchdog, and the preemption handler (its callback installs it at train start)
+        if self._watchdog is None:
+            self._watchdog = run_guards.start_watchdog(
+                self.watchdog, pg_seconds=self._pg_seconds(), rank=self.global_rank
+            )
+        handler = run_guards.preemption_handler(trainer, self.preemption)
+        if handler is not None:  # a fit with preemption on (another run keeps the last fit's)
+            self._preemption = handler
 
     def _pg_seconds(self) -> float | None:
         return None if self._timeout is None else self._timeout.total_seconds()
@@ -599,7 +576,7 @@ class ByteScaleStrategy(ParallelStrategy):
             # a step that failed part-way leaves its state (and the works it holds) here; the
             # group stays registered with torch.distributed (as DDP's do) but this strategy no
             # longer holds it: once the user destroys the process groups nothing keeps it alive
-            self._step = None
+            self._loop.step = None
             self._grad_group = None
             self._runner = None
             self._stage_schedules = None  # the pipeline stages and their receive buffers
@@ -630,31 +607,8 @@ class ByteScaleStrategy(ParallelStrategy):
         self._clip_by_global_norm(sharded.clip)
 
     def _clip_by_global_norm(self, clip: ClipFn | None = None) -> None:
-        """The one install of clipping by norm: the precision plugin's ``clip_grad_by_norm``, where the layout needs another.
-
-        ``LightningModule.clip_gradients`` calls the precision plugin, whose norm is the norm of
-        the gradients this rank holds.  Where a rank holds only part of them (ZeRO-2's shard, a
-        DTensor's shard, a pipeline stage's parameters) the norm must combine the parts
-        (:func:`~lightning_bytescale.parallel.zero.shard_optimizers` says how): this plugin
-        instance's method is replaced by one that does (clipping by value works on each part as
-        it is).  A float16 ``GradScaler`` with ZeRO-2 is refused: each rank would decide on its own
-        shard whether to skip a step.
-        """
-        plugin = self.precision_plugin
-        if self.zero == 2 and getattr(plugin, "scaler", None) is not None:
-            raise ConfigError(
-                "ByteScaleStrategy(zero=2) cannot run with a float16 GradScaler (precision='16-mixed'): each rank "
-                "would decide on its own gradient shard whether to skip a step. Use precision='bf16-mixed' or "
-                "'32-true', or zero=1."
-            )
-        if clip is None:  # the precision plugin's own norm is the right one
-            return
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-            clip(inner, plugin.main_params(optimizer), clip_val)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        """The one install of clipping by norm (:func:`~lightning_bytescale.lightning.clipping.install_clip_by_norm`)."""
+        clipping.install_clip_by_norm(self.precision_plugin, clip, zero=self.zero)
 
     def _runner_options(self) -> RunnerOptions:
         """What the layout's runner is made with: the gradient sync, ZeRO-2's owners, the stop flag, a pipeline's stages."""
@@ -669,21 +623,11 @@ class ByteScaleStrategy(ParallelStrategy):
         )
 
     def _bucket_group(self) -> Any:
-        """Plain HDP's bucket group: its own (created once, on every rank, when training), else the default group.
-
-        The bucket all-reduces may be in flight while other ranks' ring exchanges run
-        point-to-point on the global group (each rank issues its own ring transfers before its
-        buckets: docs/engine.md).  It gets the global group's timeout (a new group's default is
-        the backend's, 30 min on gloo), so a peer stuck before its last bucket fails the others
-        as fast as one stuck elsewhere.  On the mesh the buckets run on the lane's data-parallel group.
-        """
-        if (
-            self._grad_group is None
-            and self._fitting
-            and compat._distributed_is_initialized()
-            and self.world_size > 1
-        ):
-            self._grad_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+        """Plain HDP's bucket group: its own (:func:`~lightning_bytescale.lightning.process_groups.new_bucket_group`, once, when training), else the default group."""
+        if self._grad_group is None and self._fitting:
+            self._grad_group = process_groups.new_bucket_group(
+                backend=self._process_group_backend, timeout=self._timeout, world_size=self.world_size
+            )
         return self._grad_group
 
     # ------------------------------------------------------------------ collectives
@@ -767,15 +711,12 @@ class ByteScaleStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
         """Sharded: every rank writes its part of the folder ``filepath``; else rank 0 writes one file."""
-        if not self.sharded_checkpoints:
-            if self.is_global_zero and is_sharded_checkpoint(filepath):
-                shutil.rmtree(filepath)  # a file replaces the folder an earlier sharded save wrote there
+        sharded = self.sharded_checkpoints
+        self._checkpoints.before_save(
+            filepath, sharded=sharded, rank=self.global_rank, storage_options=storage_options
+        )
+        if not sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if storage_options is not None:
-            raise TypeError(
-                "ByteScaleStrategy.save_checkpoint(..., storage_options=...) is not supported for sharded "
-                "checkpoints (they do not use the CheckpointIO plugin); set checkpoint_format='consolidated'"
-            )
         path = self.broadcast(filepath)  # every rank writes into rank 0's folder
         self._phase = f"saving the sharded checkpoint {path}"
         save_sharded(checkpoint, path, rank=self.global_rank, barrier=self.barrier)
@@ -791,14 +732,8 @@ class ByteScaleStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         self._phase = f"loading the sharded checkpoint {checkpoint_path}"
-        return load_sharded(
-            checkpoint_path,
-            module,
-            self.optimizers,
-            strict=module.strict_loading,
-            weights_only=weights_only,
-            keeps_state=keeps_state,
-            stage_only=self._checkpoints.stage_only,
+        return self._checkpoints.load_folder(
+            checkpoint_path, module, self.optimizers, weights_only=weights_only
         )
 
     # ------------------------------------------------------------------ options
@@ -820,47 +755,17 @@ class ByteScaleStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ the step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """This rank's micro-batches, each forward and backward (:meth:`~lightning_bytescale.lightning.step.StepLoop.train`).
-
-        Returns ``{"loss": ..., **extras}``: the loss becomes the step's global loss in
-        ``backward``; the other keys of a dict ``training_step`` returned are lists, one entry per
-        micro-batch of this rank (what ``on_train_batch_end`` gets as ``outputs``).
-        """
-        batch = args[0] if args else None
-        if not isinstance(batch, step_loop.STEP_BATCH_TYPES):
-            raise TypeError(
-                f"ByteScaleStrategy expects each training batch to be a StepBatch (one optimizer step), got "
-                f"{type(batch).__name__}. Use lightning_bytescale.ByteScaleDataModule (docs/data.md), or a "
-                "loader whose items are built with lightning_bytescale.engine.build_step from a plan of "
-                "lightning_bytescale.planner.make_plan (docs/engine.md)."
-            )
-        trainer = compat.module_trainer(self.lightning_module)
-        if trainer is not None:
-            step_loop.StepLoop.refuse_accumulation(trainer)  # a scheduler raising it at an epoch start
-        self._step = self._loop.train(batch, args[1:], kwargs)
-        return {"loss": self._step.loss.to(self.root_device), **self._step.extras}
+        """This rank's micro-batches, each forward and backward (:meth:`~lightning_bytescale.lightning.step.StepLoop.training_step`)."""
+        return self._loop.training_step(args, kwargs)
 
     @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
-        """The step's gradient sync (every rank, once per step), then the backward hooks.
-
-        ``on_before_backward`` gets the step's global loss (the micro-batches' backwards ran in
-        ``training_step``; no gradient is visible in the hook, as after DDP's ``zero_grad``),
-        ``on_after_backward`` final gradients: summed over the ranks (ZeRO-2: this rank's own shard).
-        """
-        step = self._step
-        module = self.lightning_module
-        if step is None or module is None:
+        """The step's gradient sync (every rank, once per step), then the backward hooks (:meth:`~lightning_bytescale.lightning.step.StepLoop.backward`)."""
+        if self._loop.step is None or self.lightning_module is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._loop.sync(step)  # a pipeline's step synced in its schedule already: its result
-        closure_loss = closure_loss.detach()
-        closure_loss.copy_(step.loss.to(closure_loss.device))
-        step.put_aside()
-        self.precision_plugin.pre_backward(closure_loss, module)
-        step.put_back()
-        return self.precision_plugin.post_backward(closure_loss, module)
+        return self._loop.backward(closure_loss)
 
     @override
     def optimizer_step(
@@ -871,26 +776,11 @@ class ByteScaleStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         """Lightning's closure (``training_step``, ``backward``: the sync), then clipping and the optimizer step."""
-        self._optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-        def closure_of_the_step() -> Any:
-            out = closure()
-            step = self._step
-            if step is not None and not step.synced:  # Lightning skipped backward: sync all the same
-                self._loop.sync(step)
-            if isinstance(out, Tensor) and step is not None:
-                out.copy_(step.loss.to(out.device, out.dtype))  # what Lightning hands to on_train_batch_end
-            return out
-
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         try:
-            return super().optimizer_step(optimizer, closure_of_the_step, model, **kwargs)
+            return super().optimizer_step(optimizer, self._loop.closure(inner, closure), model, **kwargs)
         finally:
-            self._loop.idle()
-            self._optimizer = None
-            step, self._step = self._step, None
-            if step is not None and step.stats:
-                step.stats["step_time_s"] = time.perf_counter() - step.started
-                self.step_stats = step.stats
+            self.step_stats = self._loop.end_step() or self.step_stats
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -920,15 +810,7 @@ class ByteScaleStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ errors
     @override
     def on_exception(self, exception: BaseException) -> None:
-        text = str(exception)
-        if isinstance(exception, RuntimeError) and is_peer_failure(exception):
-            message = peer_failure_message(rank=self.global_rank, timeout=self._timeout, phase=self._phase)
-            hint = f"\n[ByteScale] {message}"
-            with contextlib.suppress(Exception):
-                exception.args = (
-                    f"{exception.args[0] if exception.args else text}{hint}",
-                    *exception.args[1:],
-                )
+        add_peer_failure_hint(exception, rank=self.global_rank, timeout=self._timeout, phase=self._phase)
 
     # ------------------------------------------------------------------ registry
     @classmethod
