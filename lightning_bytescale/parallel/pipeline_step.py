@@ -320,7 +320,8 @@ def _build(
         scope=scope,
     )
     schedule_cls = Schedule1F1B if key.schedule == ONE_F_ONE_B else ScheduleGPipe
-    schedule = schedule_cls(stage, key.micro_batches, loss_fn=TokenLoss(scope), scale_grads=False)
+    loss_fn = None if forward_only else TokenLoss(scope)  # without one, torch's schedule runs no backward
+    schedule = schedule_cls(stage, key.micro_batches, loss_fn=loss_fn, scale_grads=False)
     return StageSchedule(key, stage, schedule, scope)
 
 
@@ -421,6 +422,32 @@ def arm_for_last_backward(
     return module.register_forward_hook(on_forward, with_kwargs=True)
 
 
+@contextlib.contextmanager
+def _evaluation_losses(
+    module: DecoderStage, micro_batches: Sequence[PackedMicroBatch], losses: list[torch.Tensor]
+) -> Iterator[None]:
+    """On the last stage, each forward's token loss appended to ``losses`` as its logits come out.
+
+    ``token_loss(logits, mb.labels, mb.num_global_tokens)`` of the micro-batch in the forward's
+    ``slot``, detached: the forward-only schedule keeps no output (``return_outputs=False``), so
+    only this scalar outlives the forward.  Other stages: nothing.
+    """
+    if not module.is_last:
+        yield
+        return
+
+    def on_forward(_module: nn.Module, _args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        mb = micro_batches[int(kwargs["slot"].reshape(-1)[0])]
+        labels = mb.labels.to(output.device)
+        losses.append(token_loss(output[0], labels, mb.num_global_tokens).detach())
+
+    handle = module.register_forward_hook(on_forward, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 class PipelineRunner:
     """The step runner when every HDP rank is a pipeline: torch's schedule, the gradient sum per stage, the loss.
 
@@ -505,13 +532,14 @@ class PipelineRunner:
     ) -> LocalResult:
         """The pipeline's forward-only schedule on ``batch``: each micro-batch's token loss at the last stage.
 
-        torch's schedule runs the stages' forwards (no backward, no gradient, no sync) with the
-        last stage's :class:`TokenLoss` over the step's global token count, so the last stage's
-        result is its pipeline's share of the global token mean (``loss``) and its loss tokens;
-        the other stages return zeros, so a sum over the world counts every token once.
-        ``compute.forward`` is not called: as in training, a stage cannot run the
-        LightningModule's own step.  The caller's context (the precision plugin's
-        ``val_step_context``) is already entered around this call.  Prediction (per micro-batch
+        torch's schedule, built without a loss function, runs only the stages' forwards (no
+        backward, no gradient, no sync); the last stage's output of each micro-batch (its logits)
+        gives the micro-batch's token loss over the step's global token count as it comes out
+        (:func:`_evaluation_losses`), so the last stage's result is its pipeline's share of the global
+        token mean (``loss``) and its loss tokens; the other stages return zeros, so a sum over the
+        world counts every token once.  ``compute.forward`` is not called: as in training, a stage
+        cannot run the LightningModule's own step.  The caller's context (the precision plugin's
+        ``val_step_context``) is already entered around this call.  Prediction (each micro-batch's
         outputs) is refused by name.
         """
         pmesh = self.pmesh
@@ -529,22 +557,13 @@ class PipelineRunner:
             entry = _build(
                 module, key, pmesh, forward_only=True
             )  # this batch's only: no training buffers kept
-            entry.scope.num_global_tokens = batch.step.num_global_tokens
             module.bind(mbs)
             inputs = (torch.stack([mb.input_ids for mb in mbs]).to(device),) if module.is_first else ()
-            target = torch.stack([mb.labels for mb in mbs]).to(device) if module.is_last else None
             try:
-                with torch.no_grad():
-                    entry.schedule.eval(
-                        *inputs,
-                        target=target,
-                        losses=losses,
-                        return_outputs=False,
-                        slot=torch.arange(len(mbs)),
-                    )
+                with torch.no_grad(), _evaluation_losses(module, mbs, losses):
+                    entry.schedule.step(*inputs, return_outputs=False, slot=torch.arange(len(mbs)))
             finally:
                 module.bind(())
-                entry.scope.reset()
         last = module.is_last
         return LocalResult(
             loss=torch.tensor(sum(float(x) for x in losses) if last else 0.0, dtype=torch.float64),
