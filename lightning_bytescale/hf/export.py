@@ -12,7 +12,6 @@ configuration ``HFCausalLM`` kept in the checkpoint's hyper-parameters (its sour
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_bytescale.errors import CheckpointError
 from lightning_bytescale.hf.loading import ModelSource
-from lightning_bytescale.lightning.checkpoint import MODEL_KEY, read_consolidated
+from lightning_bytescale.lightning.checkpoint import MODEL_KEY, export_parser, read_consolidated, run_export
 
 PREFIX = "model."  # HFCausalLM's attribute holding the Hugging Face model
 SAVED_ATTENTION = "sdpa"  # what the written folder's config names: it loads without this package
@@ -73,20 +72,14 @@ def export_pretrained(folder: str | Path, out: str | Path) -> Path:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """``python -m lightning_bytescale.hf.export FOLDER OUT``: an HFCausalLM checkpoint as a Hugging Face folder."""
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_bytescale.hf.export",
-        description="Write the HFCausalLM of a sharded checkpoint folder (pipelines, tensor parallelism) as a "
-        "folder that AutoModelForCausalLM.from_pretrained reads.",
+    parser = export_parser(
+        "python -m lightning_bytescale.hf.export",
+        "Write the HFCausalLM of a sharded checkpoint folder (pipelines, tensor parallelism) as a folder that "
+        "AutoModelForCausalLM.from_pretrained reads.",
+        "the Hugging Face folder to write",
     )
-    parser.add_argument("folder", help="the sharded checkpoint folder (e.g. checkpoints/last.ckpt)")
-    parser.add_argument("out", help="the Hugging Face folder to write")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    try:
-        written = export_pretrained(args.folder, args.out)
-    except CheckpointError as err:
-        parser.exit(2, f"error: {err}\n")
-    print(f"wrote {written}")
-    return 0
+    return run_export(parser, lambda: export_pretrained(args.folder, args.out))
 
 
 if __name__ == "__main__":

@@ -675,15 +675,32 @@ def load_for_module(
     return checkpoint
 
 
+def export_parser(prog: str, description: str, out_help: str) -> argparse.ArgumentParser:
+    """The command line of an export of a sharded checkpoint: ``FOLDER OUT`` (and whatever the caller adds)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("folder", help="the sharded checkpoint folder (e.g. checkpoints/last.ckpt)")
+    parser.add_argument("out", help=out_help)
+    return parser
+
+
+def run_export(parser: argparse.ArgumentParser, export: Callable[[], Path]) -> int:
+    """Run ``export()``: a :class:`CheckpointError` is the command's error (exit 2), else the path written is printed."""
+    try:
+        written = export()
+    except CheckpointError as err:
+        parser.exit(2, f"error: {err}\n")
+    print(f"wrote {written}")
+    return 0
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     """``python -m lightning_bytescale.lightning.checkpoint FOLDER OUT.ckpt``: export a sharded checkpoint."""
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_bytescale.lightning.checkpoint",
-        description="Turn a sharded checkpoint folder (of any layout, pipelines and tensor parallelism included) "
-        "into one consolidated checkpoint file, or with --model-only into the model's state dict.",
+    parser = export_parser(
+        "python -m lightning_bytescale.lightning.checkpoint",
+        "Turn a sharded checkpoint folder (of any layout, pipelines and tensor parallelism included) into one "
+        "consolidated checkpoint file, or with --model-only into the model's state dict.",
+        "the consolidated file to write",
     )
-    parser.add_argument("folder", help="the sharded checkpoint folder (e.g. checkpoints/last.ckpt)")
-    parser.add_argument("out", help="the consolidated file to write")
     parser.add_argument(
         "--model-only",
         metavar="PREFIX",
@@ -694,15 +711,9 @@ def main(argv: Iterable[str] | None = None) -> int:
         "e.g. 'model.'): a file that the unsplit model's load_state_dict reads",
     )
     args = parser.parse_args(list(argv) if argv is not None else None)
-    try:
-        if args.model_only is None:
-            written = export_consolidated(args.folder, args.out)
-        else:
-            written = export_model(args.folder, args.out, args.model_only)
-    except CheckpointError as err:
-        parser.exit(2, f"error: {err}\n")
-    print(f"wrote {written}")
-    return 0
+    if args.model_only is None:
+        return run_export(parser, lambda: export_consolidated(args.folder, args.out))
+    return run_export(parser, lambda: export_model(args.folder, args.out, args.model_only))
 
 
 if __name__ == "__main__":

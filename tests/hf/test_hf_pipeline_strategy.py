@@ -109,11 +109,12 @@ def test_hf_qwen3_pipelines_2x2_under_the_strategy_equal_one_process(tmp_path):
     assert worst_param <= 1e-10 and worst_loss <= 1e-10, (worst_param, worst_loss)
 
     # the sharded checkpoint as one Hugging Face folder: the reference's weights, its held-out loss
-    from lightning_bytescale.hf import export_pretrained
+    from lightning_bytescale.hf.export import main as export
 
-    exported = AutoModelForCausalLM.from_pretrained(
-        export_pretrained(tmp_path / "last.ckpt", tmp_path / "hf"), dtype=torch.float64
-    )
+    assert (
+        export([str(tmp_path / "last.ckpt"), str(tmp_path / "hf")]) == 0
+    )  # python -m lightning_bytescale.hf.export
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
     assert exported.config._attn_implementation == "sdpa"
     state = exported.state_dict()
     assert {f"model.{k}" for k in state} == expected.keys()
