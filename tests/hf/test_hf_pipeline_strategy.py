@@ -9,7 +9,8 @@ item across both pipelines.  Float64, clipping acting in every step, AdamW with 
 reference loads the same checkpoint in one process with ``"sdpa"`` on each whole sequence.
 Parameters (every stage's, by name) and the loss logged on every rank must agree to 1e-10; the
 run's sharded checkpoint, exported as a Hugging Face folder (``export_pretrained``), loads with
-``from_pretrained`` as the reference's weights (1e-10) with its loss on a held-out batch.
+``from_pretrained`` as the reference's weights (1e-10) with its loss on a held-out batch, which the
+``val/loss`` the run logged at the epoch's end (the forward-only schedule of the HF stages) equals.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ STEPS = 5  # step 4: PP-Balance gives the pipelines 3 and 4 micro-batches
 STAGES = 2
 OPTIM = {"lr": 1e-2, "weight_decay": 0.1, "max_norm": 0.05}
 FAMILY = "qwen3"
+HELD_OUT = 100  # the global batch validated on (not trained on)
 
 
 def _step(pmesh, k: int):
@@ -65,6 +67,11 @@ class Recorder(pl.Callback):
             }
         )
 
+    def on_validation_end(self, trainer, pl_module):
+        (self.out / f"val_{trainer.global_rank}.json").write_text(
+            str(float(trainer.callback_metrics["val/loss"]))
+        )
+
     def on_train_end(self, trainer, pl_module):
         trainer.save_checkpoint(self.out / "last.ckpt")  # every rank: a sharded folder of every stage
         r = trainer.global_rank
@@ -89,7 +96,7 @@ def test_hf_qwen3_pipelines_2x2_under_the_strategy_equal_one_process(tmp_path):
     strategy = ByteScaleStrategy(
         pipeline_parallel_size=STAGES, capacity=CAPACITY, start_method="fork", timeout=120
     )
-    fit_hf(tmp_path, path, strategy, Recorder(tmp_path), STEPS, _step, **OPTIM)
+    fit_hf(tmp_path, path, strategy, Recorder(tmp_path), STEPS, _step, held_out=(HELD_OUT,), **OPTIM)
     expected, losses = hf_reference(path, STEPS, **OPTIM)
     worst_param = worst_loss = 0.0
     seen: set[str] = set()
@@ -111,9 +118,8 @@ def test_hf_qwen3_pipelines_2x2_under_the_strategy_equal_one_process(tmp_path):
     # the sharded checkpoint as one Hugging Face folder: the reference's weights, its held-out loss
     from lightning_bytescale.hf.export import main as export
 
-    assert (
-        export([str(tmp_path / "last.ckpt"), str(tmp_path / "hf")]) == 0
-    )  # python -m lightning_bytescale.hf.export
+    # python -m lightning_bytescale.hf.export FOLDER OUT
+    assert export([str(tmp_path / "last.ckpt"), str(tmp_path / "hf")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
     assert exported.config._attn_implementation == "sdpa"
     state = exported.state_dict()
@@ -126,13 +132,17 @@ def test_hf_qwen3_pipelines_2x2_under_the_strategy_equal_one_process(tmp_path):
         f"exported HF folder: max parameter difference {worst_export:.3e}, held-out loss {got!r} vs {want!r}"
     )
     assert worst_export <= 1e-10 and abs(got - want) <= 1e-10, (worst_export, got, want)
+    # the validation at the epoch's end, through the HF stages' forward-only schedule: the same loss
+    logged = [float((tmp_path / f"val_{r}.json").read_text()) for r in range(4)]
+    print(f"val/loss {logged[0]!r}: max difference {max(abs(v - want) for v in logged):.1e}")
+    assert max(abs(v - want) for v in logged) <= 1e-10, (logged, want)
 
 
 def _held_out_loss(model) -> float:
     """The token mean of the cross-entropy over a held-out global batch, whole sequences, one process."""
     ce, tokens = 0.0, 0
     with torch.no_grad():
-        for s in global_batch(100):
+        for s in global_batch(HELD_OUT):
             logits = model(
                 input_ids=s[None], position_ids=torch.arange(len(s))[None], use_cache=False
             ).logits[0]
