@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_bytescale.errors import CheckpointError
 from lightning_bytescale.hf.loading import ModelSource
-from lightning_bytescale.lightning.checkpoint import MODEL_KEY, export_parser, read_consolidated, run_export
+from lightning_bytescale.lightning.checkpoint import MODEL_KEY, export_command, read_consolidated
 
 PREFIX = "model."  # HFCausalLM's attribute holding the Hugging Face model
 SAVED_ATTENTION = "sdpa"  # what the written folder's config names: it loads without this package
@@ -72,14 +72,14 @@ def export_pretrained(folder: str | Path, out: str | Path) -> Path:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """``python -m lightning_bytescale.hf.export FOLDER OUT``: an HFCausalLM checkpoint as a Hugging Face folder."""
-    parser = export_parser(
-        "python -m lightning_bytescale.hf.export",
-        "Write the HFCausalLM of a sharded checkpoint folder (pipelines, tensor parallelism) as a folder that "
-        "AutoModelForCausalLM.from_pretrained reads.",
-        "the Hugging Face folder to write",
+    return export_command(
+        argv,
+        prog="python -m lightning_bytescale.hf.export",
+        description="Write the HFCausalLM of a sharded checkpoint folder (pipelines, tensor parallelism) as a "
+        "folder that AutoModelForCausalLM.from_pretrained reads.",
+        out_help="the Hugging Face folder to write",
+        export=lambda args: export_pretrained(args.folder, args.out),
     )
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    return run_export(parser, lambda: export_pretrained(args.folder, args.out))
 
 
 if __name__ == "__main__":

@@ -675,32 +675,34 @@ def load_for_module(
     return checkpoint
 
 
-def export_parser(prog: str, description: str, out_help: str) -> argparse.ArgumentParser:
-    """The command line of an export of a sharded checkpoint: ``FOLDER OUT`` (and whatever the caller adds)."""
+def export_command(
+    argv: Iterable[str] | None,
+    *,
+    prog: str,
+    description: str,
+    out_help: str,
+    export: Callable[[argparse.Namespace], Path],
+    options: Callable[[argparse.ArgumentParser], Any] | None = None,
+) -> int:
+    """A command exporting a sharded checkpoint: ``FOLDER OUT`` (``options`` adds the rest), then ``export(args)``.
+
+    A :class:`CheckpointError` is the command's error (exit 2); else it prints the path written.
+    """
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("folder", help="the sharded checkpoint folder (e.g. checkpoints/last.ckpt)")
     parser.add_argument("out", help=out_help)
-    return parser
-
-
-def run_export(parser: argparse.ArgumentParser, export: Callable[[], Path]) -> int:
-    """Run ``export()``: a :class:`CheckpointError` is the command's error (exit 2), else the path written is printed."""
+    if options is not None:
+        options(parser)
+    args = parser.parse_args(list(argv) if argv is not None else None)
     try:
-        written = export()
+        written = export(args)
     except CheckpointError as err:
         parser.exit(2, f"error: {err}\n")
     print(f"wrote {written}")
     return 0
 
 
-def main(argv: Iterable[str] | None = None) -> int:
-    """``python -m lightning_bytescale.lightning.checkpoint FOLDER OUT.ckpt``: export a sharded checkpoint."""
-    parser = export_parser(
-        "python -m lightning_bytescale.lightning.checkpoint",
-        "Turn a sharded checkpoint folder (of any layout, pipelines and tensor parallelism included) into one "
-        "consolidated checkpoint file, or with --model-only into the model's state dict.",
-        "the consolidated file to write",
-    )
+def _model_only(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-only",
         metavar="PREFIX",
@@ -710,10 +712,25 @@ def main(argv: Iterable[str] | None = None) -> int:
         help="write only the model's state dict, its names less PREFIX (the LightningModule's attribute, "
         "e.g. 'model.'): a file that the unsplit model's load_state_dict reads",
     )
-    args = parser.parse_args(list(argv) if argv is not None else None)
+
+
+def _export(args: argparse.Namespace) -> Path:
     if args.model_only is None:
-        return run_export(parser, lambda: export_consolidated(args.folder, args.out))
-    return run_export(parser, lambda: export_model(args.folder, args.out, args.model_only))
+        return export_consolidated(args.folder, args.out)
+    return export_model(args.folder, args.out, args.model_only)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """``python -m lightning_bytescale.lightning.checkpoint FOLDER OUT.ckpt``: export a sharded checkpoint."""
+    return export_command(
+        argv,
+        prog="python -m lightning_bytescale.lightning.checkpoint",
+        description="Turn a sharded checkpoint folder (of any layout, pipelines and tensor parallelism included) "
+        "into one consolidated checkpoint file, or with --model-only into the model's state dict.",
+        out_help="the consolidated file to write",
+        export=_export,
+        options=_model_only,
+    )
 
 
 if __name__ == "__main__":
