@@ -7,7 +7,9 @@ zigzag ring attention on packed ``input_ids [1, T]`` / ``position_ids [1, T]``.
 :class:`HFCausalLM` (imported on first use: it needs Lightning) is the LightningModule that
 builds or loads such a model and trains it under ``ByteScaleStrategy``; :func:`parallelize_hf`
 shards one over a tensor-parallel mesh with transformers' own plan, and :class:`HFDecoderStage`
-is one pipeline stage of a Llama-layout decoder (Llama, Qwen2, Qwen3, Mistral).
+is one pipeline stage of a Llama-layout decoder (Llama, Qwen2, Qwen3, Mistral);
+:func:`export_pretrained` writes an ``HFCausalLM``'s sharded checkpoint (pipelines, tensor
+parallelism) as a Hugging Face folder.
 
 transformers is an optional dependency: ``pip install "lightning-bytescale[hf]"``.
 """
@@ -41,6 +43,7 @@ _LAZY = {
     "LoadReport": "lightning_bytescale.hf.module",
     "ModelSource": "lightning_bytescale.hf.loading",
     "OptimizerOptions": "lightning_bytescale.hf.optim",
+    "export_pretrained": "lightning_bytescale.hf.export",
     "parallelize_hf": "lightning_bytescale.hf.tensor_parallel",
 }
 
@@ -61,6 +64,7 @@ __all__ = [
     "check_model",
     "config_problems",
     "count_attention_calls",
+    "export_pretrained",
     "layout_from_positions",
     "model_problems",
     "parallelize_hf",

@@ -660,6 +660,38 @@ def export_consolidated(folder: str | Path, out: str | Path) -> Path:
     return out
 
 
+def model_state(folder: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The model's tensors of the sharded checkpoint ``folder``, whole, under their names less ``prefix``.
+
+    Only the names starting with ``prefix`` (the LightningModule's attribute holding the model,
+    e.g. ``"model."``), so the result loads into the model itself
+    (``LlamaModel.load_state_dict``, a Hugging Face model's).  A folder saved under pipelines holds
+    every stage's tensors under the whole model's names (each stage is the model restricted to
+    its parameters), and a tensor-parallel one every shard of every DTensor: either reads back as
+    the unsplit model's state.  Runs in one process, without a process group; every tensor on the CPU.
+    """
+    state = read_consolidated(folder, optimizer_states=False)[MODEL_KEY]
+    picked = {name.removeprefix(prefix): value for name, value in state.items() if name.startswith(prefix)}
+    if not picked:
+        raise CheckpointError(
+            f"no model tensor of the checkpoint {str(folder)!r} is named with the prefix {prefix!r} (its names begin "
+            f"{sorted(state)[:3]}); pass the prefix of the LightningModule's attribute that holds the model, e.g. 'model.'"
+        )
+    return picked
+
+
+def export_model(folder: str | Path, out: str | Path, prefix: str = "") -> Path:
+    """Write the model's state dict of the sharded checkpoint ``folder`` (:func:`model_state`) as the file ``out``.
+
+    ``torch.load(out)`` is a plain state dict that loads into the unsplit model, e.g. a pipelined
+    run's checkpoint into one ``LlamaModel`` for evaluation in one process.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model_state(folder, prefix), out)
+    return out
+
+
 def load_for_module(
     path: Any, map_location: Any = None, weights_only: bool | None = None
 ) -> dict[str, Any] | None:
@@ -678,21 +710,62 @@ def load_for_module(
     return checkpoint
 
 
-def main(argv: Iterable[str] | None = None) -> int:
-    """``python -m lightning_bytescale.lightning.checkpoint FOLDER OUT.ckpt``: export a sharded checkpoint."""
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_bytescale.lightning.checkpoint",
-        description="Turn a sharded checkpoint folder into one consolidated checkpoint file.",
-    )
+def export_command(
+    argv: Iterable[str] | None,
+    *,
+    prog: str,
+    description: str,
+    out_help: str,
+    export: Callable[[argparse.Namespace], Path],
+    options: Callable[[argparse.ArgumentParser], Any] | None = None,
+) -> int:
+    """A command exporting a sharded checkpoint: ``FOLDER OUT`` (``options`` adds the rest), then ``export(args)``.
+
+    A :class:`CheckpointError` is the command's error (exit 2); else it prints the path written.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("folder", help="the sharded checkpoint folder (e.g. checkpoints/last.ckpt)")
-    parser.add_argument("out", help="the consolidated file to write")
+    parser.add_argument("out", help=out_help)
+    if options is not None:
+        options(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
-        written = export_consolidated(args.folder, args.out)
+        written = export(args)
     except CheckpointError as err:
         parser.exit(2, f"error: {err}\n")
     print(f"wrote {written}")
     return 0
+
+
+def _model_only(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-only",
+        metavar="PREFIX",
+        nargs="?",
+        const="",
+        default=None,
+        help="write only the model's state dict, its names less PREFIX (the LightningModule's attribute, "
+        "e.g. 'model.'): a file that the unsplit model's load_state_dict reads",
+    )
+
+
+def _export(args: argparse.Namespace) -> Path:
+    if args.model_only is None:
+        return export_consolidated(args.folder, args.out)
+    return export_model(args.folder, args.out, args.model_only)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """``python -m lightning_bytescale.lightning.checkpoint FOLDER OUT.ckpt``: export a sharded checkpoint."""
+    return export_command(
+        argv,
+        prog="python -m lightning_bytescale.lightning.checkpoint",
+        description="Turn a sharded checkpoint folder (of any layout, pipelines and tensor parallelism included) "
+        "into one consolidated checkpoint file, or with --model-only into the model's state dict.",
+        out_help="the consolidated file to write",
+        export=_export,
+        options=_model_only,
+    )
 
 
 if __name__ == "__main__":

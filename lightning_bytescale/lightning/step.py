@@ -584,7 +584,7 @@ class StepLoop:
         totals = self.eval_loss.setdefault((hook, loader), EvalLoss())
         totals.other_outputs |= any(_loss_of(out) is None for out in outputs)
         if host.counts_tokens:  # the TP lanes of an HDP rank hold the same tokens: count them once
-            totals.ce_sum += float(local.loss) * int(batch.num_global_tokens)
+            totals.ce_sum += float(local.loss) * int(batch.step_batch.num_global_tokens)
             totals.tokens += int(local.loss_tokens)
         if self._last_eval_batch(batch_idx, loader):
             self._end_eval_epoch(hook, totals)

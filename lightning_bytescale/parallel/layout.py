@@ -457,7 +457,8 @@ class PipelineLayout(MeshLayout):
     """HDP over pipelines: an HDP rank is a pipeline of stages (times its TP group); the model is one stage.
 
     Not yet with pipelines, refused by the setting's name: a float16 ``GradScaler`` (before the
-    launch and at set-up), evaluation and prediction, a model on the meta device, ``fully_shard``.
+    launch and at set-up), prediction, a model on the meta device, ``fully_shard``.  Validation and
+    test run the pipeline's forward-only schedule (:meth:`PipelineRunner.evaluate`).
     """
 
     pp_group = _of_the_mesh("pp_group")
@@ -477,13 +478,16 @@ class PipelineLayout(MeshLayout):
         """What cannot run with pipelines yet, refused by the setting's name; the stage is checked (:func:`stage_of`)."""
         pp = self.dims.pipeline
         type(self).check_before_launch(scaler=scaler, pipelines=pp)
-        if run != "fit":
-            raise ConfigError(
-                f"trainer.{run}() is not supported with pipeline_parallel_size={pp} yet: only training runs through "
-                "the pipeline schedule. Evaluate with pipeline_parallel_size=1"
+        if run == "predict":  # at set-up, not at the first batch
+            raise refuse_evaluation("trainer.predict()", pp)
+        if validates or run in ("validate", "test"):
+            hook = "test_step" if run == "test" else "validation_step"
+            warn(
+                f"pipeline_parallel_size={pp}: the LightningModule's {hook} is not called; each pipeline runs its "
+                f"micro-batches through the forward-only schedule and the strategy logs "
+                f"{'test' if run == 'test' else 'val'}/loss, the token mean of the split (as training_step is not "
+                "called and the last stage computes the token loss)"
             )
-        if validates:  # at set-up, not at the first validation batch after hours of training
-            raise refuse_evaluation("validation_step", pp)
         refusals = {
             "empty_init=True": any(p.is_meta for p in model.parameters()),
             "fully_shard": any(isinstance(m, FSDPModule) for m in model.modules()),

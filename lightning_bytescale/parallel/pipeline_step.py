@@ -104,7 +104,7 @@ from lightning_bytescale.packed_attention import count_attention_calls
 from lightning_bytescale.packed_attention.input_dtype import autocast_dtype
 from lightning_bytescale.parallel.dims import ParallelMesh
 from lightning_bytescale.parallel.errors import ParallelDimsError
-from lightning_bytescale.parallel.pipeline_batch import ONE_F_ONE_B, PipelineStepBatch
+from lightning_bytescale.parallel.pipeline_batch import GPIPE, ONE_F_ONE_B, PipelineStepBatch
 from lightning_bytescale.parallel.pipeline_stage import DecoderStage
 from lightning_bytescale.parallel.shards import LocalShards
 from lightning_bytescale.parallel.step import agree_across_lanes, check_grad_sync, start_step_check
@@ -288,7 +288,9 @@ def _schedule_key(
     return ScheduleKey(len(batch.micro_batches), name, batch.capacity, dtype, out or dtype)
 
 
-def _build(module: DecoderStage, key: ScheduleKey, pmesh: ParallelMesh) -> StageSchedule:
+def _build(
+    module: DecoderStage, key: ScheduleKey, pmesh: ParallelMesh, *, forward_only: bool = False
+) -> StageSchedule:
     dims = pmesh.dims
     if module.stage != pmesh.stage or module.stages != dims.pipeline:
         raise ParallelDimsError(
@@ -296,11 +298,13 @@ def _build(module: DecoderStage, key: ScheduleKey, pmesh: ParallelMesh) -> Stage
             f"{dims.pipeline}; build the stage as e.g. LlamaStage(model, pmesh.stage, pmesh.dims.pipeline)"
         )
     c = key.capacity
-    # activations require grad: torch makes a stage's receive buffers from these (their gradient goes back)
-    hidden = torch.empty(1, c, module.hidden_size, dtype=key.dtype, device="meta", requires_grad=True)
+    # activations require grad (but for a forward-only schedule): torch makes a stage's receive buffers
+    # from these (their gradient goes back)
+    grad = not forward_only
+    hidden = torch.empty(1, c, module.hidden_size, dtype=key.dtype, device="meta", requires_grad=grad)
     inputs = torch.empty(1, c, dtype=torch.long, device="meta") if module.is_first else hidden
     outputs = (
-        torch.empty(1, c, module.vocab_size, dtype=key.output_dtype, device="meta", requires_grad=True)
+        torch.empty(1, c, module.vocab_size, dtype=key.output_dtype, device="meta", requires_grad=grad)
         if module.is_last
         else hidden
     )
@@ -316,7 +320,8 @@ def _build(module: DecoderStage, key: ScheduleKey, pmesh: ParallelMesh) -> Stage
         scope=scope,
     )
     schedule_cls = Schedule1F1B if key.schedule == ONE_F_ONE_B else ScheduleGPipe
-    schedule = schedule_cls(stage, key.micro_batches, loss_fn=TokenLoss(scope), scale_grads=False)
+    loss_fn = None if forward_only else TokenLoss(scope)  # without one, torch's schedule runs no backward
+    schedule = schedule_cls(stage, key.micro_batches, loss_fn=loss_fn, scale_grads=False)
     return StageSchedule(key, stage, schedule, scope)
 
 
@@ -417,6 +422,32 @@ def arm_for_last_backward(
     return module.register_forward_hook(on_forward, with_kwargs=True)
 
 
+@contextlib.contextmanager
+def _evaluation_losses(
+    module: DecoderStage, micro_batches: Sequence[PackedMicroBatch], losses: list[torch.Tensor]
+) -> Iterator[None]:
+    """On the last stage, each forward's token loss appended to ``losses`` as its logits come out.
+
+    ``token_loss(logits, mb.labels, mb.num_global_tokens)`` of the micro-batch in the forward's
+    ``slot``, detached: the forward-only schedule keeps no output (``return_outputs=False``), so
+    only this scalar outlives the forward.  Other stages: nothing.
+    """
+    if not module.is_last:
+        yield
+        return
+
+    def on_forward(_module: nn.Module, _args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        mb = micro_batches[int(kwargs["slot"].reshape(-1)[0])]
+        labels = mb.labels.to(output.device)
+        losses.append(token_loss(output[0], labels, mb.num_global_tokens).detach())
+
+    handle = module.register_forward_hook(on_forward, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 class PipelineRunner:
     """The step runner when every HDP rank is a pipeline: torch's schedule, the gradient sum per stage, the loss.
 
@@ -430,7 +461,8 @@ class PipelineRunner:
     ``schedules(stage)`` gives the stages and schedules kept between steps
     (:class:`StageSchedules`; default: one per runner), ``compute_context`` is entered around
     every forward and loss of the stage (the precision plugin's autocast under the Trainer),
-    ``on_schedule`` sees each step's schedule.  A pipeline does not evaluate yet.
+    ``on_schedule`` sees each step's schedule.  :meth:`evaluate` runs the forward-only schedule
+    (validation and test; prediction is refused).
     """
 
     def __init__(
@@ -458,13 +490,7 @@ class PipelineRunner:
         params: NamedParams | None = None,
     ) -> InFlight:
         """The step of this rank's stage of its pipeline's ``batch``, its gradient sum included."""
-        if not isinstance(batch, PipelineStepBatch):
-            raise TypeError(
-                f"with pipeline_parallel_size={self.pmesh.dims.pipeline} every training batch must be a "
-                f"PipelineStepBatch (one pipeline's micro-batches, padded), got {type(batch).__name__}: plan with "
-                "pipeline_degree equal to the pipelines and build the steps with build_pipeline_step "
-                "(ByteScaleDataModule does both under the strategy; docs/pipelines.md)"
-            )
+        self._check_batch(batch, "training")
         stage = self.stage
         named = trained(model, params)
         compute.waits(f"the pipeline step {batch.step.step} (waits on every rank)")
@@ -492,10 +518,58 @@ class PipelineRunner:
         """The result :meth:`run` made (the gradients were summed inside the schedule)."""
         return step.result  # type: ignore[return-value]
 
+    def _check_batch(self, batch: Any, what: str) -> None:
+        if not isinstance(batch, PipelineStepBatch):
+            raise TypeError(
+                f"with pipeline_parallel_size={self.pmesh.dims.pipeline} every {what} batch must be a "
+                f"PipelineStepBatch (one pipeline's micro-batches, padded), got {type(batch).__name__}: plan with "
+                "pipeline_degree equal to the pipelines and build the steps with build_pipeline_step "
+                "(ByteScaleDataModule does both under the strategy; docs/pipelines.md)"
+            )
+
     def evaluate(
         self, model: nn.Module, batch: Any, *, compute: Compute, name: str = "evaluation"
     ) -> LocalResult:
-        raise refuse_evaluation(name, self.pmesh.dims.pipeline)
+        """The pipeline's forward-only schedule on ``batch``: each micro-batch's token loss at the last stage.
+
+        torch's schedule, built without a loss function, runs only the stages' forwards (no
+        backward, no gradient, no sync); the last stage's output of each micro-batch (its logits)
+        gives the micro-batch's token loss over the step's global token count as it comes out
+        (:func:`_evaluation_losses`), so the last stage's result is its pipeline's share of the global
+        token mean (``loss``) and its loss tokens; the other stages return zeros, so a sum over the
+        world counts every token once.  ``compute.forward`` is not called: as in training, a stage
+        cannot run the LightningModule's own step.  The caller's context (the precision plugin's
+        ``val_step_context``) is already entered around this call.  Prediction (each micro-batch's
+        outputs) is refused by name.
+        """
+        pmesh = self.pmesh
+        if name == "predict_step":
+            raise refuse_evaluation(name, pmesh.dims.pipeline)
+        self._check_batch(batch, "evaluation")
+        compute.waits(f"the pipeline {name} of step {batch.step.step} (waits on every rank)")
+        start_step_check(batch.step, pmesh).wait()
+        module, mbs = self.stage, batch.micro_batches
+        losses: list[torch.Tensor] = []
+        if mbs:
+            device = _device(pmesh)
+            dtype = next(module.parameters()).dtype
+            key = ScheduleKey(len(mbs), GPIPE, batch.capacity, dtype, logits_dtype(dtype, device))
+            entry = _build(
+                module, key, pmesh, forward_only=True
+            )  # this batch's only: no training buffers kept
+            module.bind(mbs)
+            inputs = (torch.stack([mb.input_ids for mb in mbs]).to(device),) if module.is_first else ()
+            try:
+                with torch.no_grad(), _evaluation_losses(module, mbs, losses):
+                    entry.schedule.step(*inputs, return_outputs=False, slot=torch.arange(len(mbs)))
+            finally:
+                module.bind(())
+        last = module.is_last
+        return LocalResult(
+            loss=torch.tensor(sum(float(x) for x in losses) if last else 0.0, dtype=torch.float64),
+            loss_tokens=sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs) if last else 0,
+            loss_dtype=next(module.parameters()).dtype,
+        )
 
     def close(self) -> None:
         close = getattr(self.options.buckets, "close", None)
@@ -750,14 +824,15 @@ def pipeline_stats(times: torch.Tensor, pmesh: ParallelMesh) -> dict[str, Any]:
 
 
 def refuse_evaluation(hook: str, pipeline_parallel_size: int) -> ConfigError:
-    """The error for evaluation or prediction under pipelines (only training runs the schedule).
+    """The error for prediction under pipelines (validation and test run the forward-only schedule).
 
-    Raised at set-up when a ``fit`` would run validation batches, so no trained step is lost.
+    Raised at set-up by ``trainer.predict``, before any batch.
     """
     return ConfigError(
-        f"{hook} is not supported with pipeline_parallel_size={pipeline_parallel_size} yet: only training runs "
-        "through the pipeline schedule. Set Trainer(limit_val_batches=0, num_sanity_val_steps=0) or give the data "
-        "module no validation split (val_fraction=0), and evaluate the checkpoint with pipeline_parallel_size=1"
+        f"{hook} is not supported with pipeline_parallel_size={pipeline_parallel_size} yet: the pipeline's "
+        "forward-only schedule gives the token loss (validation and test), not each micro-batch's outputs. Predict "
+        "with pipeline_parallel_size=1 from the checkpoint (python -m lightning_bytescale.lightning.checkpoint FOLDER "
+        "model.pt --model-only model. writes the unsplit model's state dict; docs/pipelines.md)"
     )
 
 

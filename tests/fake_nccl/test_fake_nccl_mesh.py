@@ -228,6 +228,23 @@ def test_a_pipeline_step_with_tensor_parallel_stages_checks_its_plan_on_the_gpu(
     assert pmesh.stage == 1 and result.loss == 0.0
 
 
+@pytest.mark.covers("engine/step_checks.py:start_plan_agreement:all_gather")
+def test_a_pipeline_evaluates_its_forward_only_step_after_the_plan_check_on_the_gpu():
+    """``PipelineRunner.evaluate``: the plan check on the GPU, then no gradient and no sync (a pipeline without micro-batches)."""
+    from lightning_bytescale.engine.runner import Compute
+    from lightning_bytescale.parallel.layout import RunnerOptions
+    from lightning_bytescale.parallel.pipeline_stage import LlamaStage
+
+    with fake_nccl(world_size=4, rank=3) as mode:
+        pmesh = ParallelDims(4, pipeline=2).build("cuda")
+        model = LlamaStage(_llama(mode, layers=2), pmesh.stage, 2)
+        runner = PipelineLayout.of(pmesh, world_size=4, rank=3).make_runner(model, RunnerOptions())
+        local = runner.evaluate(model, _empty_pipeline(pmesh, 0), compute=Compute(forward_only=True))
+        grads = [p.grad for p in model.parameters()]
+    assert float(local.loss) == 0.0 and local.loss_tokens == 0
+    assert all(g is None for g in grads)
+
+
 def _lane_zero(mode, world: int, rank: int):
     pmesh = ParallelDims(world, tensor_parallel=2).build("cuda")
     model = _llama(mode, pmesh)

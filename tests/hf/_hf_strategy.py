@@ -65,14 +65,24 @@ class MeshSteps(Dataset):
 
 
 class MeshData(pl.LightningDataModule):
-    """A data module whose loader yields :class:`MeshSteps` read with the strategy's mesh."""
+    """A data module whose loader yields :class:`MeshSteps` read with the strategy's mesh.
 
-    def __init__(self, steps: int, make: Callable[[Any, int], Any]) -> None:
+    ``held_out``: the global batches of the validation loader (none: no validation).
+    """
+
+    def __init__(self, steps: int, make: Callable[[Any, int], Any], held_out: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.steps, self.make = steps, make
+        self.steps, self.make, self.held_out = steps, make, held_out
 
     def train_dataloader(self) -> StatefulDataLoader:
         steps = MeshSteps(self.trainer.strategy.parallel_mesh, self.steps, self.make)
+        return StatefulDataLoader(steps, batch_size=None, shuffle=False)
+
+    def val_dataloader(self) -> StatefulDataLoader | list:
+        if not self.held_out:
+            return []
+        pmesh, held_out = self.trainer.strategy.parallel_mesh, self.held_out
+        steps = MeshSteps(pmesh, len(held_out), lambda mesh, k: self.make(mesh, held_out[k]))
         return StatefulDataLoader(steps, batch_size=None, shuffle=False)
 
 
@@ -87,9 +97,11 @@ def fit_hf(
     lr: float,
     weight_decay: float,
     max_norm: float,
+    held_out: tuple[int, ...] = (),
     **module_options: Any,
 ) -> None:
-    """``HFCausalLM`` of ``checkpoint`` (float64) trained ``steps`` steps on 4 CPU ranks with clipping at ``max_norm``."""
+    """``HFCausalLM`` of ``checkpoint`` (float64) trained ``steps`` steps on 4 CPU ranks with clipping at ``max_norm``
+    (``held_out``: global batches validated on at the epoch's end)."""
     from _strategy_helpers import QUIET
 
     from lightning_bytescale.hf import HFCausalLM
@@ -103,4 +115,4 @@ def fit_hf(
         accelerator="cpu", devices=4, strategy=strategy, precision="64-true", default_root_dir=out,
         max_steps=steps, gradient_clip_val=max_norm, callbacks=[recorder], **QUIET,
     )  # fmt: skip
-    trainer.fit(module, datamodule=MeshData(steps, make))
+    trainer.fit(module, datamodule=MeshData(steps, make, held_out))

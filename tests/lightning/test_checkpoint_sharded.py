@@ -37,6 +37,7 @@ from lightning_bytescale.lightning.checkpoint import (
     is_sharded_checkpoint,
     load_sharded,
     main,
+    model_state,
     save_sharded,
     sharded_optimizer_state,
 )
@@ -313,6 +314,13 @@ def test_a_folder_round_trips_and_exports_what_the_optimizer_itself_saves(tmp_pa
     one = torch.load(tmp_path / "one.ckpt", weights_only=False)
     _assert_same(one["optimizer_states"][0], opt.state_dict())
     _assert_same(one["state_dict"], dict(model.state_dict()))
+    # --model-only PREFIX: the state dict of the module under that attribute, loadable by it alone
+    assert main([str(folder), str(tmp_path / "a.pt"), "--model-only", "a."]) == 0
+    other = Small(seed=2)
+    other.a.load_state_dict(torch.load(tmp_path / "a.pt"))  # strict: a's names, nothing of b
+    _assert_same(dict(other.a.state_dict()), dict(model.a.state_dict()))
+    with pytest.raises(CheckpointError, match=r"no model tensor .* prefix 'model\.'.*e\.g\. 'model\.'"):
+        model_state(folder, "model.")
 
     _save(model, opt, folder)  # saving again replaces the folder
     assert is_sharded_checkpoint(folder)

@@ -22,8 +22,11 @@ decay, a learning-rate schedule), from the same initial weights.
   for the parameters it owns, the HDP ranks of a stage together for all of them.
 * A sharded checkpoint of the ``(2, 2)`` run at step 3, resumed on ``(2, 2)`` to step 6 (``zero=0``
   and ``zero=1``: the owners' files hold the state).
+* ``(2, 2)`` with validation: ``val/loss`` through the forward-only schedule against one process's
+  token mean on held-out batches; the sharded checkpoint exported as one ``LlamaModel`` with the
+  same held-out loss; ``trainer.validate`` and ``trainer.test`` from it.
 * The refusals at construction, in ``Trainer(...)`` and at set-up (a module without its stage,
-  ``trainer.validate``).
+  ``trainer.predict``).
 
 Clipping acts in every step (the max norm is below the gradient norms).  Parameters (gathered over
 the stages from every rank's own ones) and the loss logged on every rank, first stages included,
@@ -184,6 +187,7 @@ def _fit(out: Path, world: int, steps: int, **options) -> None:
     data_steps, ckpt_every = options.pop("data_steps", steps), options.pop("ckpt_every", None)
     resume, module = options.pop("resume", None), options.pop("module", None) or PipelineLM()
     datamodule, extra_callbacks = options.pop("datamodule", None), options.pop("callbacks", [])
+    trainer_options = {k: options.pop(k) for k in ("limit_val_batches",) if k in options}
     module.data_steps = data_steps
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MASTER_PORT", None)
@@ -199,7 +203,7 @@ def _fit(out: Path, world: int, steps: int, **options) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, precision="64-true", default_root_dir=out,
         max_steps=steps, gradient_clip_val=MAX_NORM, callbacks=callbacks,
-        **{**QUIET, "enable_checkpointing": bool(ckpt_every)},
+        **{**QUIET, "enable_checkpointing": bool(ckpt_every), **trainer_options},
     )  # fmt: skip
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
 
@@ -427,41 +431,121 @@ def test_sizes_that_do_not_fit_the_world_are_refused_in_the_trainer(tmp_path):
         )  # fmt: skip
 
 
+VAL_BATCHES = (100, 101)  # held-out global batches: not among the training ones
+
+
+class HeldOutSteps(PipelineSteps):
+    """Item ``k``: this pipeline's micro-batches of the held-out global batch ``VAL_BATCHES[k]``."""
+
+    def __len__(self) -> int:
+        return len(VAL_BATCHES)
+
+    def __getitem__(self, k: int):
+        return super().__getitem__(VAL_BATCHES[k])
+
+
 class EvaluatedPipelineLM(PipelineLM):
     def validation_step(self, mb, batch_idx):
-        raise AssertionError("refused before any batch")
+        raise AssertionError("not called under pipelines: the last stage computes the token loss")
 
     def val_dataloader(self):
-        return self.train_dataloader()
+        return StatefulDataLoader(
+            HeldOutSteps(self.trainer.strategy.parallel_mesh, 0), batch_size=None, shuffle=False
+        )
+
+    def test_step(self, mb, batch_idx):
+        raise AssertionError("not called under pipelines: the last stage computes the token loss")
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+    def predict_step(self, mb, batch_idx):
+        raise AssertionError("refused before any batch")
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
 
 
-class NoTraining(pl.Callback):
-    def on_train_start(self, trainer, pl_module):
-        raise AssertionError("training started before the refusal")
+class ValLoss(pl.Callback):
+    """Every rank writes the ``val/loss`` it logged and how many validation batches held a ring item."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.rings = out, 0
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.rings += any(mb.layout.ring is not None for mb in batch.micro_batches)
+
+    def on_validation_end(self, trainer, pl_module):
+        row = {"val_loss": float(trainer.callback_metrics["val/loss"]), "rings": self.rings}
+        (self.out / f"val_{trainer.global_rank}.json").write_text(json.dumps(row))
 
 
-@pytest.mark.parametrize("limit_val_batches", [None, 0])
-def test_a_fit_that_would_validate_is_refused_at_set_up_not_after_training(tmp_path, limit_val_batches):
-    """``validation_step`` and validation data with pipelines: refused before the first step (none is lost)."""
-    os.environ.pop("MASTER_PORT", None)
-    module = EvaluatedPipelineLM(data_steps=1)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, precision="64-true", default_root_dir=tmp_path, max_steps=1,
-        **{**QUIET, "num_sanity_val_steps": 0}, limit_val_batches=limit_val_batches,
-        callbacks=[NoTraining()] if limit_val_batches is None else [],
-        strategy=ByteScaleStrategy(pipeline_parallel_size=STAGES, capacity=48, start_method="fork", timeout=60),
+def _held_out_loss(state: dict[str, torch.Tensor]) -> float:
+    """The token mean of the cross-entropy over the held-out batches, one process, whole sequences."""
+    from _strategy_helpers import causal_sdpa
+
+    model = LlamaModel(_config(), attention_fn=causal_sdpa).double()
+    model.load_state_dict(state)  # strict: every tensor of the unsplit model, nothing else
+    ce, tokens = 0.0, 0
+    with torch.no_grad():
+        for k in VAL_BATCHES:
+            for s in global_batch(k):
+                logits = model(s, torch.arange(len(s)))
+                ce += float(torch.nn.functional.cross_entropy(logits[:-1], s[1:], reduction="sum"))
+                tokens += len(s) - 1
+    return ce / tokens
+
+
+def test_2x2_validates_exactly_and_its_checkpoint_exports_as_one_model(tmp_path):
+    """One run on ``(2, 2)``: two steps, a sharded checkpoint, validation through the forward-only schedule.
+
+    The logged ``val/loss`` (every rank) is the one-process token mean over the held-out batches
+    (a ring item among them) with the reference's trained weights; the checkpoint folder exported
+    with ``--model-only model.`` loads strictly into one unsplit ``LlamaModel`` whose held-out loss
+    is the same, and so does ``export_consolidated``'s file; ``trainer.validate`` and
+    ``trainer.test`` from the folder on ``(2, 2)`` give the same loss.
+    """
+    from lightning_bytescale.lightning.checkpoint import export_consolidated, main
+
+    steps = 2
+    _fit(
+        tmp_path, 4, steps, module=EvaluatedPipelineLM(), ckpt_every=steps, callbacks=[ValLoss(tmp_path)],
+        limit_val_batches=None,
     )  # fmt: skip
-    if limit_val_batches == 0:  # the documented way out: it trains, unrefused
-        trainer.fit(module)
-        return
-    with pytest.raises(
-        Exception,
-        match=r"ConfigError: validation_step is not supported with pipeline_parallel_size=2.*limit_val_batches=0",
-    ):
-        trainer.fit(module)
+    _assert_exact(_check(tmp_path, 4, steps), "(2, 2) with validation")
+    expected, _, _ = _reference(steps)
+    want = _held_out_loss({k.removeprefix("model."): v for k, v in expected.items()})
+    rows = [json.loads((tmp_path / f"val_{r}.json").read_text()) for r in range(4)]
+    worst = max(abs(row["val_loss"] - want) for row in rows)
+    print(f"val/loss {rows[0]['val_loss']!r}, one process {want!r}: max difference {worst:.1e}")
+    assert worst <= TOLERANCE, worst
+    assert all(row["rings"] for row in rows), "a held-out batch must hold a ring item across the pipelines"
+
+    (folder,) = (tmp_path / "ckpt").glob(f"*step={steps}.ckpt")
+    assert is_sharded_checkpoint(folder)
+    assert main([str(folder), str(tmp_path / "model.pt"), "--model-only", "model."]) == 0
+    exported = torch.load(tmp_path / "model.pt")
+    got = _held_out_loss(exported)
+    assert abs(got - want) <= TOLERANCE and abs(got - rows[0]["val_loss"]) <= TOLERANCE, (got, want)
+    whole = torch.load(export_consolidated(folder, tmp_path / "all.ckpt"), weights_only=False)["state_dict"]
+    assert abs(_held_out_loss({k.removeprefix("model."): v for k, v in whole.items()}) - want) <= TOLERANCE
+    print(f"exported model's held-out loss {got!r} (difference {abs(got - want):.1e})")
+
+    # trainer.validate / trainer.test from the pipelined checkpoint: the same forward-only schedule
+    for run, key in (("validate", "val/loss"), ("test", "test/loss")):
+        os.environ.pop("MASTER_PORT", None)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=4, precision="64-true", default_root_dir=tmp_path, **QUIET,
+            strategy=ByteScaleStrategy(
+                pipeline_parallel_size=STAGES, capacity=_capacity(2), start_method="fork", timeout=120
+            ),
+        )  # fmt: skip
+        (metrics,) = getattr(trainer, run)(EvaluatedPipelineLM(), ckpt_path=folder, weights_only=False)
+        print(f"trainer.{run}: {key} {metrics[key]!r} (difference {abs(metrics[key] - want):.1e})")
+        assert abs(metrics[key] - want) <= TOLERANCE, (run, metrics, want)
 
 
-def test_evaluation_is_refused_at_set_up(tmp_path):
+def test_prediction_is_refused_at_set_up(tmp_path):
     os.environ.pop("MASTER_PORT", None)
     module = EvaluatedPipelineLM(data_steps=1)
     trainer = pl.Trainer(
@@ -469,6 +553,6 @@ def test_evaluation_is_refused_at_set_up(tmp_path):
         strategy=ByteScaleStrategy(pipeline_parallel_size=STAGES, capacity=48, start_method="fork", timeout=60),
     )  # fmt: skip
     with pytest.raises(
-        Exception, match=r"ConfigError: trainer.validate\(\) is not supported with pipeline_parallel_size=2"
+        Exception, match=r"ConfigError: trainer.predict\(\) is not supported with pipeline_parallel_size=2"
     ):
-        trainer.validate(module)
+        trainer.predict(module)

@@ -7,7 +7,9 @@ keep CI's process-starting tests short (``test_recipe_layouts.py`` checks each l
 placements, FSDP2's too, on a fake process group in one process).  Its sharded checkpoint shows
 real TP (the q projection's rows and the attention output's columns split over the two lanes of
 a stage, the norms whole) and real stages (each block written only by its own stage's ranks);
-torch's schedule ran (the pipeline's measured bubble is logged every step); and the run prints
+torch's schedule ran (the pipeline's measured bubble is logged every step); it validates on a
+held-out split through the pipelines' forward-only schedule (``val/loss`` logged) and its
+checkpoint exports as one unsplit ``LlamaModel``; and the run prints
 none of the lines of issue 37's item 8 (W&B's are checked by ``test_recipe_resume.py`` and
 ``test_first_run_parts.py``).
 """
@@ -19,6 +21,9 @@ from pathlib import Path
 
 import pytest
 from _recipe_helpers import run_train
+
+from lightning_bytescale.lightning.checkpoint import model_state, read_consolidated
+from lightning_bytescale.models.llama import LlamaConfig, LlamaModel
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -66,7 +71,9 @@ def test_tensor_parallel_pipeline_stages_from_overrides_and_no_noise(tmp_path):
     proc = run_train(
         ["experiment=cpu_smoke", "strategy.tensor_parallel_size=2", "strategy.pipeline_parallel_size=2",
          "trainer.devices=4", "data.num_workers=1", "trainer.max_steps=2", "logger=csv",
-         "trainer.enable_checkpointing=true", f"hydra.run.dir={run}"],
+         "trainer.enable_checkpointing=true", "data.val_fraction=0.05", "trainer.limit_val_batches=1",
+         "trainer.val_check_interval=2",
+         f"hydra.run.dir={run}"],
         tmp_path, timeout=540,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
@@ -87,6 +94,16 @@ def test_tensor_parallel_pipeline_stages_from_overrides_and_no_noise(tmp_path):
     assert files["state_dict.model.lm_head.weight"] <= stage_1
     rows = list(csv.DictReader((run / "csv" / "version_0" / "metrics.csv").read_text().splitlines()))
     assert len([r for r in rows if r.get("pipeline/bubble/0")]) == 2, rows[:3]  # the schedule, every step
+    # validation through each pipeline's forward-only schedule (issue 37, item 5): val/loss logged
+    val = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
+    assert len(val) == 1 and 0 < val[0] < 20, rows
+    # the TP x PP checkpoint exports as the unsplit model: every stage's tensors, every shard whole
+    folder = run / "checkpoints" / "last.ckpt"
+    exported = model_state(folder, prefix="model.")
+    config = read_consolidated(folder, optimizer_states=False)["hyper_parameters"]["model_config"]
+    model = LlamaModel(LlamaConfig(**config))
+    model.load_state_dict(exported)  # strict: the whole model's names and shapes, nothing else
+    assert exported["blocks.0.attn.wq.weight"].shape == model.blocks[0].attn.wq.weight.shape
     # what such a run prints (item 8)
     for line in NOISE:
         assert line not in out, f"{line!r} in the output:\n{out[-4000:]}"
