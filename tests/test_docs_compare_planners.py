@@ -2,7 +2,7 @@
 
 The benchmark interleaves its rounds and summarises each job by the median over rounds and its
 spread.  docs/recipes.md quotes a ``compare_planners`` table only from a committed, idle-machine
-``benchmarks/results/compare_planners.json`` (not committed yet: the run needs an idle machine), and
+``benchmarks/results/compare_planners.json`` (an idle machine's run; without one, no table), and
 within a tolerance a re-run that meets the issue's spread bar keeps.
 """
 
