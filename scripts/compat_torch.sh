@@ -40,5 +40,6 @@ exec bash scripts/pytest_split.sh "$VENV/bin/python" -q -p no:cacheprovider --du
     tests/hf/test_hf_attention.py tests/hf/test_hf_equivalence.py tests/hf/test_hf_tensor_parallel.py \
     tests/hf/test_hf_pipeline_step.py \
     tests/lightning/test_pipeline_precision.py \
+    "tests/lightning/test_pipeline_strategy.py::test_2x2_validates_exactly_and_its_checkpoint_exports_as_one_model" \
     tests/lightning/test_strategy.py \
     "$@"
