@@ -246,9 +246,8 @@ class StepLoop:
         self.offloader: Any = None
         self.eval_loss: dict[tuple[str, int], EvalLoss] = {}
         self.step: TrainStep | None = None  # the optimizer step in flight
-        self.optimizer: Any = (
-            None  # the optimizer whose closure runs now (the precision plugin's backward gets it)
-        )
+        # the optimizer whose closure runs now (the precision plugin's backward gets it)
+        self.optimizer: Any = None
 
     @property
     def options(self) -> LoopOptions:

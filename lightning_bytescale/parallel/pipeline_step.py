@@ -549,14 +549,13 @@ class PipelineRunner:
         compute.waits(f"the pipeline {name} of step {batch.step.step} (waits on every rank)")
         start_step_check(batch.step, pmesh).wait()
         module, mbs = self.stage, batch.micro_batches
+        dtype = next(module.parameters()).dtype
         losses: list[torch.Tensor] = []
         if mbs:
             device = _device(pmesh)
-            dtype = next(module.parameters()).dtype
             key = ScheduleKey(len(mbs), GPIPE, batch.capacity, dtype, logits_dtype(dtype, device))
-            entry = _build(
-                module, key, pmesh, forward_only=True
-            )  # this batch's only: no training buffers kept
+            # this batch's only: no training buffers kept
+            entry = _build(module, key, pmesh, forward_only=True)
             module.bind(mbs)
             inputs = (torch.stack([mb.input_ids for mb in mbs]).to(device),) if module.is_first else ()
             try:
@@ -564,11 +563,16 @@ class PipelineRunner:
                     entry.schedule.step(*inputs, return_outputs=False, slot=torch.arange(len(mbs)))
             finally:
                 module.bind(())
-        last = module.is_last
+        # the last stage's losses: one copy to the host for the whole batch, not one per micro-batch
+        loss = (
+            torch.stack(losses).to("cpu", torch.float64).sum()
+            if losses
+            else torch.zeros((), dtype=torch.float64)
+        )
         return LocalResult(
-            loss=torch.tensor(sum(float(x) for x in losses) if last else 0.0, dtype=torch.float64),
-            loss_tokens=sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs) if last else 0,
-            loss_dtype=next(module.parameters()).dtype,
+            loss=loss,
+            loss_tokens=sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs) if module.is_last else 0,
+            loss_dtype=dtype,
         )
 
     def close(self) -> None:
