@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,14 @@ def start_method() -> str:
     forced = os.environ.get("BYTESCALE_TEST_START_METHOD")
     if forced:
         return forced
-    safe = threading.active_count() == 1 and not (dist.is_available() and dist.is_initialized())
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if threads:  # a slower launch (each rank imports torch), and a thread someone left running
+        warnings.warn(
+            f"ranks start with spawn, not fork: this process runs the threads {threads}; "
+            "stop them (or keep the library from starting them: tests/conftest.py)",
+            stacklevel=3,
+        )
+    safe = not threads and not (dist.is_available() and dist.is_initialized())
     return "fork" if safe and "fork" in mp.get_all_start_methods() else "spawn"
 
 

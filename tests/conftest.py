@@ -15,12 +15,18 @@ Tests marked ``gpu`` are skipped where CUDA is not available.
 A test that joins torch's fake process group takes the ``fake_process_group`` fixture
 (``tests/_fake_pg.py``): it leaves no process group, and no DTensor mesh cached on one, to the
 tests after it (ranks forked from this process would inherit them).
+
+tqdm's monitor thread is off: a Hugging Face save or load in the pytest process (a progress bar)
+would start it and leave it running, and from then on ``tests/_ranks.py`` could not fork ranks
+(a process with a second thread is not safe to fork): every later rank launch would import torch
+anew in each spawned rank, which made the tests that start ranks about twice as slow.
 """
 
 import os
 import sys
 
 import pytest
+from tqdm.std import tqdm
 from _fake_pg import fake_world, forget_sharding_propagation
 from _proc import become_subreaper, command_line, is_descendant, wait_gone
 
@@ -29,6 +35,7 @@ from lightning_bytescale import proc as process_tree
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+tqdm.monitor_interval = 0  # no monitor thread (the module docstring says why)
 
 
 def pytest_collection_modifyitems(config, items):
