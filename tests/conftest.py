@@ -26,9 +26,9 @@ import os
 import sys
 
 import pytest
-from tqdm.std import tqdm
 from _fake_pg import fake_world, forget_sharding_propagation
 from _proc import become_subreaper, command_line, is_descendant, wait_gone
+from tqdm.std import tqdm
 
 from lightning_bytescale import proc as process_tree
 
