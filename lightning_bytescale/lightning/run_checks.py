@@ -10,12 +10,14 @@ layout's (:meth:`~lightning_bytescale.parallel.layout.Layout.check_before_launch
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_bytescale.errors import ConfigError
+from lightning_bytescale.lightning import compat
 
 # imported as modules: the first import of Lightning imports the strategy, and so this module,
 # maybe while one of them is still being imported
@@ -68,4 +70,48 @@ def check_data_modules(run_args: Iterable[Any], config: PlannerConfig, *, hdp_ra
                 validate(world_size=hdp_ranks, planner_options=config)
 
 
-__all__ = ["check_data_modules", "check_fit", "check_trainer"]
+def first_validation_batch(trainer: pl.Trainer) -> float | None:
+    """How many training batches a fresh fit runs before its first validation, as Lightning schedules it.
+
+    Lightning's epoch loop validates at batch ``val_check_batch`` of every ``check_val_every_n_epoch``-th
+    epoch (of the whole run's batches when that is ``None``).  ``None`` where set-up cannot tell: a
+    time-based ``val_check_interval``, an epoch of unknown length, a resumed fit.
+    """
+    every, epochs = trainer.val_check_batch, trainer.check_val_every_n_epoch
+    batches = trainer.num_training_batches
+    if trainer.global_step or trainer.current_epoch or every is None or math.isinf(every):
+        return None
+    if epochs is None:
+        return every
+    return None if math.isinf(batches) else (epochs - 1) * batches + min(every, batches)
+
+
+def warn_if_fit_never_validates(trainer: pl.Trainer, *, warn: Callable[[str], Any]) -> None:
+    """A fit that holds out validation data but reaches ``max_steps`` before Lightning's first validation.
+
+    Lightning trains such a run to its end without a word (under DDP too); the held-out data then
+    trains nothing and checks nothing.  A warning, not an error: fitting without validating and
+    calling ``trainer.validate`` afterwards is a fair choice.
+    """
+    if trainer.max_steps < 0 or not compat.fit_validates(trainer):
+        return
+    first = first_validation_batch(trainer)
+    if first is None or first <= trainer.max_steps:
+        return
+    warn(
+        f"this fit holds out validation data but never validates: it ends at max_steps={trainer.max_steps}, "
+        f"and Lightning's first validation comes after {first:g} training batches "
+        f"(val_check_interval={trainer.val_check_interval!r}, check_val_every_n_epoch={trainer.check_val_every_n_epoch}, "
+        f"{trainer.num_training_batches:g} batches an epoch). To validate during the run, set "
+        f"Trainer(val_check_interval=N, check_val_every_n_epoch=None) with N <= {trainer.max_steps} (recipes: "
+        f"trainer.val_check_interval=N trainer.check_val_every_n_epoch=null); to hold nothing out, val_fraction=0."
+    )
+
+
+__all__ = [
+    "check_data_modules",
+    "check_fit",
+    "check_trainer",
+    "first_validation_batch",
+    "warn_if_fit_never_validates",
+]

@@ -598,6 +598,11 @@ class ByteScaleStrategy(ParallelStrategy):
             yield
 
     @override
+    def on_train_start(self) -> None:
+        assert self.lightning_module is not None
+        run_checks.warn_if_fit_never_validates(self.lightning_module.trainer, warn=rank_zero_warn)
+
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         schedulers = [c.scheduler for c in self.lr_scheduler_configs]

@@ -234,6 +234,7 @@ class TrainerConfig:
     limit_val_batches: Any | None = 0
     num_sanity_val_steps: int = 0
     val_check_interval: Any | None = None
+    check_val_every_n_epoch: int | None = 1  # None: an int val_check_interval counts the run's batches
     enable_checkpointing: bool = True
     enable_progress_bar: bool = True
     enable_model_summary: bool = True
