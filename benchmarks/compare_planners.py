@@ -13,6 +13,11 @@ strategy.planner=<p>``, one process each, its ``summary.json`` read back) under 
 * ``long_epochs``: a worker that restarts every epoch, 40,000 documents;
 * ``restarting``: the first version (restarting worker, 4,000 documents).
 
+Three more set-ups, asked for by name, measure the cost model with no profile file:
+``auto`` (``strategy.cost_model=auto``: measured at set-up) against the recipe's default model,
+and ``github`` / ``github_auto``, the same on a second long-tailed data set.  ``balance_over`` in the
+file is balance's median tokens/s over static's and naive's, per set-up.
+
 Every round runs every (set-up, planner) job once, odd rounds in reverse order, so that drifts of
 the machine's load spread over all of them; the figures are the medians over rounds, and each
 job's spread is ``(max - min) / median`` of its tokens/s.  The file records the 1-, 5- and 15-minute
@@ -22,6 +27,8 @@ that starts while something else runs (1-minute load average above :data:`IDLE_L
 set-up's medians as the recipe's own closing table (docs/recipes.md quotes it).
 
     python benchmarks/compare_planners.py --rounds 5                 # the committed run (idle machine)
+    python benchmarks/compare_planners.py --rounds 3 --setups recipe,auto,github,github_auto \
+        --out benchmarks/results/compare_planners_cost.json        # no profile file (cost_model=auto)
     python benchmarks/compare_planners.py --rounds 1 --steps 2 --setups recipe --planners static,balance \
         --out /tmp/check.json                                       # a check that it works (minutes)
 """
@@ -47,7 +54,13 @@ SETUPS: dict[str, list[str]] = {
     "persistent": ["data.source.num_samples=4000"],
     "long_epochs": ["data.persistent_workers=false"],
     "restarting": ["data.persistent_workers=false", "data.source.num_samples=4000"],
+    # the cost model with no profile file (measured at set-up), and a second long-tailed data set
+    "auto": ["strategy.cost_model=auto"],
+    "github": ["data.source.name=github"],
+    "github_auto": ["data.source.name=github", "strategy.cost_model=auto"],
 }
+#: The loader set-ups, run by default; the cost-model ones are asked for by name (``--setups``).
+LOADER_SETUPS = ("recipe", "persistent", "long_epochs", "restarting")
 FIGURES = (
     "run/tokens_per_s",
     "run/micro_batches_per_rank",
@@ -156,7 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions; the medians count")
     parser.add_argument("--steps", type=int, default=30, help="steps per job (the recipe's 30)")
-    parser.add_argument("--setups", default=",".join(SETUPS), help=f"loader set-ups, of {', '.join(SETUPS)}")
+    parser.add_argument("--setups", default=",".join(LOADER_SETUPS), help=f"set-ups, of {', '.join(SETUPS)}")
     parser.add_argument("--planners", default=",".join(PLANNERS))
     parser.add_argument("--timeout", type=float, default=900, help="seconds a job may take")
     parser.add_argument(
@@ -205,6 +218,15 @@ def main() -> None:
         "steps": args.steps,
         "setups": {s: SETUPS[s] for s in setups},
         "results": results,
+        "balance_over": {
+            setup: {
+                other: rows["balance"]["tokens_per_s"] / rows[other]["tokens_per_s"]
+                for other in ("static", "naive")
+                if other in rows
+            }
+            for setup, rows in results.items()
+            if "balance" in rows
+        },
         "recipe_table": recipe_table(results) if "recipe" in results else None,
     }
     out = Path(args.out)
