@@ -5,8 +5,10 @@ under ``ByteScaleStrategy(cost_model="paper", refine_cost_model=True)`` on the l
 synthetic ``github`` documents at ``C = --capacity`` for ``--steps`` steps, with real wall-time
 measurements.  Per step it records the median and worst relative error of planned against
 measured micro-batch seconds under the model that planned the step (the refined one once the
-refit applies) and under the paper preset (today's default), and the coefficients.  The JSON
-says plainly whether the refined median after step 20 is within the issue's 15%.
+refit applies) and under the paper preset (today's default), and the coefficients.  It trains
+``--runs`` independent runs (default 5): on a shared 2-core machine whole steps slow down by half
+now and then, which moves one run's figure by several points, so the JSON's verdict is the median
+over runs, with every run's figure beside it; it says plainly whether that is within the issue's 15%.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cost_refinement.py   # benchmarks/results/cost_refinement.json
 """
@@ -63,15 +65,8 @@ class Rows(pl.Callback):
         )
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="small")
-    p.add_argument("--capacity", type=int, default=512)
-    p.add_argument("--tokens-per-step", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "cost_refinement.json"))
-    args = p.parse_args()
-    torch.set_num_threads(1)
+def run_once(args: argparse.Namespace) -> list[dict]:
+    """One training run's per-step rows (a fresh model, data and refit)."""
     with tempfile.TemporaryDirectory() as tmp:
         data = ByteScaleDataModule(
             source={"kind": "synthetic", "name": "github", "num_samples": 2000, "scale": 1 / 32},
@@ -87,28 +82,65 @@ def main() -> None:
             strategy=ByteScaleStrategy(capacity=args.capacity, cost_model="paper", refine_cost_model=True),
         )  # fmt: skip
         trainer.fit(LM(args.preset, data.vocab_size), datamodule=data)
-    late = [r for r in rows.rows if r["step"] >= 20]
+    return rows.rows
+
+
+def after_step_20(rows: list[dict]) -> dict:
+    """The run's medians over its steps from step 20 on, against the bar."""
+    late = [r for r in rows if r["step"] >= 20]
     refined = statistics.median(r["refined_median"] for r in late)
     paper = statistics.median(r["paper_median"] for r in late)
+    return {
+        "refined_median_error": refined,
+        "paper_median_error": paper,
+        "bar": BAR,
+        "met": refined <= BAR,
+        "verdict": (
+            f"refined median relative error {refined:.1%} after step 20 "
+            f"({'within' if refined <= BAR else 'NOT within'} {BAR:.0%}); the paper preset's on the same steps "
+            f"{paper:.1%}"
+        ),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--capacity", type=int, default=512)
+    p.add_argument("--tokens-per-step", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--runs", type=int, default=5, help="independent runs; the verdict is their median")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "cost_refinement.json"))
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    runs = []
+    for _ in range(args.runs):
+        rows = run_once(args)
+        runs.append({"after_step_20": after_step_20(rows), "steps": rows})
+        print(runs[-1]["after_step_20"]["verdict"], flush=True)
+    errors = [r["after_step_20"]["refined_median_error"] for r in runs]
+    median = statistics.median(errors)
     result = {
         "benchmark": "cost_refinement",
         "machine": _common.machine(),
         "settings": {**vars(args), "ranks": 1, "num_workers": 0, "data": "synthetic github, scale 1/32"},
-        "after_step_20": {
-            "refined_median_error": refined,
-            "paper_median_error": paper,
+        "over_runs": {
+            "refined_median_error": median,
+            "refined_errors_per_run": errors,
+            "paper_errors_per_run": [r["after_step_20"]["paper_median_error"] for r in runs],
+            "runs_within_bar": sum(e <= BAR for e in errors),
             "bar": BAR,
-            "met": refined <= BAR,
+            "met": median <= BAR,
             "verdict": (
-                f"refined median relative error {refined:.1%} after step 20 "
-                f"({'within' if refined <= BAR else 'NOT within'} {BAR:.0%}); the paper preset's on the same steps "
-                f"{paper:.1%}"
+                f"over {len(runs)} runs the refined model's median relative error after step 20 is {median:.1%} "
+                f"({'within' if median <= BAR else 'NOT within'} {BAR:.0%}); per run {min(errors):.1%} to "
+                f"{max(errors):.1%}, {sum(e <= BAR for e in errors)} of {len(runs)} runs within"
             ),
         },
-        "steps": rows.rows,
+        "runs": runs,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(result["after_step_20"]["verdict"])
+    print(result["over_runs"]["verdict"])
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ def test_a_hugging_face_save_and_load_leave_the_pytest_process_on_one_thread(tmp
     before = set(threading.enumerate())  # other tests' libraries may have left theirs (W&B's service)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    for thread in set(threading.enumerate()) - before:
+        thread.join(timeout=10)  # transformers' loading pool shuts down without waiting: let it end
     assert [t.name for t in set(threading.enumerate()) - before] == []
     assert "tqdm_monitor" not in [t.name for t in threading.enumerate()]  # nor one an earlier test started
     if before == {threading.main_thread()}:

@@ -5,7 +5,8 @@ any rank starts where the launchers can tell (``ByteScaleStrategy.check_before_l
 again at set-up, after ``configure_model`` built the model (``ByteScaleStrategy.setup``).  Each
 check takes the few things it reads, never the strategy; the layout's own refusals are the
 layout's (:meth:`~lightning_bytescale.parallel.layout.Layout.check_before_launch`,
-:meth:`~lightning_bytescale.parallel.layout.Layout.check_model`).
+:meth:`~lightning_bytescale.parallel.layout.Layout.check_model`).  One finding is a warning, not a
+refusal, at the start of training: a fit that holds out validation data it will never reach.
 """
 
 from __future__ import annotations
