@@ -11,6 +11,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.demos.boring_classes import BoringModel
 from test_first_hour_trainer import CAP, _corpus
 
@@ -70,9 +71,14 @@ def _fit(tmp_path, **options) -> tuple[list[str], pl.Trainer]:
         source=str(_corpus(tmp_path)), cache_dir=str(tmp_path / "cache"), capacity=CAP, context_length=CAP,
         tokens_per_step=600, num_workers=0, val_fraction=0.1, seed=4,
     )  # fmt: skip
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(PretrainModule(preset="tiny", vocab=257), datamodule=data)
+    had_group = dist.is_initialized()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(PretrainModule(preset="tiny", vocab=257), datamodule=data)
+    finally:  # the one-rank fit's process group (kept, as under DDP) would reach the tests after this one
+        if not had_group and dist.is_initialized():
+            dist.destroy_process_group()
     return [str(w.message) for w in caught if "never validates" in str(w.message)], trainer
 
 
