@@ -20,12 +20,20 @@ tqdm's monitor thread is off: a Hugging Face save or load in the pytest process 
 would start it and leave it running, and from then on ``tests/_ranks.py`` could not fork ranks
 (a process with a second thread is not safe to fork): every later rank launch would import torch
 anew in each spawned rank, which made the tests that start ranks about twice as slow.
+
+One torch thread per process, even where ``OMP_NUM_THREADS`` was not exported: torch may be
+imported before this file (a pytest plugin), and then its pool has the default size.  A pytest
+process that ran a multi-threaded OpenMP region (a reference model) and then forks ranks leaves
+them hung in their first matrix product (GNU OpenMP is not fork-safe): a rank's step watchdog
+then ends it after 90 s.  ``scripts/test.sh`` exports ``OMP_NUM_THREADS=1``; this makes a plain
+``pytest`` run behave the same.
 """
 
 import os
 import sys
 
 import pytest
+import torch
 from _fake_pg import fake_world, forget_sharding_propagation
 from _proc import become_subreaper, command_line, is_descendant, wait_gone
 from tqdm.std import tqdm
@@ -35,6 +43,7 @@ from lightning_bytescale import proc as process_tree
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch may have been imported before this file
 tqdm.monitor_interval = 0  # no monitor thread (the module docstring says why)
 
 

@@ -139,7 +139,7 @@ class RunSummary(Callback):
 
 def _step_loss(trainer: Trainer, outputs: Any) -> float | None:
     """The step's global loss: the strategy's logged loss, else what ``training_step`` returned."""
-    name = getattr(trainer.strategy, "loss_name", "train/loss")
+    name = getattr(getattr(trainer.strategy, "loop_options", None), "loss_name", "train/loss")
     value = trainer.callback_metrics.get(name)
     if value is None and isinstance(outputs, dict):
         value = outputs.get("loss")

@@ -124,37 +124,46 @@ class StepHost(Protocol):
 
 @dataclass(frozen=True)
 class LoopOptions:
-    """The strategy's step options the loop reads (``ByteScaleStrategy``'s arguments of the same names)."""
+    """The step loop's options: ``ByteScaleStrategy``'s arguments of the same names, kept as ``strategy.loop_options``."""
 
     check_finite: bool = True
-    """Stop on a non-finite loss or gradient (``NonFiniteError``)."""
+    """Stop with :class:`~lightning_bytescale.errors.NonFiniteError` (naming ranks, micro-batches and
+    sequences) on a non-finite loss (every micro-batch) or accumulated gradient (once a step; not
+    while a float16 grad scaler is active)."""
 
     locate_non_finite: bool = False
-    """Check the gradients after every micro-batch, to name the first bad one."""
+    """Check the gradients after every micro-batch instead, to name the first bad one."""
 
     check_loss_normalization: bool = True
-    """Probe the loss normalisation in the first steps."""
+    """In the first steps, probe one micro-batch per rank again with ``num_global_tokens`` doubled
+    and stop with :class:`~lightning_bytescale.errors.LossNormalizationError` if the loss did not
+    change (a per-micro-batch mean); warn if it did not halve."""
 
     check_attention: bool = True
-    """Refuse, in the first steps, a micro-batch whose forward made no packed attention call."""
+    """In the first step, count the ``lightning_bytescale.attention`` calls of every micro-batch's
+    forward, and stop with :class:`~lightning_bytescale.errors.MissingPackedAttentionError` where one
+    made none (:mod:`~lightning_bytescale.engine.attention_check`); ``False`` for a model that mixes
+    no tokens or handles packed sequences and rings itself."""
 
     check_parameters_every_n_steps: int = 100
-    """Compare parameter fingerprints every N steps (and the first of a run); 0: off."""
+    """Every N steps (and the first of each run) compare parameter fingerprints in the step's
+    all-reduce (:class:`~lightning_bytescale.errors.ParameterDivergenceError`); ``0``: off."""
 
     log_loss: bool = True
-    """Log the step's global loss as :attr:`loss_name`."""
+    """Log the global token-mean loss of the step as :attr:`loss_name` (progress bar too)."""
 
     loss_name: str = "train/loss"
-    """The metric name of the logged loss."""
+    """The metric name used by :attr:`log_loss`."""
 
     offload: Any = False
-    """Activation offload: off (``False``/``None``), on (an ``ActivationOffloader`` is built), or the offloader itself."""
+    """Activation offload: off (``False``/``None``), on (an ``ActivationOffloader`` is built), or the offloader itself
+    (the strategy's ``offload`` argument)."""
 
     offloader_options: Mapping[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the ``ActivationOffloader`` the loop builds."""
+    """Keyword arguments for the ``ActivationOffloader`` the loop builds."""
 
     pg_seconds: float | None = None
-    """The process-group timeout: a rank waiting on its peers is watched at least that long."""
+    """The process-group timeout (the strategy's ``timeout``): a rank waiting on its peers is watched at least that long."""
 
 
 @dataclass

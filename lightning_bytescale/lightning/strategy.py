@@ -1,65 +1,39 @@
 """`ByteScaleStrategy`: Hybrid Data Parallelism as a Lightning strategy (the glue, not the algorithm).
 
 One Lightning batch is one optimizer step: every rank's loader yields one
-:class:`~lightning_bytescale.engine.batch.StepBatch` holding *its own* micro-batches (their
-number differs between ranks).  The strategy's ``training_step`` runs them through the step
-loop (:mod:`~lightning_bytescale.lightning.step`, the engine's one micro-batch loop with the
-LightningModule's ``training_step`` as the forward); its ``backward``, which every rank runs
-once per step, joins the step's gradient sync before ``on_before_backward`` and
-``on_after_backward``, so every hook sees final gradients and the global loss.  Losses are
-token sums divided by the global token count, so the result equals single-process training on
-the whole global batch.  Evaluation and prediction run the same loop without a backward.
+:class:`~lightning_bytescale.engine.batch.StepBatch` holding *its own* micro-batches (their number
+differs between ranks), which the step loop (:mod:`~lightning_bytescale.lightning.step`) runs with
+the LightningModule's ``training_step`` as the forward; ``backward``, which every rank runs once
+per step, joins the gradient sync before the backward hooks.  Losses are token sums over the
+global token count, so training equals one process on the whole global batch.
 
 The model is never wrapped in ``DistributedDataParallel`` (DDP needs the same number of
-synchronised backwards on every rank), so the strategy is a ``ParallelStrategy``, like
-Lightning's ``ModelParallelStrategy``, and does itself what DDP would: it sets the device,
-initialises the process group (NCCL on CUDA, gloo on CPU), materialises meta-device models
-from ``configure_model``, and broadcasts rank 0's parameters and buffers so every rank starts
-from the same model.  What this file holds is the ``ParallelStrategy`` overrides, glue over
-modules that take narrow inputs, never the strategy: the step loop and Lightning's three calls of
-a step (:mod:`~lightning_bytescale.lightning.step`), the layout and its runner
-(:mod:`~lightning_bytescale.parallel.layout`), ZeRO (:mod:`~lightning_bytescale.parallel.zero`),
-the argument checks (:mod:`~lightning_bytescale.lightning.strategy_options`), the run's
-refusals (:mod:`~lightning_bytescale.lightning.run_checks`), its process groups
-(:mod:`~lightning_bytescale.lightning.process_groups`), the step watchdog and preemption handler
-(:mod:`~lightning_bytescale.lightning.run_guards`), the clip install
-(:mod:`~lightning_bytescale.lightning.clipping`), each layout's checkpoints
-(:mod:`~lightning_bytescale.lightning.checkpoint`) and epoch-end metric reductions
-(:mod:`~lightning_bytescale.lightning.epoch_metrics`).
-Registration of ``bytescale`` (popen launcher), ``bytescale_spawn`` and ``bytescale_fork`` is
-at the end of this file.
+synchronised backwards on every rank).  The strategy is three bases and the glue that joins them:
+what DDP's strategy would do (:mod:`~lightning_bytescale.lightning.process_strategy`), Lightning's
+step hooks over the step loop (:mod:`~lightning_bytescale.lightning.step_hooks`) and its
+checkpoint hooks per layout (:mod:`~lightning_bytescale.lightning.checkpoint_hooks`).  This file
+builds the run's layout and runner (:mod:`~lightning_bytescale.parallel.layout`) and calls modules
+that take narrow inputs, never the strategy: argument checks (``strategy_options``), refusals
+(``run_checks``), guards (``run_guards``), ZeRO (``parallel.zero``), clipping (``clipping``), the
+measured cost model (``auto_cost``, ``cost_refinement``).  ``bytescale`` (popen launcher),
+``bytescale_spawn`` and ``bytescale_fork`` are registered at the end.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import os
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import suppress
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
-from torch.nn import Module
-from torch.optim import Optimizer
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_bytescale.engine.comm_device import barrier as comm_barrier
 from lightning_bytescale.engine.failures import add_peer_failure_hint
 from lightning_bytescale.engine.runner import StepRunner
 from lightning_bytescale.engine.zero import resolve_zero_level
@@ -80,11 +54,9 @@ from lightning_bytescale.lightning import epoch_metrics as epoch_metrics
 from lightning_bytescale.lightning import progress as progress
 from lightning_bytescale.lightning import step as step_loop
 from lightning_bytescale.lightning import strategy_options as options_
-from lightning_bytescale.lightning.checkpoint import (
-    is_sharded_checkpoint,
-    layout_checkpoints,
-    save_sharded,
-)
+from lightning_bytescale.lightning.checkpoint_hooks import LayoutCheckpointHooks
+from lightning_bytescale.lightning.process_strategy import ProcessGroupStrategy
+from lightning_bytescale.lightning.step_hooks import StepLoopHooks
 from lightning_bytescale.parallel.errors import ParallelDimsError
 from lightning_bytescale.parallel.layout import (
     Layout,
@@ -103,6 +75,7 @@ from lightning_bytescale.planner.config import PlannerConfig
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    import torch
     from lightning.pytorch.accelerators import Accelerator
 
     from lightning_bytescale.engine.watchdog import StepWatchdog
@@ -118,7 +91,7 @@ warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category
 __all__ = ["ByteScaleStrategy"]
 
 
-class ByteScaleStrategy(ParallelStrategy):
+class ByteScaleStrategy(LayoutCheckpointHooks, StepLoopHooks, ProcessGroupStrategy):
     """Hybrid Data Parallelism (ByteScale) over all ranks of one global process group.
 
     Every option is in docs/strategy.md's table.
@@ -136,7 +109,10 @@ class ByteScaleStrategy(ParallelStrategy):
         refine_cost_model: refit the cost model from the run's micro-batch times while training
             (:mod:`~lightning_bytescale.lightning.cost_refinement`): ``None`` (default) with
             ``cost_model="auto"`` only, ``True``/``False``, or a ``RefitConfig``.
-        offloader_options: keyword arguments for the ``ActivationOffloader`` the strategy builds.
+        check_finite, locate_non_finite, check_loss_normalization, check_attention,
+            check_parameters_every_n_steps, log_loss, loss_name, offloader_options: the step
+            loop's options, the fields of :class:`~lightning_bytescale.lightning.step.LoopOptions`
+            (a docstring each), kept as ``strategy.loop_options``.
         zero: ZeRO level: ``0`` (default) nothing sharded; ``1`` optimizer state sharded with
             ``ZeroRedundancyOptimizer``; ``2`` gradients too, each reduced to the rank owning its
             state (:mod:`~lightning_bytescale.engine.zero`); clipping uses the global norm at every level.
@@ -150,47 +126,27 @@ class ByteScaleStrategy(ParallelStrategy):
             group) on the mesh ``(pipeline, data_parallel, tensor_parallel)``; ``configure_model``
             replaces the model by its ``LlamaStage`` and the step runs torch's pipeline schedule
             (:class:`~lightning_bytescale.parallel.layout.PipelineLayout`, docs/pipelines.md).
-        timeout: process-group timeout (seconds or ``timedelta``): a dead or stuck peer gives
-            an error within it instead of a hang.
-        check_finite: stop with :class:`~lightning_bytescale.errors.NonFiniteError` (naming ranks,
-            micro-batches and sequences) on a non-finite loss (every micro-batch) or accumulated
-            gradient (once a step; not while a float16 grad scaler is active).
-        locate_non_finite: check the gradients after every micro-batch instead, to name the first bad one.
-        check_loss_normalization: in the first steps, probe one micro-batch per rank again with
-            ``num_global_tokens`` doubled and stop with :class:`~lightning_bytescale.errors.LossNormalizationError`
-            if the loss did not change (a per-micro-batch mean); warn if it did not halve.
-        check_attention: in the first step, count the ``lightning_bytescale.attention`` calls of every
-            micro-batch's forward, and stop with
-            :class:`~lightning_bytescale.errors.MissingPackedAttentionError` where one made none
-            (:mod:`~lightning_bytescale.engine.attention_check`); ``False`` for a model that mixes no
-            tokens or handles packed sequences and rings itself.
-        check_parameters_every_n_steps: every N steps (and the first of each run) compare parameter
-            fingerprints in the step's all-reduce (:class:`~lightning_bytescale.errors.ParameterDivergenceError`); ``0``: off.
         gradient_sync: ``"bucketed"`` (default): bucket all-reduces overlapped with the last
             micro-batch's backward (:mod:`~lightning_bytescale.engine.grad_sync`); ``"flat"``: one
             all-reduce of every gradient copied into one buffer after the loop.
         bucket_cap_mb: bucket size in MB for ``gradient_sync="bucketed"`` (DDP's default, 25).
         watchdog: a rank whose step makes no progress for ``timeout`` (or ``watchdog``) seconds
             writes where it was and exits with code 124 (:mod:`~lightning_bytescale.engine.watchdog`); ``False``: off.
-        preemption: SIGTERM (or the signals named) sets a flag agreed in the step's all-reduce; at
-            the next step boundary every rank saves ``hpc_ckpt_<n>.ckpt`` and exits with code 143
+        preemption: SIGTERM (or the signals named) sets a flag agreed in the step's all-reduce (on
+            the mesh in the lanes' too, so every rank agrees on the step); at the next step boundary
+            every rank saves ``hpc_ckpt_<n>.ckpt`` and exits with code 143
             (:mod:`~lightning_bytescale.lightning.preemption`); ``False`` leaves Lightning's handler.
-            With ``tensor_parallel_size > 1`` the flag also rides in the lanes' all-reduce, so every
-            rank of the mesh agrees on the same step.
         checkpoint_format: ``"sharded"`` (a folder every rank writes its part of, resharding on
             load: :mod:`~lightning_bytescale.lightning.checkpoint`), ``"consolidated"`` (one file
             from rank 0) or ``"auto"`` (sharded exactly when ZeRO or, with ``tensor_parallel_size > 1``,
             FSDP2 splits the optimizer state; always with pipelines); both formats load.
-        log_loss: log the global token-mean loss of the step as ``loss_name`` (progress bar too).
-        loss_name: the metric name used by ``log_loss``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
-            as for every Lightning strategy (the Trainer fills them in).
-        process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
-        start_method: ``"popen"`` (default: the script is run again for each rank),
-            ``"spawn"`` or ``"fork"``.
+        timeout, accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, start_method: the process group's and the launch's, as for
+            :class:`~lightning_bytescale.lightning.process_strategy.ProcessGroupStrategy`.
     """
 
     strategy_name = "bytescale"
+    description = "ByteScale Hybrid Data Parallelism"
 
     def __init__(
         self,
@@ -237,19 +193,14 @@ class ByteScaleStrategy(ParallelStrategy):
     ) -> None:
         signature = inspect.signature(ByteScaleStrategy.__init__).parameters
         options_.refuse_unknown_options(unknown, [p for p in signature if p not in ("self", "unknown")])
-        tensor_parallel_size = check_size(
-            "tensor_parallel_size", tensor_parallel_size, "no tensor parallelism"
-        )
-        pipeline_parallel_size = check_size("pipeline_parallel_size", pipeline_parallel_size, "no pipelines")
+        tp = check_size("tensor_parallel_size", tensor_parallel_size, "no tensor parallelism")
+        pp = check_size("pipeline_parallel_size", pipeline_parallel_size, "no pipelines")
         # the run's layout, chosen once from its sizes (1 means off), and how it saves and loads
-        self._layout_class = layout_class(
-            tensor_parallel=tensor_parallel_size, pipeline=pipeline_parallel_size
-        )
-        self._checkpoints = layout_checkpoints(self._layout_class, pipeline_parallel_size)
-        self.checkpoint_format = self._checkpoints.check_format(checkpoint_format)
+        self._layout_class = layout_class(tensor_parallel=tp, pipeline=pp)
+        self.init_checkpoints(self._layout_class, pipelines=pp, checkpoint_format=checkpoint_format)
         cost_model, self._cost_model_auto = auto_cost.split_auto(cost_model)  # "auto": measured in setup
         planner_config = options_.strategy_planner_config(
-            planner, {k: p.default for k, p in signature.items()}, pipelines=pipeline_parallel_size,
+            planner, {k: p.default for k, p in signature.items()}, pipelines=pp,
             capacity=capacity, cp_size=cp_size, offload=offload, slack=slack, seed=seed,
             cost_model=cost_model, comm_aware=comm_aware, ranks_per_node=ranks_per_node,
             num_buckets=num_buckets, pipeline_degree=pipeline_degree, max_micro_batches=max_micro_batches,
@@ -261,55 +212,44 @@ class ByteScaleStrategy(ParallelStrategy):
             watchdog=watchdog,
         )  # fmt: skip
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = options_.as_timedelta(timeout)
-        self._start_method = start_method
+            accelerator=accelerator, parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
+            start_method=start_method,
+        )  # fmt: skip
         self.planner_config: PlannerConfig = planner_config  # what the data module plans with
-        self.offload = offload if hasattr(offload, "micro_batch_context") else planner_config.offload
-        self.offloader_options = dict(offloader_options or {})
         self.zero = resolve_zero_level(zero, zero1)
         self.zero1 = self.zero >= 1  # optimizer state is sharded (ZeRO-1 and ZeRO-2)
         self._grad_owners: dict[int, int] | None = None  # ZeRO-2: id(parameter) -> owning global rank
-        self.tensor_parallel_size: int = tensor_parallel_size
-        check_cost_model_devices(planner_config, self.tensor_parallel_size)
+        self.tensor_parallel_size: int = tp
+        self.pipeline_parallel_size: int = pp
+        check_cost_model_devices(planner_config, tp)
         if self._cost_model_auto:
-            auto_cost.check_auto(self._layout_class, self.tensor_parallel_size, pipeline_parallel_size)
-        cost_refinement.check_option(
-            refine_cost_model, self._layout_class, self.tensor_parallel_size, pipeline_parallel_size
-        )
+            auto_cost.check_auto(self._layout_class, tp, pp)
+        cost_refinement.check_option(refine_cost_model, self._layout_class, tp, pp)
         self.refine_cost_model, self._refine_auto = refine_cost_model, self._cost_model_auto
         self.cost_refinement: Any = None  # this rank's CostRefinement while fitting
-        self.pipeline_parallel_size: int = pipeline_parallel_size
         self._mesh: Any = None  # the ParallelMesh (tensor or pipeline parallelism), built at set-up
         self._layout: Layout | None = None
         self._runner: StepRunner | None = None  # the layout's step runner, made at set-up
         self.fsdp: Any = None  # the FSDPStepDriver when configure_model applied fully_shard
         self._stage_schedules: Any = None  # pipelines: the StageSchedules kept between steps
         self._fitting = False
-        self.check_finite = bool(check_finite)
-        self.locate_non_finite = bool(locate_non_finite)
-        self.check_loss_normalization = bool(check_loss_normalization)
-        self.check_attention = bool(check_attention)
-        self.check_parameters_every_n_steps = check_parameters_every_n_steps
+        self.loop_options = step_loop.LoopOptions(
+            check_finite=bool(check_finite), locate_non_finite=bool(locate_non_finite),
+            check_loss_normalization=bool(check_loss_normalization), check_attention=bool(check_attention),
+            check_parameters_every_n_steps=check_parameters_every_n_steps, log_loss=bool(log_loss),
+            loss_name=loss_name, offload=offload if hasattr(offload, "micro_batch_context") else planner_config.offload,
+            offloader_options=dict(offloader_options or {}), pg_seconds=self.timeout_seconds,
+        )  # fmt: skip
         self.gradient_sync = gradient_sync
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.watchdog: bool | float = watchdog if isinstance(watchdog, bool) else float(watchdog)
         self.preemption = preemption
-        self.log_loss = bool(log_loss)
-        self.loss_name = loss_name
-        self.step_stats: dict[str, Any] = {}
-        self._loop = step_loop.StepLoop(self)
+        self.init_step_loop()
         self._watchdog: StepWatchdog | None = None
         self._preemption: PreemptionHandler | None = None
         self._grad_group: Any = None
-        self._loaded_folder = False  # the checkpoint being restored is a sharded folder (read in place)
 
     # ------------------------------------------------------------------ the layout
     @property
@@ -340,7 +280,7 @@ class ByteScaleStrategy(ParallelStrategy):
         ``None`` before the mesh is built, or before a plain HDP strategy has its devices: the
         data module then plans with its trainer's ranks.
         """
-        with contextlib.suppress(ParallelDimsError):
+        with suppress(ParallelDimsError):
             return self.layout.loader_view
         return None
 
@@ -364,72 +304,9 @@ class ByteScaleStrategy(ParallelStrategy):
         return self._preemption
 
     @property
-    def loop_options(self) -> step_loop.LoopOptions:
-        return step_loop.LoopOptions(
-            check_finite=self.check_finite, locate_non_finite=self.locate_non_finite,
-            check_loss_normalization=self.check_loss_normalization,
-            check_attention=self.check_attention,
-            check_parameters_every_n_steps=self.check_parameters_every_n_steps, log_loss=self.log_loss,
-            loss_name=self.loss_name, offload=self.offload, offloader_options=self.offloader_options,
-            pg_seconds=self._pg_seconds(),
-        )  # fmt: skip
-
-    @property
-    def _phase(self) -> str:
-        return self._loop.phase
-
-    @_phase.setter
-    def _phase(self, phase: str) -> None:
-        self._loop.phase = phase
-
-    # ------------------------------------------------------------------ what DDP would provide
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def is_distributed(self) -> bool:
-        """Lightning reads this for strategies it does not know: ``sync_dist`` logging and samplers.
-
-        ``ByteScaleDataModule``'s sampler is already distributed (a ``DistributedSampler``), so
-        Lightning leaves its loaders alone, and ``self.log(..., sync_dist=True)`` reduces over
-        the ranks: at once in hooks every rank runs once per step, and for an epoch value when
-        the epoch ends.  Inside the micro-batch loops a reduction at the call is refused
-        (``reduce`` raises :class:`~lightning_bytescale.errors.CollectiveInMicroBatchError`).
-        """
-        return True
-
-    @property
-    def offloader(self) -> Any:
-        """The ``ActivationOffloader`` the steps have used (``None`` before the first offloaded micro-batch)."""
-        return self._loop.offloader
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return self.layout.sampler_kwargs  # one replica per HDP rank
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @property
-    def start_method(self) -> str:
-        return self._start_method
 
     @property
     @override
@@ -440,24 +317,10 @@ class ByteScaleStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
         check_world(  # in Trainer(...)
             self.tensor_parallel_size, self.num_processes, self.num_nodes, self.pipeline_parallel_size
         )
-        if self._start_method == "popen":
-            # Lightning's popen launcher, with ranks that die with rank 0 and named causes of death.
-            # Under torchrun or SLURM it starts no process but still checks devices x num_nodes
-            # against the environment's world size, as DDP does.  (Imported here: those modules
-            # import Lightning, which registers this module.)
-            from lightning_bytescale.lightning.launcher import ByteScaleScriptLauncher
-
-            self._launcher = ByteScaleScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        else:
-            from lightning_bytescale.lightning.launcher import ForkCollectingLauncher
-
-            self._launcher = ForkCollectingLauncher(self, start_method=self._start_method)
+        super()._configure_launcher()
 
     def check_before_launch(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         """What can be refused before any rank starts, once: the launchers call it with the run's arguments.
@@ -481,14 +344,7 @@ class ByteScaleStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()  # the accelerator sets the CUDA device here, before any NCCL call
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        self._process_group_backend = process_groups.init_default_group(
-            self.cluster_environment, backend=self._process_group_backend, device=self.root_device,
-            timeout=self._timeout,
-        )  # fmt: skip
+        super().setup_environment()  # the device, ranks and default process group
         # the mesh (once; none for plain HDP), the module's device_mesh before configure_model
         if self._mesh is None:
             dims = check_world(
@@ -500,12 +356,6 @@ class ByteScaleStrategy(ParallelStrategy):
         self._layout = None
         if self.lightning_module is not None:  # what Lightning's ModelParallelStrategy sets (None: no mesh)
             self.lightning_module._device_mesh = self.layout.device_mesh
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -528,7 +378,7 @@ class ByteScaleStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # What DDP does when it wraps a model: every rank starts from rank 0's state (of its lane and stage).
-        self._phase = "the broadcast of rank 0's parameters and buffers"
+        self.phase = "the broadcast of rank 0's parameters and buffers"
         self.fsdp = layout.fsdp_driver(self.model)  # fully_shard in configure_model
         layout.broadcast_state(self.model)
         if self._cost_model_auto:  # once, on every rank, before any loader plans
@@ -555,14 +405,11 @@ class ByteScaleStrategy(ParallelStrategy):
         # the run's guards: the step watchdog, and the preemption handler (its callback installs it at train start)
         if self._watchdog is None:
             self._watchdog = run_guards.start_watchdog(
-                self.watchdog, pg_seconds=self._pg_seconds(), rank=self.global_rank
+                self.watchdog, pg_seconds=self.timeout_seconds, rank=self.global_rank
             )
         handler = run_guards.preemption_handler(trainer, self.preemption)
         if handler is not None:  # a fit with preemption on (another run keeps the last fit's)
             self._preemption = handler
-
-    def _pg_seconds(self) -> float | None:
-        return None if self._timeout is None else self._timeout.total_seconds()
 
     @override
     def teardown(self) -> None:
@@ -581,21 +428,6 @@ class ByteScaleStrategy(ParallelStrategy):
             self._runner = None
             self._stage_schedules = None  # the pipeline stages and their receive buffers
         super().teardown()
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    @contextmanager
-    @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
-        # empty_init=True (Trainer.init_module(empty_init=True)) builds on the meta device; set-up
-        # materialises the model on this rank's device (each module's reset_parameters) and
-        # broadcasts rank 0's values.
-        device = torch.device("meta") if empty_init else self.root_device
-        with device, self.precision_plugin.tensor_init_context():
-            yield
 
     @override
     def on_train_start(self) -> None:
@@ -635,112 +467,6 @@ class ByteScaleStrategy(ParallelStrategy):
             )
         return self._grad_group
 
-    # ------------------------------------------------------------------ collectives
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        self._loop.refuse_collective("trainer.strategy.barrier()")
-        if not compat._distributed_is_initialized():
-            return
-        comm_barrier()  # with the group's device named (NCCL's would guess it)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        self._loop.refuse_collective("trainer.strategy.broadcast()")
-        if not compat._distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        self._loop.refuse_collective("self.all_gather() (trainer.strategy.all_gather)")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Any:
-        """One all-reduce; a mean is exact (float64 for integer tensors: :func:`~lightning_bytescale.lightning.epoch_metrics.exact_reduce`)."""
-        self._loop.refuse_collective("trainer.strategy.reduce() (which self.log(..., sync_dist=True) calls)")
-        return epoch_metrics.exact_reduce(tensor, group, reduce_op) if isinstance(tensor, Tensor) else tensor
-
-    # ------------------------------------------------------------------ checkpoints
-    @property
-    def sharded_checkpoints(self) -> bool:
-        """Whether a save now writes a sharded folder (``checkpoint_format``, ``"auto"`` resolved for the layout)."""
-        return self._checkpoints.sharded(self.checkpoint_format, self.optimizers, self.fsdp)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Sharded: this rank's own state by parameter name (no gather); else the layout's whole state on rank 0."""
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return self._checkpoints.optimizer_state(
-            inner, self.lightning_module, sharded=self.sharded_checkpoints, layout=self.layout,
-            default=super().optimizer_state,
-        )  # fmt: skip
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded or without a mesh: the module's state as it is (a DTensor's local shard); else the DTensors whole."""
-        return self._checkpoints.model_state(
-            self.lightning_module,
-            sharded=self.sharded_checkpoints,
-            default=super().lightning_module_state_dict,
-        )
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        self._checkpoints.load_model_state(
-            self.lightning_module, checkpoint, strict, from_folder=self._loaded_folder,
-            default=super().load_model_state_dict,
-        )  # fmt: skip
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        self._checkpoints.load_optimizer_states(
-            self.lightning_module, self.optimizers, checkpoint, from_folder=self._loaded_folder,
-            default=super().load_optimizer_state_dict,
-        )  # fmt: skip
-
-    def whole_module_state(self) -> dict[str, Any]:
-        """The module's state as one process would hold it, every DTensor gathered whole (a collective on a mesh).
-
-        What a spawned or forked run hands back to the main process.
-        """
-        assert self.lightning_module is not None
-        return self._checkpoints.whole_state(self.lightning_module)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
-    ) -> None:
-        """Sharded: every rank writes its part of the folder ``filepath``; else rank 0 writes one file."""
-        sharded = self.sharded_checkpoints
-        self._checkpoints.before_save(
-            filepath, sharded=sharded, rank=self.global_rank, storage_options=storage_options
-        )
-        if not sharded:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        path = self.broadcast(filepath)  # every rank writes into rank 0's folder
-        self._phase = f"saving the sharded checkpoint {path}"
-        save_sharded(checkpoint, path, rank=self.global_rank, barrier=self.barrier)
-
-    @override
-    def load_checkpoint(
-        self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """A sharded folder: each rank reads the model and its own optimizer entries; a file: Lightning's load."""
-        self._loaded_folder = is_sharded_checkpoint(checkpoint_path)
-        if not self._loaded_folder:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        module = self.lightning_module
-        assert module is not None
-        self._phase = f"loading the sharded checkpoint {checkpoint_path}"
-        return self._checkpoints.load_folder(
-            checkpoint_path, module, self.optimizers, weights_only=weights_only
-        )
-
     # ------------------------------------------------------------------ options
     def planner_options(self) -> dict[str, Any]:
         """:attr:`planner_config` as flat ``make_plan`` options (a view; the config is the truth)."""
@@ -757,82 +483,10 @@ class ByteScaleStrategy(ParallelStrategy):
     comm_aware = options_.planner_view("comm_aware")
     ranks_per_node = options_.planner_view("ranks_per_node")
 
-    # ------------------------------------------------------------------ the step
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """This rank's micro-batches, each forward and backward (:meth:`~lightning_bytescale.lightning.step.StepLoop.training_step`)."""
-        return self._loop.training_step(args, kwargs)
-
-    @override
-    def backward(
-        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> Tensor:
-        """The step's gradient sync (every rank, once per step), then the backward hooks (:meth:`~lightning_bytescale.lightning.step.StepLoop.backward`)."""
-        if self._loop.step is None or self.lightning_module is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        return self._loop.backward(closure_loss)
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Lightning's closure (``training_step``, ``backward``: the sync), then clipping and the optimizer step."""
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        try:
-            return super().optimizer_step(optimizer, self._loop.closure(inner, closure), model, **kwargs)
-        finally:
-            self.step_stats = self._loop.end_step() or self.step_stats
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("validation_step", args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("test_step", args, kwargs)
-
-    def _evaluate(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``hook(mb, ...)`` once per micro-batch of this rank; their outputs, in order (:meth:`~lightning_bytescale.lightning.step.StepLoop.evaluate`)."""
-        if not (args and isinstance(args[0], step_loop.STEP_BATCH_TYPES)):
-            return getattr(super(), hook)(*args, **kwargs)
-        return self._loop.evaluate(hook, args[0], args[1:], kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """``predict_step(mb, batch_idx)`` once per micro-batch of this rank; returns their outputs in order.
-
-        Each rank returns its own micro-batches' outputs (a list, possibly empty); ``mb.seq_ids``
-        and ``mb.layout`` say which sequences (and, for a ring, which zigzag chunks) they hold.
-        """
-        if not (args and isinstance(args[0], step_loop.STEP_BATCH_TYPES)):
-            return super().predict_step(*args, **kwargs)
-        return self._loop.predict(args[0], args[1:], kwargs)
-
     # ------------------------------------------------------------------ errors
     @override
     def on_exception(self, exception: BaseException) -> None:
-        add_peer_failure_hint(exception, rank=self.global_rank, timeout=self._timeout, phase=self._phase)
-
-    # ------------------------------------------------------------------ registry
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: compat._StrategyRegistry) -> None:
-        for name, start_method in (
-            ("bytescale", "popen"),
-            ("bytescale_spawn", "spawn"),
-            ("bytescale_fork", "fork"),
-        ):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"ByteScale Hybrid Data Parallelism with start_method '{start_method}'",
-                override=True,
-                start_method=start_method,
-            )
+        add_peer_failure_hint(exception, rank=self.global_rank, timeout=self._timeout, phase=self.phase)
 
 
 def stage_schedules(strategy: Any, stage: DecoderStage) -> StageSchedules:

@@ -434,7 +434,7 @@ class TelemetryCallback(Callback):
             world_size=trainer.world_size,
             per_rank_limit=self.per_rank_limit,
         )
-        if getattr(trainer.strategy, "log_loss", False):
+        if getattr(getattr(trainer.strategy, "loop_options", None), "log_loss", False):
             metrics.pop("train/loss", None)  # the strategy logs the step's global loss itself
         self.last_metrics = metrics
         shown = {"train/loss", "perf/tokens_per_s"} if self.prog_bar else set()

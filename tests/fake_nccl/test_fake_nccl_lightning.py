@@ -30,7 +30,7 @@ def test_the_strategy_barrier_names_the_gpu():
         strategy.barrier("save")
 
 
-@pytest.mark.covers("lightning/strategy.py:ByteScaleStrategy.broadcast:broadcast_object_list")
+@pytest.mark.covers("lightning/process_strategy.py:ProcessGroupStrategy.broadcast:broadcast_object_list")
 def test_the_strategy_broadcasts_objects_on_the_gpu():
     from lightning_bytescale import ByteScaleStrategy
 

@@ -120,7 +120,7 @@ class _Module:
 
 
 def _trainer(stats, *, log_loss=False, step=1):
-    strategy = SimpleNamespace(step_stats=stats, log_loss=log_loss)
+    strategy = SimpleNamespace(step_stats=stats, loop_options=SimpleNamespace(log_loss=log_loss))
     return SimpleNamespace(strategy=strategy, world_size=3, global_step=step, is_global_zero=True, loggers=[])
 
 

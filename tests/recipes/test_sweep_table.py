@@ -70,6 +70,20 @@ def test_run_summary_counts_optimizer_steps_and_tokens_after_the_first(monkeypat
     assert all(isinstance(v, torch.Tensor) for v in trainer.callback_metrics.values())
 
 
+def test_the_first_loss_is_read_under_the_strategy_loss_name():
+    """``ByteScaleStrategy(loss_name=...)`` logs the step's loss under that name; the closing block's
+    first loss is read there, not under the default name (nor from what training_step returned)."""
+    from lightning_bytescale import ByteScaleStrategy
+
+    trainer, summary = _trainer(), RunSummary()
+    trainer.strategy.loop_options = ByteScaleStrategy(loss_name="my/loss").loop_options
+    trainer.callback_metrics = {"my/loss": torch.tensor(2.5), "train/loss": torch.tensor(9.0)}
+    summary.on_train_start(trainer, None)
+    trainer.global_step, trainer.strategy.step_stats = 1, {"tokens": 10}
+    summary.on_train_batch_end(trainer, None, {"loss": torch.tensor(7.0)}, None, 0)
+    assert summary.first_loss == pytest.approx(2.5)
+
+
 def test_run_summary_reports_nothing_without_a_step():
     trainer, summary = _trainer(), RunSummary()
     summary.on_train_start(trainer, None)
