@@ -72,7 +72,6 @@ def test_tensor_parallel_pipeline_stages_from_overrides_and_no_noise(tmp_path):
         ["experiment=cpu_smoke", "strategy.tensor_parallel_size=2", "strategy.pipeline_parallel_size=2",
          "trainer.devices=4", "data.num_workers=1", "trainer.max_steps=2", "logger=csv",
          "trainer.enable_checkpointing=true", "data.val_fraction=0.05", "trainer.limit_val_batches=1",
-         "trainer.val_check_interval=2",
          f"hydra.run.dir={run}"],
         tmp_path, timeout=540,
     )  # fmt: skip
