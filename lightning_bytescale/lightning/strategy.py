@@ -482,6 +482,7 @@ class ByteScaleStrategy(LayoutCheckpointHooks, StepLoopHooks, ProcessGroupStrate
     cost_model = options_.planner_view("cost_model")
     comm_aware = options_.planner_view("comm_aware")
     ranks_per_node = options_.planner_view("ranks_per_node")
+    offload = options_.planner_view("offload", read=lambda strategy: strategy.loop_options.offload)
 
     # ------------------------------------------------------------------ errors
     @override

@@ -9,7 +9,7 @@ strategy's ``__init__`` only stores what passed.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -91,16 +91,17 @@ def strategy_planner_config(
     return config.replace(pipeline_degree=pipelines) if config.pipeline_degree != pipelines else config
 
 
-def planner_view(name: str) -> property:
+def planner_view(name: str, read: Callable[[Any], Any] | None = None) -> property:
     """A strategy attribute that reads ``planner_config.<name>``; setting it is refused, naming the constructor option.
 
     The planner options have one door under the strategy, its constructor (``PlannerConfig``):
     the data module plans with ``strategy.planner_config``, and a run's options are fixed before
-    its first plan.
+    its first plan.  ``read(strategy)`` reads it elsewhere (``offload``: the offloader itself when
+    one was given, where the planner only keeps "on").
     """
 
     def get(self: Any) -> Any:
-        return getattr(self.planner_config, name)
+        return getattr(self.planner_config, name) if read is None else read(self)
 
     def set_(self: Any, value: Any) -> None:
         raise ConfigError(

@@ -108,3 +108,20 @@ def test_the_loop_options_are_the_constructor_arguments():
     )
     assert dict(options.offloader_options) == {"min_bytes": 1} and options.pg_seconds == 42.0
     assert options.offload is False  # the strategy's default: off
+
+
+def test_offload_reads_as_given_and_is_set_only_in_the_constructor():
+    """``strategy.offload`` is the argument as given (an offloader stays that object; the planner keeps "on")."""
+    from types import SimpleNamespace
+
+    from lightning_bytescale.errors import ConfigError
+
+    assert ByteScaleStrategy().offload is False and ByteScaleStrategy(offload=True).offload is True
+    offloader = SimpleNamespace(micro_batch_context=lambda *a, **k: None)  # what the strategy takes as one
+    strategy = ByteScaleStrategy(offload=offloader)
+    assert strategy.offload is offloader and strategy.loop_options.offload is offloader
+    assert strategy.planner_config.offload is not False  # the planner plans with offload on
+    with pytest.raises(
+        ConfigError, match=r"strategy.offload cannot be set.*ByteScaleStrategy\(offload=True\)"
+    ):
+        strategy.offload = True
